@@ -1,0 +1,37 @@
+"""stockade: run untrusted commands in a Linux sandbox, review their writes as a change set."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import PolicyError, SandboxError, SessionBusy, StockadeError, UsageError
+
+__all__ = [
+    "PolicyError",
+    "SandboxError",
+    "Sandbox",
+    "SessionBusy",
+    "StockadeError",
+    "UsageError",
+    "run",
+]
+
+if TYPE_CHECKING:
+    from .api import Sandbox, run
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import stockade` stays cheap; the API pulls in the native core on first use.
+    if name in ("Sandbox", "run", "RunResult"):
+        from . import api
+
+        return getattr(api, name)
+    if name == "Limits":
+        from .cgroups.base import Limits
+
+        return Limits
+    if name == "ChangeSet":
+        from .changes.model import ChangeSet
+
+        return ChangeSet
+    raise AttributeError(f"module 'stockade' has no attribute {name!r}")

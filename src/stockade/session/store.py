@@ -1,0 +1,264 @@
+"""Session store: one directory per session under the state dir, never inside the project.
+
+Layout of ``<state>/sessions/<id>/``::
+
+    meta.json      id, project, created (ISO), created_ns, uid, runs
+    upper/ work/   the overlay's upper and work dirs (the live change set)
+    layers/        frozen snapshots, ``NNN-name/`` lowest first (mounted under upper)
+    runs/<n>/      run.json, stdout.log, stderr.log
+    events.jsonl   audit stream
+    lock           one writer per session (flock)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import SessionBusy, SessionNotFound, UsageError
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def state_dir() -> Path:
+    env = os.environ.get("STOCKADE_STATE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path(os.path.expanduser("~")) / ".local" / "state"
+    return base / "stockade"
+
+
+def sessions_dir() -> Path:
+    return state_dir() / "sessions"
+
+
+def validate_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise UsageError(
+            f"invalid session name {name!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Session:
+    id: str
+    dir: Path
+
+    # ---- paths ------------------------------------------------------------
+    @property
+    def upper(self) -> Path:
+        return self.dir / "upper"
+
+    @property
+    def work(self) -> Path:
+        return self.dir / "work"
+
+    @property
+    def layers_dir(self) -> Path:
+        return self.dir / "layers"
+
+    @property
+    def meta_path(self) -> Path:
+        return self.dir / "meta.json"
+
+    @property
+    def events_path(self) -> Path:
+        return self.dir / "events.jsonl"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.dir / "runs"
+
+    def layers(self) -> list[Path]:
+        """Frozen snapshot layers, lowest first."""
+        try:
+            names = sorted(os.listdir(self.layers_dir))
+        except FileNotFoundError:
+            return []
+        return [self.layers_dir / n for n in names if not n.startswith(".")]
+
+    def lower_stack(self) -> list[Path]:
+        """Every layer the change set is made of, lowest first, upper last."""
+        return [*self.layers(), self.upper]
+
+    # ---- metadata -----------------------------------------------------------
+    def meta(self) -> dict[str, Any]:
+        try:
+            with open(self.meta_path, encoding="utf-8") as f:
+                data: dict[str, Any] = json.load(f)
+                return data
+        except FileNotFoundError:
+            raise SessionNotFound(f"session {self.id!r} has no meta.json; remove it with `stockade clean {self.id}`") from None
+
+    def update_meta(self, **changes: Any) -> dict[str, Any]:
+        meta = self.meta()
+        meta.update(changes)
+        write_json_atomic(self.meta_path, meta)
+        return meta
+
+    @property
+    def project(self) -> Path:
+        return Path(self.meta()["project"])
+
+    # ---- runs ---------------------------------------------------------------
+    def new_run_dir(self) -> tuple[int, Path]:
+        self.runs_dir.mkdir(exist_ok=True)
+        n = len(os.listdir(self.runs_dir)) + 1
+        while True:
+            d = self.runs_dir / str(n)
+            try:
+                d.mkdir()
+                return n, d
+            except FileExistsError:
+                n += 1
+
+    def runs(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        try:
+            names = sorted(os.listdir(self.runs_dir), key=lambda s: int(s) if s.isdigit() else 0)
+        except FileNotFoundError:
+            return out
+        for n in names:
+            try:
+                with open(self.runs_dir / n / "run.json", encoding="utf-8") as f:
+                    out.append(json.load(f))
+            except (FileNotFoundError, ValueError):
+                out.append({"run": int(n) if n.isdigit() else n, "status": "incomplete"})
+        return out
+
+    # ---- locking --------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, *, wait: bool = True) -> Iterator[None]:
+        """One writer per session. flock dies with the process, so SIGKILL leaves no stale lock."""
+        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not wait:
+                    raise SessionBusy(
+                        f"session {self.id!r} is in use by another run; wait for it or drop --no-wait"
+                    ) from None
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+def _new_id() -> str:
+    return time.strftime("%m%d") + "-" + secrets.token_hex(3)
+
+
+def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | None = None) -> Session:
+    """Create a session for ``project`` (absolute, resolved)."""
+    root = sessions_dir()
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for _ in range(100):
+        sid = validate_name(name) if name else _new_id()
+        d = root / sid
+        try:
+            d.mkdir(mode=0o700)
+            break
+        except FileExistsError:
+            if name:
+                raise UsageError(f"session {name!r} already exists") from None
+    else:  # pragma: no cover - 100 collisions of 24 random bits
+        raise UsageError("could not allocate a session id")
+    for sub in ("upper", "work", "layers", "runs"):
+        (d / sub).mkdir(mode=0o755 if sub == "upper" else 0o700)
+    now = time.time_ns()
+    meta = {
+        "schema_version": 1,
+        "id": sid,
+        "project": str(project),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now / 1e9)),
+        "created_ns": now,
+        "uid": os.getuid(),
+    }
+    if owner is not None:
+        meta["sandbox_uid"], meta["sandbox_gid"] = owner
+    write_json_atomic(d / "meta.json", meta)
+    return Session(sid, d)
+
+
+def open_session(name: str) -> Session:
+    validate_name(name)
+    d = sessions_dir() / name
+    if not (d / "meta.json").is_file():
+        raise SessionNotFound(f"no session named {name!r}; list them with `stockade list`")
+    return Session(name, d)
+
+
+def open_or_create(project: Path, name: str | None) -> Session:
+    if name is None:
+        return create(project)
+    try:
+        s = open_session(name)
+    except SessionNotFound:
+        try:
+            return create(project, name)
+        except UsageError:  # created concurrently by another run
+            s = open_session(name)
+    if s.project != project:
+        raise UsageError(
+            f"session {name!r} belongs to project {s.project}, not {project}; "
+            "pick another --session name or pass --project " + str(s.project)
+        )
+    return s
+
+
+def list_sessions() -> list[Session]:
+    root = sessions_dir()
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    return [Session(n, root / n) for n in names if (root / n / "meta.json").is_file()]
+
+
+def latest_session(project: Path | None = None) -> Session:
+    """The most recently used session (of ``project`` when given)."""
+    best: tuple[float, Session] | None = None
+    for s in list_sessions():
+        try:
+            if project is not None and s.project != project:
+                continue
+            t = s.meta_path.stat().st_mtime
+        except (OSError, KeyError, SessionNotFound):
+            continue
+        if best is None or t > best[0]:
+            best = (t, s)
+    if best is None:
+        where = f" for project {project}" if project else ""
+        raise SessionNotFound(f"no sessions{where}; start one with `stockade run -- CMD`")
+    return best[1]
+
+
+def resolve(name: str | None, project: Path | None = None) -> Session:
+    """A session named on the command line, or the latest one."""
+    return open_session(name) if name else latest_session(project)
+
+
+def is_enotsup(e: OSError) -> bool:
+    return e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
