@@ -1,0 +1,330 @@
+/* spawn.c: clone3 into new namespaces, parent/child sync, the ordered child steps.
+ *
+ * Parent side (sk_spawn, sk_go) runs in the caller's thread. Child side
+ * (child_main) runs in a copy of a possibly multi-threaded process: raw
+ * syscalls only where glibc would consult its thread list (set*id), no malloc.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <linux/sched.h>
+#include <net/if.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#ifndef CLONE_PIDFD
+#define CLONE_PIDFD 0x00001000
+#endif
+#ifndef CLONE_INTO_CGROUP
+#define CLONE_INTO_CGROUP 0x200000000ULL
+#endif
+
+struct sk_clone_args {
+    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls,
+        set_tid, set_tid_size, cgroup;
+};
+
+size_t sk_strlen(const char *s)
+{
+    size_t n = 0;
+    while (s && s[n])
+        n++;
+    return n;
+}
+
+void sk_report(int fd, int kind, int step, int err, int value, const char *path)
+{
+    struct sk_report r;
+    memset(&r, 0, sizeof r);
+    r.kind = kind;
+    r.step = step;
+    r.err = err;
+    r.value = value;
+    if (path) {
+        size_t n = sk_strlen(path);
+        if (n >= sizeof r.path)
+            n = sizeof r.path - 1;
+        memcpy(r.path, path, n);
+    }
+    /* One record < PIPE_BUF: the write is atomic. */
+    while (write(fd, &r, sizeof r) < 0 && errno == EINTR)
+        ;
+}
+
+#define FAIL(step, path) \
+    do { sk_report(rep, SK_REP_ERROR, (step), errno, 0, (path)); _exit(125); } while (0)
+
+static void reset_signals(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = SIG_DFL;
+    for (int s = 1; s < NSIG; s++)
+        if (s != SIGKILL && s != SIGSTOP)
+            sigaction(s, &sa, NULL); /* glibc-reserved signals fail: harmless */
+}
+
+static void lo_up(int rep)
+{
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        FAIL(SK_STEP_LO_UP, "socket");
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    memcpy(ifr.ifr_name, "lo", 3);
+    if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0)
+        FAIL(SK_STEP_LO_UP, "SIOCGIFFLAGS lo");
+    ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+    if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0)
+        FAIL(SK_STEP_LO_UP, "SIOCSIFFLAGS lo");
+    close(s);
+}
+
+/* Put stdio[i] on fd i without clobbering a source that sits on another 0..2. */
+static void setup_stdio(const struct sk_plan *p, int rep)
+{
+    int src[3];
+    for (int i = 0; i < 3; i++) {
+        src[i] = p->stdio[i];
+        if (src[i] >= 0 && src[i] < 3 && src[i] != i) {
+            src[i] = fcntl(src[i], F_DUPFD_CLOEXEC, 3);
+            if (src[i] < 0)
+                FAIL(SK_STEP_STDIO, "F_DUPFD");
+        }
+    }
+    for (int i = 0; i < 3; i++) {
+        if (src[i] < 0)
+            continue;
+        if (src[i] == i) {
+            int fl = fcntl(i, F_GETFD);
+            if (fl < 0 || fcntl(i, F_SETFD, fl & ~FD_CLOEXEC) < 0)
+                FAIL(SK_STEP_STDIO, "F_SETFD");
+        } else if (dup2(src[i], i) < 0) {
+            FAIL(SK_STEP_STDIO, "dup2");
+        }
+    }
+}
+
+/* Close every fd >= 3 except the report pipe and the fds asked for. */
+static void close_fds(const struct sk_plan *p, int rep)
+{
+    int keep[66];
+    size_t n = 0;
+    keep[n++] = rep;
+    for (size_t i = 0; i < p->n_keep_fds && n < 65; i++) {
+        int fd = p->keep_fds[i];
+        if (fd < 3)
+            continue;
+        int fl = fcntl(fd, F_GETFD);
+        if (fl < 0 || fcntl(fd, F_SETFD, fl & ~FD_CLOEXEC) < 0)
+            FAIL(SK_STEP_CLOSE_FDS, "pass-fd");
+        keep[n++] = fd;
+    }
+    /* insertion sort: n is tiny */
+    for (size_t i = 1; i < n; i++)
+        for (size_t j = i; j > 0 && keep[j - 1] > keep[j]; j--) {
+            int t = keep[j];
+            keep[j] = keep[j - 1];
+            keep[j - 1] = t;
+        }
+    unsigned int lo = 3;
+    for (size_t i = 0; i < n; i++) {
+        unsigned int k = (unsigned int)keep[i];
+        if (k > lo && syscall(SYS_close_range, lo, k - 1, 0) < 0)
+            FAIL(SK_STEP_CLOSE_FDS, "close_range");
+        if (k + 1 > lo)
+            lo = k + 1;
+    }
+    if (syscall(SYS_close_range, lo, ~0U, 0) < 0)
+        FAIL(SK_STEP_CLOSE_FDS, "close_range");
+}
+
+static void parent_alive_or_exit(int sync_fd)
+{
+    struct pollfd pfd = {.fd = sync_fd, .events = POLLIN};
+    if (poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLHUP | POLLERR)))
+        _exit(125);
+}
+
+static void __attribute__((noreturn)) child_main(const struct sk_plan *p, int sync_fd, int rep)
+{
+    char c;
+    ssize_t n;
+
+    reset_signals(); /* the mask stays full: init decides what it waits for */
+    umask(022);
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
+        FAIL(SK_STEP_PDEATHSIG, NULL);
+    do
+        n = read(sync_fd, &c, 1);
+    while (n < 0 && errno == EINTR);
+    if (n != 1)
+        _exit(125); /* the parent went away before "go" */
+
+    if (sk_mounts_child(p, rep) < 0)
+        _exit(125);
+    if (p->hostname && sethostname(p->hostname, sk_strlen(p->hostname)) < 0)
+        FAIL(SK_STEP_HOSTNAME, p->hostname);
+    if (p->lo_up)
+        lo_up(rep);
+
+    /* Mounts ran with the cloning credentials (overlay records the mounter);
+     * now become the sandbox user. Raw syscalls: glibc's set*id would signal
+     * threads that exist only in the parent. */
+    if (p->drop_groups && syscall(SYS_setgroups, 0, NULL) < 0)
+        FAIL(SK_STEP_SETGROUPS, NULL);
+    if (syscall(SYS_setresgid, p->gid, p->gid, p->gid) < 0)
+        FAIL(SK_STEP_SETGID, NULL);
+    if (syscall(SYS_setresuid, p->uid, p->uid, p->uid) < 0)
+        FAIL(SK_STEP_SETUID, NULL);
+    /* A credential change clears the death signal: set it again, then make
+     * sure the parent did not die in between. */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
+        FAIL(SK_STEP_PDEATHSIG, NULL);
+    parent_alive_or_exit(sync_fd);
+
+    if (p->cwd && chdir(p->cwd) < 0)
+        FAIL(SK_STEP_CHDIR, p->cwd);
+    for (size_t i = 0; i < p->n_rlimits; i++) {
+        struct rlimit rl = {.rlim_cur = p->rlimits[i].soft, .rlim_max = p->rlimits[i].hard};
+        if (setrlimit(p->rlimits[i].resource, &rl) < 0)
+            FAIL(SK_STEP_RLIMIT, NULL);
+    }
+    setup_stdio(p, rep);
+    close_fds(p, rep);
+    if (setsid() < 0)
+        FAIL(SK_STEP_SETSID, NULL);
+    if (p->drop_caps && sk_caps_child(rep) < 0)
+        _exit(125);
+    if (p->no_new_privs && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+        FAIL(SK_STEP_NO_NEW_PRIVS, NULL);
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    if (p->landlock.abi > 0 && sk_landlock_child(&p->landlock, rep) < 0)
+        _exit(125);
+    if (p->seccomp_len && sk_seccomp_child(p->seccomp_bpf, p->seccomp_len, rep) < 0)
+        _exit(125);
+    sk_init_child(p, rep);
+}
+
+static int write_proc(int pid, const char *file, const char *data)
+{
+    char path[64];
+    int len = 0;
+    /* tiny itoa: the parent may use snprintf, but keep one style */
+    char num[16];
+    int k = 0;
+    do {
+        num[k++] = (char)('0' + pid % 10);
+        pid /= 10;
+    } while (pid);
+    memcpy(path, "/proc/", 6);
+    len = 6;
+    while (k)
+        path[len++] = num[--k];
+    path[len++] = '/';
+    size_t fl = sk_strlen(file);
+    memcpy(path + len, file, fl + 1);
+
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    size_t dl = sk_strlen(data);
+    ssize_t w = write(fd, data, dl);
+    int e = (w < 0) ? errno : ((size_t)w != dl ? EIO : 0);
+    close(fd);
+    return -e;
+}
+
+int sk_spawn(const struct sk_plan *p, struct sk_child *out, int *step)
+{
+    int syncp[2], repp[2];
+    sigset_t all, old;
+
+    if (pipe2(syncp, O_CLOEXEC) < 0) {
+        *step = SK_STEP_PIPE;
+        return -errno;
+    }
+    if (pipe2(repp, O_CLOEXEC) < 0) {
+        int e = errno;
+        close(syncp[0]);
+        close(syncp[1]);
+        *step = SK_STEP_PIPE;
+        return -e;
+    }
+
+    struct sk_clone_args ca;
+    int pidfd = -1;
+    memset(&ca, 0, sizeof ca);
+    ca.flags = p->clone_flags | CLONE_PIDFD;
+    ca.pidfd = (uint64_t)(uintptr_t)&pidfd;
+    ca.exit_signal = SIGCHLD;
+    if (p->cgroup_fd >= 0) {
+        ca.flags |= CLONE_INTO_CGROUP;
+        ca.cgroup = (uint64_t)p->cgroup_fd;
+    }
+
+    /* No signal handler of the caller may run in the child. */
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    long pid = syscall(SYS_clone3, &ca, sizeof ca);
+    if (pid == 0) {
+        close(syncp[1]);
+        close(repp[0]);
+        child_main(p, syncp[0], repp[1]);
+    }
+    int e = errno;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    close(syncp[0]);
+    close(repp[1]);
+    if (pid < 0) {
+        close(syncp[1]);
+        close(repp[0]);
+        *step = SK_STEP_CLONE;
+        return -e;
+    }
+
+    int r = 0;
+    if (p->deny_setgroups && (r = write_proc((int)pid, "setgroups", "deny")) < 0)
+        *step = SK_STEP_SETGROUPS_FILE;
+    else if (p->uid_map && (r = write_proc((int)pid, "uid_map", p->uid_map)) < 0)
+        *step = SK_STEP_UID_MAP;
+    else if (p->gid_map && (r = write_proc((int)pid, "gid_map", p->gid_map)) < 0)
+        *step = SK_STEP_GID_MAP;
+    if (r < 0) {
+        kill((pid_t)pid, SIGKILL);
+        waitid(P_PIDFD, (id_t)pidfd, NULL, WEXITED);
+        close(pidfd);
+        close(syncp[1]);
+        close(repp[0]);
+        return r;
+    }
+    out->pid = (int)pid;
+    out->pidfd = pidfd;
+    out->report_fd = repp[0];
+    out->sync_fd = syncp[1];
+    return 0;
+}
+
+int sk_go(struct sk_child *c)
+{
+    char g = 'g';
+    ssize_t n;
+    do
+        n = write(c->sync_fd, &g, 1);
+    while (n < 0 && errno == EINTR);
+    return n == 1 ? 0 : -errno;
+}

@@ -1,0 +1,163 @@
+/* stockade_native.h: the only C API of the native core.
+ *
+ * Parsed verbatim by cffi's cdef, so: no #include, no #if, no expressions in
+ * #define. The Python side (src/stockade/linux/native.py) lowers a Plan into
+ * these structs; everything the child needs is prepared by the parent before
+ * clone, because between clone and execve the child may only make
+ * async-signal-safe calls (no malloc, no stdio, no Python).
+ */
+
+/* Mount op kinds, executed in order by one loop (mounts.c). Paths are literal
+ * in the child's staging namespace: sources under /oldroot, targets under
+ * /newroot (the Python side adds the prefixes). */
+#define SK_OP_BIND 1        /* bind source on target (mkdir/creat target) */
+#define SK_OP_TMPFS 2       /* tmpfs on target, data = options */
+#define SK_OP_OVERLAY 3     /* overlayfs on target, data = full option string */
+#define SK_OP_PROC 4        /* new procfs on target */
+#define SK_OP_DEVPTS 5      /* new devpts instance on target, data = options */
+#define SK_OP_MKDIR 6       /* mkdir -p target, mode */
+#define SK_OP_SYMLINK 7     /* symlink data -> target */
+#define SK_OP_FILE 8        /* create target with data (data_len bytes), mode */
+#define SK_OP_REMOUNT_RO 9  /* make target read-only (recursive with SK_F_REC) */
+#define SK_OP_MQUEUE 10     /* new mqueue on target */
+
+#define SK_F_RDONLY 1       /* bind/tmpfs: read-only */
+#define SK_F_REC 2          /* bind: recursive; remount: recursive */
+#define SK_F_OPTIONAL 4     /* skip silently when the source is missing */
+#define SK_F_DEV 8          /* keep device nodes usable (no nodev) */
+#define SK_F_FILE 16        /* the target is a file, not a directory */
+#define SK_F_NOEXEC 32      /* mount noexec */
+
+struct sk_mount_op {
+    int kind;
+    unsigned int flags;
+    const char *source;
+    const char *target;
+    const char *data;
+    size_t data_len;
+    unsigned int mode;
+};
+
+struct sk_rlimit {
+    int resource;
+    unsigned long long soft;
+    unsigned long long hard;
+};
+
+struct sk_landlock_rule {
+    const char *path;
+    unsigned long long access;
+    int optional;
+};
+
+struct sk_landlock {
+    int abi;                          /* 0 = do not apply Landlock */
+    unsigned long long handled_fs;
+    unsigned long long handled_net;   /* ABI >= 4 */
+    unsigned long long scoped;        /* ABI >= 6 */
+    const struct sk_landlock_rule *rules;
+    size_t n_rules;
+    const unsigned short *bind_ports;    /* allowed TCP bind ports */
+    size_t n_bind_ports;
+    const unsigned short *connect_ports; /* allowed TCP connect ports */
+    size_t n_connect_ports;
+};
+
+struct sk_plan {
+    unsigned long long clone_flags;   /* CLONE_NEW* */
+    int cgroup_fd;                    /* >= 0: CLONE_INTO_CGROUP */
+
+    const char *uid_map;              /* written by the parent */
+    const char *gid_map;
+    int deny_setgroups;               /* write "deny" to /proc/PID/setgroups first */
+    int drop_groups;                  /* child: setgroups(0, NULL) */
+    unsigned int uid;                 /* ids inside the sandbox the command runs as */
+    unsigned int gid;
+
+    const char *stage_dir;            /* where the staging tmpfs goes, e.g. "/tmp" */
+    const struct sk_mount_op *ops;
+    size_t n_ops;
+
+    const char *hostname;
+    int lo_up;
+    const char *cwd;
+
+    const struct sk_rlimit *rlimits;
+    size_t n_rlimits;
+
+    int stdio[3];                     /* fds dup'ed onto 0, 1, 2 (-1: inherit) */
+    const int *keep_fds;              /* passed through at the same number */
+    size_t n_keep_fds;
+    int pty;                          /* stdio is a pty slave: make it the controlling tty */
+
+    int drop_caps;
+    int no_new_privs;
+    struct sk_landlock landlock;
+    const unsigned char *seccomp_bpf; /* struct sock_filter[], installed last */
+    size_t seccomp_len;
+
+    const char *const *argv;
+    const char *const *envp;
+    const char *path_env;             /* PATH used to find argv[0] */
+};
+
+/* Report records on the CLOEXEC report pipe, child -> parent. */
+#define SK_REP_ERROR 1        /* a setup step failed: step, err, path, value = op index */
+#define SK_REP_STARTED 2      /* init forked the command: value = its pid inside */
+#define SK_REP_EXEC_FAILED 3  /* execve failed: err, path */
+#define SK_REP_EXIT 4         /* the command ended: value = wait status */
+
+#define SK_STEP_SYNC 1
+#define SK_STEP_PDEATHSIG 2
+#define SK_STEP_MOUNT_PRIVATE 3
+#define SK_STEP_STAGE 4
+#define SK_STEP_MOUNT 5
+#define SK_STEP_PIVOT_ROOT 6
+#define SK_STEP_HOSTNAME 7
+#define SK_STEP_LO_UP 8
+#define SK_STEP_SETGROUPS 9
+#define SK_STEP_SETGID 10
+#define SK_STEP_SETUID 11
+#define SK_STEP_CHDIR 12
+#define SK_STEP_RLIMIT 13
+#define SK_STEP_STDIO 14
+#define SK_STEP_CLOSE_FDS 15
+#define SK_STEP_SETSID 16
+#define SK_STEP_CAPS 17
+#define SK_STEP_NO_NEW_PRIVS 18
+#define SK_STEP_LANDLOCK 19
+#define SK_STEP_SECCOMP 20
+#define SK_STEP_FORK 21
+#define SK_STEP_EXEC 22
+#define SK_STEP_TTY 23
+#define SK_STEP_CLONE 24
+#define SK_STEP_UID_MAP 25
+#define SK_STEP_GID_MAP 26
+#define SK_STEP_SETGROUPS_FILE 27
+#define SK_STEP_PIPE 28
+
+struct sk_report {
+    int kind;
+    int step;
+    int err;
+    int value;
+    char path[240];
+};
+
+struct sk_child {
+    int pid;        /* host pid of the sandbox's init */
+    int pidfd;
+    int report_fd;  /* read end of the report pipe */
+    int sync_fd;    /* write end of the sync pipe; keep open while the sandbox runs */
+};
+
+/* Clone the child into new namespaces and write its id maps. The child waits
+ * for sk_go() so the caller can attach it to cgroups first. Returns 0 or
+ * -errno; on failure *step names what failed. */
+int sk_spawn(const struct sk_plan *plan, struct sk_child *out, int *step);
+
+/* Release the child. Returns 0 or -errno. */
+int sk_go(struct sk_child *child);
+
+/* Landlock ABI version of the running kernel: >= 1, or -errno. */
+int sk_landlock_abi(void);
