@@ -1,0 +1,269 @@
+"""cgroup v1 backend: a child cgroup per run in each controller's hierarchy.
+
+Hierarchies used: memory (limit, no swap, OOM and peak accounting), pids, cpu
+(CFS quota), cpuacct (CPU time) and freezer (race-free teardown). Each child is
+created under the *caller's own* cgroup in that hierarchy (``/proc/self/cgroup``).
+Co-mounted controllers (``cpu,cpuacct``) share one directory, created once.
+
+v1 cannot place a task at clone time: the runtime calls ``attach(pid)`` while the
+child waits, before it runs anything, and the child's descendants inherit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from stockade.cgroups.base import CPU_PERIOD_US, CgroupStats, Limits, enforcement_common
+from stockade.cgroups.fs import (
+    CgroupFS,
+    cgroup_error,
+    dirs_bottom_up,
+    flat_keyed,
+    kill_members,
+    parse_pids,
+    proc_cgroup_lines,
+    remove_tree,
+)
+from stockade.cgroups.v2 import run_dir_name
+from stockade.errors import SandboxError
+
+#: Controllers stockade uses in v1, in creation order.
+V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """One mounted v1 hierarchy as seen from this process."""
+
+    controllers: frozenset[str]  # everything co-mounted here, e.g. {"cpu", "cpuacct"}
+    own_dir: str  # absolute dir of our own cgroup in it (parent of run cgroups)
+    own_rel: str  # our cgroup path as /proc/self/cgroup shows it
+
+
+@dataclass
+class V1Manager:
+    """``hierarchies`` maps each usable controller to its hierarchy."""
+
+    hierarchies: Mapping[str, Hierarchy]
+    fs: CgroupFS = field(default_factory=CgroupFS)
+    note: str = ""
+    kind: str = "v1"
+    _files: dict[str, bool] = field(default_factory=dict)
+
+    def _needed(self, limits: Limits) -> list[Hierarchy]:
+        """Distinct hierarchies a run needs: memory/cpuacct/freezer always (accounting,
+        teardown), pids only with a pids limit, cpu only with a cpus limit."""
+        want = ["memory", "cpuacct", "freezer"]
+        if limits.pids is not None:
+            want.append("pids")
+        if limits.cpus is not None:
+            want.append("cpu")
+        out: list[Hierarchy] = []
+        for c in V1_CONTROLLERS:
+            h = self.hierarchies.get(c)
+            if c in want and h is not None and h not in out:
+                out.append(h)
+        return out
+
+    def create(self, name: str, limits: Limits) -> V1RunCgroup:
+        dirname = run_dir_name(name)
+        run = V1RunCgroup(fs=self.fs, dirname=dirname, manager=self)
+        try:
+            for h in self._needed(limits):
+                path = os.path.join(h.own_dir, dirname)
+                try:
+                    self.fs.mkdir(path)
+                except OSError as e:
+                    raise cgroup_error("create cgroup", path, e) from e
+                run.dirs.append((h, path))
+            run.apply(limits)
+        except BaseException:
+            run.remove()
+            raise
+        return run
+
+    def has_file(self, path: str, name: str) -> bool:
+        """Whether a run cgroup has interface file ``name`` (cached per kernel)."""
+        if name not in self._files:
+            self._files[name] = self.fs.exists(os.path.join(path, name))
+        return self._files[name]
+
+    def enforcement(self, limits: Limits) -> dict[str, str]:
+        by: dict[str, str] = {}
+        if "memory" in self.hierarchies:
+            by["memory"] = "cgroup v1 memory.limit_in_bytes (swap off: memory.memsw.limit_in_bytes)"
+        if "pids" in self.hierarchies:
+            by["pids"] = "cgroup v1 pids.max"
+        if "cpu" in self.hierarchies:
+            by["cpus"] = "cgroup v1 cpu.cfs_quota_us"
+        return enforcement_common(limits, by)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "backend": "v1",
+            "hierarchies": {c: h.own_dir for c, h in sorted(self.hierarchies.items())},
+            "note": self.note,
+        }
+
+
+@dataclass
+class V1RunCgroup:
+    fs: CgroupFS
+    dirname: str
+    manager: V1Manager
+    dirs: list[tuple[Hierarchy, str]] = field(default_factory=list)
+    _removed: bool = False
+
+    def _dir(self, controller: str) -> str | None:
+        for h, path in self.dirs:
+            if controller in h.controllers:
+                return path
+        return None
+
+    def _write(self, path: str, value: str) -> None:
+        try:
+            self.fs.write(path, value)
+        except OSError as e:
+            raise cgroup_error(f"write {value!r} to cgroup file", path, e) from e
+
+    def apply(self, limits: Limits) -> None:
+        mem = self._dir("memory")
+        if mem is not None and limits.memory is not None:
+            self._write(os.path.join(mem, "memory.limit_in_bytes"), str(limits.memory))
+            # memsw (RAM + swap) must be >= limit_in_bytes: set after it. Equal = no swap.
+            if self.manager.has_file(mem, "memory.memsw.limit_in_bytes"):
+                self._write(os.path.join(mem, "memory.memsw.limit_in_bytes"), str(limits.memory))
+            elif self.manager.has_file(mem, "memory.swappiness"):
+                self._write(os.path.join(mem, "memory.swappiness"), "0")
+        pids = self._dir("pids")
+        if pids is not None and limits.pids is not None:
+            self._write(os.path.join(pids, "pids.max"), str(limits.pids))
+        cpu = self._dir("cpu")
+        if cpu is not None and limits.cpus is not None:
+            quota = max(1000, round(limits.cpus * CPU_PERIOD_US))
+            self._write(os.path.join(cpu, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
+            self._write(os.path.join(cpu, "cpu.cfs_quota_us"), str(quota))
+
+    # -- RunCgroup ---------------------------------------------------------
+
+    def clone_into_fd(self) -> int | None:
+        return None
+
+    def attach(self, pid: int) -> None:
+        for _h, path in self.dirs:
+            self._write(os.path.join(path, "cgroup.procs"), str(pid))
+
+    def pids(self) -> list[int]:
+        seen: dict[int, None] = {}
+        for _h, path in self.dirs:
+            for d in dirs_bottom_up(self.fs, path):
+                try:
+                    for p in parse_pids(self.fs.read(os.path.join(d, "cgroup.procs"))):
+                        seen[p] = None
+                except FileNotFoundError:
+                    continue
+        return list(seen)
+
+    def _is_member(self, pid: int) -> bool:
+        lines = proc_cgroup_lines(pid)
+        for h, _path in self.dirs:
+            rel = h.own_rel.rstrip("/") + "/" + self.dirname
+            for _hid, ctrls, path in lines:
+                if set(ctrls.split(",")) & h.controllers and (
+                    path == rel or path.startswith(rel + "/")
+                ):
+                    return True
+        return False
+
+    def kill(self) -> None:
+        if not self.dirs or not self.pids():
+            return  # common case: the command and its init have already exited
+        freezer = self._dir("freezer")
+        frozen = False
+        if freezer is not None and self.fs.isdir(freezer):
+            frozen = self._set_freezer(freezer, "FROZEN", 1.0)
+        try:
+            # Frozen tasks cannot fork or exit: one pass signals all of them, and
+            # the pidfd check in signal_pid rules out PID reuse either way.
+            kill_members(self.fs, self.pids, self._is_member, deadline_s=0.0 if frozen else 5.0)
+        finally:
+            if freezer is not None and frozen:
+                self._set_freezer(freezer, "THAWED", 1.0)
+        if not kill_members(self.fs, self.pids, self._is_member, deadline_s=5.0):
+            raise SandboxError(
+                "kill the run's processes",
+                path=self.dirs[0][1],
+                detail=f"tasks still present: {self.pids()[:10]}",
+                remedy="a task is stuck in uninterruptible sleep; check `cat /proc/<pid>/stack`",
+            )
+
+    def _set_freezer(self, path: str, state: str, deadline_s: float) -> bool:
+        f = os.path.join(path, "freezer.state")
+        try:
+            self.fs.write(f, state)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise cgroup_error(f"write {state} to freezer.state", f, e) from e
+        start = time.monotonic()
+        delay = 0.0002
+        while True:
+            try:
+                if self.fs.read(f).strip() == state:
+                    return True
+            except FileNotFoundError:
+                return False
+            if time.monotonic() - start > deadline_s:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def stats(self) -> CgroupStats:
+        def read(ctrl: str, name: str) -> str | None:
+            d = self._dir(ctrl)
+            if d is None:
+                return None
+            try:
+                return self.fs.read(os.path.join(d, name))
+            except (FileNotFoundError, OSError):
+                return None
+
+        oom = flat_keyed(read("memory", "memory.oom_control") or "")
+        oom_kills = oom.get("oom_kill", 0)
+        peak_text = read("memory", "memory.max_usage_in_bytes")
+        pids_events = flat_keyed(read("pids", "pids.events") or "")
+        usage_text = read("cpuacct", "cpuacct.usage")
+        try:
+            peak = int(peak_text) if peak_text is not None else None
+        except ValueError:
+            peak = None
+        try:
+            cpu = int(usage_text) / 1e9 if usage_text is not None else None
+        except ValueError:
+            cpu = None
+        return CgroupStats(
+            oom_killed=oom_kills > 0,
+            pids_limit_hit=pids_events.get("max", 0) > 0,
+            peak_memory=peak,
+            cpu_time=cpu,
+            oom_kills=oom_kills,
+            pids_max_events=pids_events.get("max", 0),
+            source="v1",
+        )
+
+    def remove(self) -> None:
+        if self._removed:
+            return
+        for _h, path in reversed(self.dirs):
+            remove_tree(self.fs, path, on_busy=self._kill_quietly)
+        self._removed = True
+
+    def _kill_quietly(self) -> None:
+        try:
+            self.kill()
+        except SandboxError:
+            pass
+
