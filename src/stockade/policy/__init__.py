@@ -1,0 +1,538 @@
+"""Layered policy: what a sandbox may see and do, and why.
+
+``load(project, session_dir, cli)`` reads the tiers (default < global < workspace <
+session < cli), merges them (settings: the later layer wins; paths and patterns:
+deny wins, see :mod:`stockade.policy.rules`) and returns an :class:`Effective`
+policy the plan builder turns into mounts, Landlock rules and an environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import PolicyError
+from . import config as _config
+from .config import CommandEntry, Item, Layer, Origin, PathEntry
+from .env import DEFAULT_ALLOW as ENV_DEFAULT_ALLOW
+from .env import DEFAULT_BLOCK as ENV_DEFAULT_BLOCK
+from .env import EnvFilter, EnvRule
+from .rules import (
+    Decision,
+    PathResolution,
+    Rule,
+    exposure_warnings,
+    is_under,
+    path_rule,
+    resolve_paths,
+)
+
+if TYPE_CHECKING:
+    from .secrets import Matcher, PatternRule
+
+__all__ = [
+    "CliPolicy",
+    "Decision",
+    "Effective",
+    "Grant",
+    "Masked",
+    "PolicyError",
+    "Rule",
+    "load",
+]
+
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+DEFAULT_HOME_DENY = (
+    ".ssh", ".aws", ".gnupg", ".config/gh", ".config/gcloud", ".azure", ".kube", ".docker",
+    ".git-credentials", ".netrc", ".npmrc", ".pypirc",
+)
+
+
+@dataclass(frozen=True)
+class CliPolicy:
+    """Policy given on the command line (the last, highest layer)."""
+
+    read_only: bool | None = None
+    env: Mapping[str, str] = field(default_factory=dict)  # --env K=V: always passes
+    allow_paths: tuple[tuple[str, bool], ...] = ()  # --allow PATH[:rw] -> (path, writable)
+    deny_paths: tuple[str, ...] = ()  # --deny PATH
+    mask_mode: str | None = None  # --mask-mode absent|empty
+    mask_patterns: tuple[str, ...] = ()  # --mask PATTERN
+    unmask_patterns: tuple[str, ...] = ()  # --unmask PATTERN
+    env_allow: tuple[str, ...] = ()  # --env-allow NAME|GLOB
+    env_block: tuple[str, ...] = ()  # --env-block NAME|GLOB
+    exec_allow: tuple[str, ...] | None = None  # --exec-allow DIR (repeatable)
+    commands_deny: tuple[str, ...] = ()  # --deny-command "git push"
+    cwd: str | None = None  # base for relative paths (default: os.getcwd())
+
+
+@dataclass(frozen=True)
+class Masked:
+    """A path inside a visible tree to hide: absent (whiteout) or empty, read-only."""
+
+    path: Path
+    is_dir: bool
+    rule: str  # the pattern or path rule that masks it
+    source: str  # the layer of that rule
+    origin: str = ""  # "layer (file:line)"
+    is_symlink: bool = False  # the entry itself is a symlink (mount over it would follow)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """An extra host path visible at the same path inside the sandbox."""
+
+    host_path: Path
+    writable: bool
+    source: str
+    origin: str = ""
+
+
+# --------------------------------------------------------------------------- layers
+
+
+def _default_layer(home: str, state: str) -> Layer:
+    from .secrets import DEFAULT_ALLOW, DEFAULT_PATTERNS
+
+    o = Origin("default")
+    lay = Layer("default")
+    lay.secret_patterns = [Item(p, o) for p in DEFAULT_PATTERNS]
+    lay.secret_allow = [Item(p, o) for p in DEFAULT_ALLOW]
+    lay.env_allow = [Item(p, o) for p in ENV_DEFAULT_ALLOW]
+    lay.env_block = [Item(p, o) for p in ENV_DEFAULT_BLOCK]
+    lay.paths = [PathEntry(os.path.realpath(os.path.join(home, n)), "deny", o) for n in DEFAULT_HOME_DENY]
+    lay.paths.append(PathEntry(os.path.realpath(state), "deny", o))
+    return lay
+
+
+def _cli_layer(cli: CliPolicy, project: Path) -> Layer:
+    base = Path(cli.cwd or os.getcwd())
+    lay = Layer("cli")
+
+    def o(flag: str) -> Origin:
+        return Origin("cli", flag)
+
+    def norm(raw: str, flag: str) -> str:
+        p = os.path.expanduser(raw)
+        if not p.strip():
+            raise PolicyError(f"{flag}: empty path")
+        return os.path.realpath(p if os.path.isabs(p) else os.path.join(base, p))
+
+    if cli.read_only is not None:
+        lay.read_only = (cli.read_only, o("--read-only"))
+    if cli.mask_mode is not None:
+        if cli.mask_mode not in _config.MASK_MODES:
+            raise PolicyError(f"--mask-mode: invalid value {cli.mask_mode!r}; expected absent or empty")
+        lay.mask_mode = (cli.mask_mode, o("--mask-mode"))
+    seen: dict[str, str] = {}
+    for raw, writable in cli.allow_paths:
+        p = norm(raw, "--allow")
+        seen[p] = "allow"
+        lay.paths.append(PathEntry(p, "rw" if writable else "ro", o("--allow")))
+    for raw in cli.deny_paths:
+        p = norm(raw, "--deny")
+        if seen.get(p) == "allow":
+            raise PolicyError(f"--allow and --deny both name {p}; keep one")
+        lay.paths.append(PathEntry(p, "deny", o("--deny")))
+    for pat in cli.mask_patterns:
+        _config._check_pattern(pat, "--mask", None, "")
+        lay.secret_patterns.append(Item(pat, o("--mask")))
+    for pat in cli.unmask_patterns:
+        _config._check_pattern(pat, "--unmask", None, "")
+        lay.secret_allow.append(Item(pat, o("--unmask")))
+    for pat in cli.env_allow:
+        if not _config._ENV_PATTERN_RE.match(pat):
+            raise PolicyError(f"--env-allow: {pat!r} is not a variable name or glob")
+        lay.env_allow.append(Item(pat, o("--env-allow")))
+    for pat in cli.env_block:
+        if not _config._ENV_PATTERN_RE.match(pat):
+            raise PolicyError(f"--env-block: {pat!r} is not a variable name or glob")
+        lay.env_block.append(Item(pat, o("--env-block")))
+    if cli.exec_allow is not None:
+        lay.exec_allow = ([Item(norm(p, "--exec-allow"), o("--exec-allow")) for p in cli.exec_allow], o("--exec-allow"))
+    for cmd in cli.commands_deny:
+        argv = _config.split_command(cmd)
+        if not argv:
+            raise PolicyError("--deny-command: empty command")
+        lay.commands_deny.append(CommandEntry(argv, o("--deny-command")))
+    for name in cli.env:
+        if not _config._ENV_NAME_RE.match(name):
+            raise PolicyError(f"--env: {name!r} is not a valid environment variable name")
+    return lay
+
+
+def read_layers(project: Path, session_dir: Path | None, cli: CliPolicy) -> tuple[list[Layer], list[str]]:
+    """Every tier as a Layer, lowest first, plus warnings about the files themselves."""
+    from ..session.store import state_dir
+
+    home = os.path.expanduser("~")
+    layers = [_default_layer(home, str(state_dir()))]
+    warnings: list[str] = []
+    g = _config.read_toml("global", _config.global_config_path())
+    if g is not None:
+        layers.append(_config.layer_from_source(g, project=project))
+    w, ww = _config.workspace_sources(project)
+    warnings += ww
+    if w is not None:
+        layers.append(_config.layer_from_source(w, project=project))
+    if session_dir is not None:
+        s = _config.read_json("session", _config.session_policy_path(session_dir))
+        if s is not None:
+            layers.append(_config.layer_from_source(s, project=project))
+    layers.append(_cli_layer(cli, project))
+    return layers, warnings
+
+
+# --------------------------------------------------------------------------- Effective
+
+
+class Effective:
+    """The merged policy of one run (or one `policy` command)."""
+
+    def __init__(self, project: Path, session_dir: Path | None, cli: CliPolicy, layers: list[Layer], warnings: list[str]) -> None:
+        self.project = Path(os.path.realpath(project))
+        self.session_dir = session_dir
+        self.cli = cli
+        self.layers = layers
+        self.home = os.path.realpath(os.path.expanduser("~"))
+        self.warnings: list[str] = list(warnings)
+        self.files = [(lay.name, lay.file) for lay in layers if lay.file]
+
+        def last(attr: str, default: Any) -> tuple[Any, Origin]:
+            val: tuple[Any, Origin] = (default, Origin("default"))
+            for lay in layers:
+                v = getattr(lay, attr)
+                if v is not None:
+                    val = v
+            return val
+
+        self._read_only = last("read_only", False)
+        self._mask_mode = last("mask_mode", "absent")
+        self._secret_defaults = last("secret_defaults", True)
+        self._env_inherit = last("env_inherit", "all")
+        self._env_filter_values = last("env_filter_values", True)
+        self._exec_allow: tuple[list[Item] | None, Origin] = last("exec_allow", None)
+        self.read_only: bool = bool(self._read_only[0])
+        self.mask_mode: str = str(self._mask_mode[0])
+        if self._secret_defaults[0] is False:
+            self.warnings.append(f"built-in secret patterns are disabled by {self._secret_defaults[1]}")
+
+        use_default_secrets = bool(self._secret_defaults[0])
+        self.secret_rules: list[tuple[str, str, Origin]] = []  # (pattern, deny|allow, origin)
+        for lay in layers:
+            if lay.name == "default" and not use_default_secrets:
+                continue
+            self.secret_rules += [(i.value, "deny", i.origin) for i in lay.secret_patterns]
+            self.secret_rules += [(i.value, "allow", i.origin) for i in lay.secret_allow]
+        self.env_rules = [
+            EnvRule(i.value, "allow", i.origin) for lay in layers for i in lay.env_allow
+        ] + [EnvRule(i.value, "block", i.origin) for lay in layers for i in lay.env_block]
+        self.env_set: dict[str, tuple[str, Origin]] = {}
+        for lay in layers:
+            self.env_set.update(lay.env_set)
+        self.command_entries = [c for lay in layers for c in lay.commands_deny]
+        self.commands_deny: list[list[str]] = [list(c.argv) for c in self.command_entries]
+        items = self._exec_allow[0]
+        self.exec_allow: list[str] | None = None if items is None else [i.value for i in items]
+        self.etc_items = [i for lay in layers for i in lay.etc_extra]
+        self.etc_extra: list[str] = sorted({i.value for i in self.etc_items})
+
+        self.paths: PathResolution = resolve_paths(e for lay in layers for e in lay.paths)
+        self.warnings += self.paths.warnings
+        self.warnings += exposure_warnings(self.paths, self.home, str(self.project))
+        self.grants: list[Grant] = []
+        self.exact_allow: dict[str, int] = {}
+        for p, a in sorted(self.paths.allows.items()):
+            if is_under(p, str(self.project)):
+                self.exact_allow[p] = a.origin.index
+                if a.access == "rw" and self.read_only:
+                    self.warnings.append(
+                        f"allow {p} --rw ({a.origin}) is inside the read-only project; it stays read-only"
+                    )
+                continue
+            if not os.path.lexists(p):
+                self.warnings.append(f"allow {p} ({a.origin}): no such path; not granted")
+                continue
+            self.grants.append(Grant(Path(p), a.access == "rw", a.origin.layer, str(a.origin)))
+        for pat, _action, o in self.secret_rules:
+            if o.layer == "default":
+                continue
+            from .secrets import never_matches
+
+            why = never_matches(pat)
+            if why is not None:
+                self.warnings.append(f"secret pattern {pat!r} ({o}) can never match: {why}")
+        self.project_deny = self.paths.deny_covering(str(self.project))
+        self._matcher: Matcher | None = None
+        self._masked: dict[str, list[Masked]] = {}
+        self.scan_stats: dict[str, dict[str, int]] = {}
+        self.digest: str = self._digest()
+
+    # ---- settings --------------------------------------------------------------
+    def _digest(self) -> str:
+        doc = {
+            "read_only": self.read_only,
+            "mask_mode": self.mask_mode,
+            "project": str(self.project),
+            "denies": sorted((d.path, d.origin.layer) for d in self.paths.denies),
+            "grants": [(str(g.host_path), g.writable) for g in self.grants],
+            "exact_allow": sorted(self.exact_allow.items()),
+            "secrets": [(p, a, o.index) for p, a, o in self.secret_rules],
+            "env": [(r.pattern, r.action, r.origin.index) for r in self.env_rules],
+            "env_inherit": self._env_inherit[0],
+            "env_filter_values": self._env_filter_values[0],
+            "env_set": sorted(
+                (k, hashlib.sha256(v.encode()).hexdigest()[:16]) for k, (v, _) in self.env_set.items()
+            ),
+            "cli_env": sorted(self.cli.env),
+            "exec_allow": self.exec_allow,
+            "commands_deny": self.commands_deny,
+            "etc_extra": self.etc_extra,
+        }
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+    # ---- environment -------------------------------------------------------------
+    def env_filter(self) -> EnvFilter:
+        return EnvFilter(
+            [r for r in self.env_rules if r.action == "allow"],
+            [r for r in self.env_rules if r.action == "block"],
+            inherit=str(self._env_inherit[0]),
+            filter_values=bool(self._env_filter_values[0]),
+            set_values=self.env_set,
+        )
+
+    def env(self, environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+        """(environment passed to the sandbox incl. --env, names removed)."""
+        return self.env_filter().apply(dict(environ), dict(self.cli.env))
+
+    # ---- commands ------------------------------------------------------------------
+    def check_command(self, argv: list[str]) -> str | None:
+        """Reason the top-level command is refused, or None. Advisory for what a shell starts."""
+        if not argv:
+            return None
+        head = [os.path.basename(argv[0]), *argv[1:]]
+        for c in self.command_entries:
+            rule = list(c.argv)
+            cand = head if "/" not in rule[0] else [os.path.realpath(argv[0]) if os.path.isabs(argv[0]) else argv[0], *argv[1:]]
+            if len(cand) >= len(rule) and cand[: len(rule)] == rule:
+                return f"command '{' '.join(rule)}' is denied by {c.origin}"
+        return None
+
+    # ---- secrets -------------------------------------------------------------------
+    def matcher(self) -> Matcher:
+        if self._matcher is None:
+            from .secrets import Matcher, PatternRule
+
+            deny = [PatternRule(p, "deny", o) for p, a, o in self.secret_rules if a == "deny"]
+            allow = [PatternRule(p, "allow", o) for p, a, o in self.secret_rules if a == "allow"]
+            self._matcher = Matcher(deny, allow, self.exact_allow)
+        return self._matcher
+
+    def visible_trees(self) -> list[Path]:
+        return [self.project, *(g.host_path for g in self.grants)]
+
+    def masked(self, tree: Path) -> list[Masked]:
+        """Paths inside ``tree`` (the project or a grant) to mask, sorted. Cached per session."""
+        from . import secrets
+
+        root = os.path.realpath(tree)
+        if root in self._masked:
+            return self._masked[root]
+        m = self.matcher()
+        denies = [d for d in self.paths.denies if is_under(d.path, root) and d.path != root]
+        skip = [d.path for d in denies if os.path.isdir(d.path) and not os.path.islink(d.path)]
+        scanner = secrets.Scanner(m, skip_dirs=skip)
+        cpath = secrets.cache_path(self.session_dir, Path(root)) if self.session_dir else None
+        cache = secrets.load_cache(cpath) if cpath else None
+        hits, new_cache = scanner.scan(Path(root), cache)
+        if cpath is not None:
+            try:
+                secrets.save_cache(cpath, new_cache)
+            except OSError as e:
+                self.warnings.append(f"cannot write the secret-scan cache {cpath}: {e.strerror}")
+        self.scan_stats[root] = dict(scanner.stats)
+        self.warnings += [f"secret scan: cannot list {e}" for e in scanner.errors]
+        out: dict[str, Masked] = {}
+        for d in denies:
+            if not os.path.lexists(d.path):
+                continue
+            is_link = os.path.islink(d.path)
+            out[d.path] = Masked(
+                Path(d.path), os.path.isdir(d.path) and not is_link, d.path, d.origin.layer, str(d.origin), is_link
+            )
+        for h in hits:
+            p = os.path.join(root, h.rel)
+            if any(is_under(p, q) for q in skip) or p in out:
+                continue
+            rule: PatternRule = m.deny[h.rule]
+            out[p] = Masked(Path(p), h.kind == "d", rule.pattern, rule.origin.layer, str(rule.origin), h.kind == "l")
+        # a mask inside a masked directory is redundant
+        result: list[Masked] = []
+        for p in sorted(out):
+            if result and result[-1].is_dir and is_under(p, str(result[-1].path)):
+                continue
+            result.append(out[p])
+        self._masked[root] = result
+        return result
+
+    # ---- show / why ----------------------------------------------------------------
+    def rules(self) -> list[Rule]:
+        out: list[Rule] = []
+        for name, val in (
+            ("read_only", self._read_only),
+            ("mask_mode", self._mask_mode),
+            ("env.inherit", self._env_inherit),
+            ("env.filter_values", self._env_filter_values),
+        ):
+            out.append(Rule("setting", "set", f"{name} = {json.dumps(val[0])}", val[1]))
+        if self._exec_allow[0] is not None:
+            for i in self._exec_allow[0]:
+                out.append(Rule("exec", "allow", i.value, i.origin))
+        void = {id(loser): winner for loser, winner in self.paths.void}
+        for lay in self.layers:
+            for e in lay.paths:
+                if id(e) in void:
+                    w = void[id(e)]
+                    out.append(path_rule(e, active=False, note=f"overridden by {w.access} {w.path} ({w.origin})"))
+                else:
+                    note = ""
+                    if e.access != "deny" and e.path in self.exact_allow:
+                        note = "exception inside the project"
+                    out.append(path_rule(e, note=note))
+        for pat, action, o in self.secret_rules:
+            out.append(Rule("secret", "mask" if action == "deny" else "allow", pat, o))
+        for r in self.env_rules:
+            out.append(Rule("env", r.action, r.pattern, r.origin))
+        for name, (_, o) in self.env_set.items():
+            out.append(Rule("env", "set", name, o))
+        for c in self.command_entries:
+            out.append(Rule("command", "deny", " ".join(c.argv), c.origin))
+        for i in self.etc_items:
+            out.append(Rule("etc", "allow", i.value, i.origin))
+        return out
+
+    def why(self, path: Path | str) -> Decision:
+        p = os.path.realpath(os.path.abspath(os.path.expanduser(str(path))))
+        beaten = tuple(path_rule(e, active=False) for e in self.paths.beaten(p))
+        d = self.paths.deny_covering(p)
+        if d is not None:
+            rule = path_rule(d)
+            what = f"denied by path rule {d.path}" if d.path == p else f"denied: inside {d.path}, denied by path rule"
+            return Decision(p, False, "denied", rule, f"{what} from {d.origin}", beaten)
+        proj = str(self.project)
+        tree: str | None = None
+        grant: Grant | None = None
+        if is_under(p, proj):
+            tree = proj
+        for g in self.grants:
+            gp = str(g.host_path)
+            if is_under(p, gp) and (tree is None or len(gp) > len(tree)):
+                tree, grant = gp, g
+        if tree is None:
+            return self._why_outside(p, beaten)
+        rel = os.path.relpath(p, tree)
+        m = self.matcher()
+        if rel != ".":
+            parts = rel.split("/")
+            for i in range(1, len(parts) + 1):
+                sub = "/".join(parts[:i])
+                full = os.path.join(tree, sub)
+                is_dir = i < len(parts) or (os.path.isdir(full) and not os.path.islink(full))
+                hit, exempt = m.decide(sub, is_dir, full)
+                if hit is not None:
+                    r = Rule("secret", "mask", hit.pattern, hit.origin)
+                    inside = "" if i == len(parts) else f" (inside masked {full})"
+                    mode = "reads as absent" if self.mask_mode == "absent" else "reads as empty"
+                    return Decision(
+                        p, False, "masked", r,
+                        f"masked{inside}: matches sensitive pattern {hit.pattern!r} from {hit.origin}; {mode}",
+                        beaten,
+                    )
+                if i == len(parts) and exempt:
+                    ex = exempt[-1]
+                    return Decision(
+                        p, True, self._tree_access(grant), Rule("secret", "allow", ex.pattern, ex.origin),
+                        f"visible: allow pattern {ex.pattern!r} from {ex.origin} exempts it from the sensitive patterns",
+                        beaten,
+                    )
+        if p in self.exact_allow:
+            a = self.paths.allows[p]
+            return Decision(p, True, self._tree_access(grant), path_rule(a), f"visible: allowed explicitly by {a.origin}", beaten)
+        if grant is not None:
+            a = self.paths.allows[str(grant.host_path)]
+            return Decision(
+                p, True, self._tree_access(grant), path_rule(a),
+                f"visible {'read-write' if grant.writable else 'read-only'}: granted {grant.host_path} by {a.origin}",
+                beaten,
+            )
+        ro = self._read_only
+        if self.read_only:
+            return Decision(p, True, "ro", Rule("setting", "set", "read_only = true", ro[1]),
+                            f"visible read-only: inside the project, read_only set by {ro[1]}", beaten)
+        return Decision(p, True, "rw", None,
+                        "visible: inside the project (writes land in the session's change set)", beaten)
+
+    def _tree_access(self, grant: Grant | None) -> str:
+        if grant is None:
+            return "ro" if self.read_only else "rw"
+        return "rw" if grant.writable else "ro"
+
+    def _why_outside(self, p: str, beaten: tuple[Rule, ...]) -> Decision:
+        dflt = Origin("default")
+        for s in SYSTEM_DIRS:
+            if is_under(p, s):
+                return Decision(p, True, "ro", Rule("path", "allow-ro", s, dflt), f"visible read-only: system directory {s}", beaten)
+        if is_under(p, "/etc"):
+            for i in self.etc_items:
+                if is_under(p, i.value):
+                    return Decision(p, True, "ro", Rule("etc", "allow", i.value, i.origin),
+                                    f"visible read-only: etc.extra {i.value} from {i.origin}", beaten)
+            return Decision(p, False, "absent", None,
+                            "/etc is hidden except the runtime's curated entries (passwd, hosts, ssl/certs, ...) and etc.extra",
+                            beaten)
+        if is_under(p, "/tmp"):
+            return Decision(p, False, "absent", None, "/tmp is a private, empty tmpfs inside the sandbox", beaten)
+        if is_under(p, self.home):
+            return Decision(p, False, "absent", None,
+                            f"not visible: {self.home} is an empty tmpfs inside the sandbox; only the project and grants are visible",
+                            beaten)
+        if is_under(str(self.project), p):
+            return Decision(p, False, "absent", None,
+                            "not visible: a parent of the project (only the project itself is mounted)", beaten)
+        return Decision(p, False, "absent", None, "not visible: outside the project and every grant", beaten)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "project": str(self.project),
+            "session_dir": str(self.session_dir) if self.session_dir else None,
+            "files": [{"layer": n, "file": f} for n, f in self.files],
+            "read_only": self.read_only,
+            "mask_mode": self.mask_mode,
+            "grants": [{"path": str(g.host_path), "writable": g.writable, "source": g.source, "origin": g.origin} for g in self.grants],
+            "exec_allow": self.exec_allow,
+            "commands_deny": self.commands_deny,
+            "etc_extra": self.etc_extra,
+            "rules": [r.to_json() for r in self.rules()],
+            "warnings": self.warnings,
+        }
+
+
+def load(project: Path, session_dir: Path | None, cli: CliPolicy | None = None, *, strict: bool = True) -> Effective:
+    """Read and merge every tier. ``strict`` refuses a project that a rule denies."""
+    cli = cli or CliPolicy()
+    project = Path(os.path.realpath(project))
+    layers, warnings = read_layers(project, session_dir, cli)
+    eff = Effective(project, session_dir, cli, layers, warnings)
+    if strict and eff.project_deny is not None:
+        d = eff.project_deny
+        raise PolicyError(
+            f"the project {project} is inside {d.path}, denied by {d.origin}; "
+            f"allow {project} explicitly in the same or a later layer"
+        )
+    return eff

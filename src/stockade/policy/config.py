@@ -1,0 +1,536 @@
+"""Policy tiers: parse, validate and locate every setting of every layer.
+
+Layers, lowest precedence first::
+
+    default    built in (secret patterns, env lists, sensitive home dirs)
+    global     $XDG_CONFIG_HOME/stockade/config.toml (~/.config/stockade/config.toml)
+    workspace  <project>/.stockade.toml, else [tool.stockade] in <project>/pyproject.toml
+    session    <session dir>/policy.json (written by `stockade allow/deny`)
+    cli        flags of `stockade run` / `explain`
+
+Every value parsed keeps an :class:`Origin` (layer, file, line) so `policy show` and
+`policy why` can say where a rule came from.  Bad input raises :class:`PolicyError`
+naming the file, the line and the key; unknown keys list the valid ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import PolicyError
+
+LAYERS: tuple[str, ...] = ("default", "global", "workspace", "session", "cli")
+LAYER_INDEX: dict[str, int] = {name: i for i, name in enumerate(LAYERS)}
+
+ACCESS_VALUES = ("ro", "rw", "deny")
+MASK_MODES = ("absent", "empty")
+INHERIT_VALUES = ("all", "core", "none")
+SESSION_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a value came from: the layer, and the file and line when there is one."""
+
+    layer: str
+    file: str | None = None
+    line: int | None = None
+
+    @property
+    def index(self) -> int:
+        return LAYER_INDEX[self.layer]
+
+    def __str__(self) -> str:
+        if self.file is None:
+            return self.layer
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        return f"{self.layer} ({where})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layer": self.layer, "file": self.file, "line": self.line}
+
+
+@dataclass(frozen=True)
+class PathEntry:
+    path: str  # absolute, normalized host path
+    access: str  # ro | rw | deny
+    origin: Origin
+
+
+@dataclass(frozen=True)
+class Item:
+    """One string value of a list setting, with its origin."""
+
+    value: str
+    origin: Origin
+
+
+@dataclass(frozen=True)
+class CommandEntry:
+    argv: tuple[str, ...]
+    origin: Origin
+
+
+@dataclass
+class Layer:
+    """The settings one tier states. ``None`` means "not set here"."""
+
+    name: str
+    file: str | None = None
+    read_only: tuple[bool, Origin] | None = None
+    mask_mode: tuple[str, Origin] | None = None
+    paths: list[PathEntry] = field(default_factory=list)
+    secret_defaults: tuple[bool, Origin] | None = None
+    secret_patterns: list[Item] = field(default_factory=list)
+    secret_allow: list[Item] = field(default_factory=list)
+    env_allow: list[Item] = field(default_factory=list)
+    env_block: list[Item] = field(default_factory=list)
+    env_set: dict[str, tuple[str, Origin]] = field(default_factory=dict)
+    env_inherit: tuple[str, Origin] | None = None
+    env_filter_values: tuple[bool, Origin] | None = None
+    exec_allow: tuple[list[Item], Origin] | None = None
+    commands_deny: list[CommandEntry] = field(default_factory=list)
+    etc_extra: list[Item] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- schema
+
+# A schema node is: a type (bool, str), a tuple of allowed strings, a list of one
+# node (array), a dict of key -> node (table), or the marker MAP_STR (str -> str table)
+# or STR_OR_ARGV (a command: "git push" or ["git", "push"]).
+MAP_STR = "map-of-strings"
+STR_OR_ARGV = "string-or-argv"
+
+SCHEMA: dict[str, Any] = {
+    "read_only": bool,
+    "mask_mode": MASK_MODES,
+    "paths": [{"path": str, "access": ACCESS_VALUES, "added_at": str}],
+    "secrets": {"defaults": bool, "patterns": [str], "allow": [str]},
+    "env": {
+        "inherit": INHERIT_VALUES,
+        "allow": [str],
+        "block": [str],
+        "set": MAP_STR,
+        "filter_values": bool,
+    },
+    "exec": {"allow": [str]},
+    "commands": {"deny": [STR_OR_ARGV]},
+    "etc": {"extra": [str]},
+}
+SESSION_SCHEMA: dict[str, Any] = {"schema_version": int, **SCHEMA}
+REQUIRED_IN_TABLE: dict[str, tuple[str, ...]] = {"paths": ("path",)}
+
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_PATTERN_RE = re.compile(r"^[A-Za-z0-9_*?\[\]!-]+$")
+
+
+def _type_name(node: Any) -> str:
+    if node is bool:
+        return "true or false"
+    if node is str:
+        return "a string"
+    if node is int:
+        return "an integer"
+    if isinstance(node, tuple):
+        return "one of " + ", ".join(repr(v) for v in node)
+    if isinstance(node, list):
+        return "an array of " + _type_name(node[0]).removeprefix("a ").removeprefix("an ") + "s"
+    if node == MAP_STR:
+        return "a table of strings"
+    if node == STR_OR_ARGV:
+        return "a string or an array of strings"
+    return "a table"
+
+
+# --------------------------------------------------------------------------- locating
+
+
+class Locator:
+    """Finds the line of a key (or of a value inside an array) in TOML or JSON text.
+
+    tomllib and json give no positions for keys; this scanner is good enough for
+    error messages and provenance: it understands table headers, arrays of tables
+    and dotted keys.
+    """
+
+    _HEADER = re.compile(r"^\s*(\[\[?)\s*([^\]]+?)\s*\]\]?\s*(?:#.*)?$")
+    _KEY = re.compile(r"""^\s*((?:"[^"]*"|'[^']*'|[A-Za-z0-9_-]+)(?:\s*\.\s*(?:"[^"]*"|'[^']*'|[A-Za-z0-9_-]+))*)\s*=""")
+
+    def __init__(self, text: str, fmt: str, prefix: tuple[str, ...] = ()) -> None:
+        self.lines = text.splitlines()
+        self.fmt = fmt
+        self.prefix = prefix
+        self._index: dict[tuple[str | int, ...], int] = {}
+        if fmt == "toml":
+            self._index_toml()
+
+    @staticmethod
+    def _split_dotted(s: str) -> list[str]:
+        parts = re.findall(r"""("[^"]*"|'[^']*'|[^.\s]+)""", s)
+        return [p.strip("\"'") for p in parts]
+
+    def _index_toml(self) -> None:
+        table: list[str | int] = []
+        aot_counts: dict[tuple[str, ...], int] = {}
+        depth = 0  # bracket depth of a multi-line array value
+        for no, raw in enumerate(self.lines, 1):
+            if depth > 0:
+                depth += self._balance(raw)
+                continue
+            m = self._HEADER.match(raw)
+            if m:
+                names = self._split_dotted(m.group(2))
+                if m.group(1) == "[[":
+                    key = tuple(names)
+                    aot_counts[key] = aot_counts.get(key, -1) + 1
+                    table = [*names, aot_counts[key]]
+                else:
+                    table = list(names)
+                self._index.setdefault(tuple(table), no)
+                if m.group(1) == "[[":
+                    self._index.setdefault(tuple(names), no)
+                continue
+            k = self._KEY.match(raw)
+            if k:
+                depth = max(0, self._balance(raw[k.end():]))
+                full = tuple([*table, *self._split_dotted(k.group(1))])
+                self._index.setdefault(full, no)
+                for i in range(len(table) + 1, len(full)):
+                    self._index.setdefault(full[:i], no)
+
+    _STRING = re.compile(r""""(?:[^"\\]|\\.)*"|'[^']*'""")
+
+    @classmethod
+    def _balance(cls, text: str) -> int:
+        """Net count of opening brackets in ``text``, ignoring strings and comments."""
+        code = cls._STRING.sub("", text).split("#")[0]
+        return code.count("[") + code.count("{") - code.count("]") - code.count("}")
+
+    def line(self, path: Sequence[str | int], value: str | None = None) -> int | None:
+        full = (*self.prefix, *path)
+        if self.fmt == "toml":
+            found: int | None = None
+            for cut in range(len(full), 0, -1):
+                if full[:cut] in self._index:
+                    found = self._index[full[:cut]]
+                    break
+        else:
+            found = self._json_line(full)
+        if value is not None and found is not None:
+            needle_d, needle_s = json.dumps(value), f"'{value}'"
+            for no in range(found, min(found + 2000, len(self.lines)) + 1):
+                text = self.lines[no - 1]
+                if needle_d in text or needle_s in text:
+                    return no
+        return found
+
+    def _json_line(self, full: Sequence[str | int]) -> int | None:
+        pos = 0
+        text = "\n".join(self.lines)
+        last: int | None = None
+        for part in full:
+            if isinstance(part, int):
+                continue
+            i = text.find(json.dumps(part), pos)
+            if i < 0:
+                break
+            pos = i + 1
+            last = text.count("\n", 0, i) + 1
+        return last
+
+
+def _err(file: str, line: int | None, key: str, msg: str) -> PolicyError:
+    where = f"{file}:{line}" if line else file
+    return PolicyError(f"{where}: {key}: {msg}" if key else f"{where}: {msg}")
+
+
+def _dotted(path: Sequence[str | int]) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(data: Any, schema: Mapping[str, Any], file: str, loc: Locator) -> None:
+    """Check ``data`` against ``schema``; raise PolicyError naming file, line and key."""
+
+    def fail(path: list[str | int], msg: str, value: str | None = None) -> PolicyError:
+        return _err(file, loc.line(path, value), _dotted(path), msg)
+
+    def walk(node: Any, value: Any, path: list[str | int]) -> None:
+        if isinstance(node, dict):
+            if not isinstance(value, dict):
+                raise fail(path, f"expected {_type_name(node)}, got {type(value).__name__}")
+            for k, v in value.items():
+                if k not in node:
+                    valid = ", ".join(sorted(node))
+                    raise fail([*path, k], f"unknown key; valid keys here: {valid}")
+                walk(node[k], v, [*path, k])
+            last = path[-2] if len(path) >= 2 and isinstance(path[-1], int) else None
+            for req in REQUIRED_IN_TABLE.get(str(last), ()):
+                if req not in value:
+                    raise fail(path, f"missing required key {req!r}")
+        elif isinstance(node, list):
+            if not isinstance(value, list):
+                raise fail(path, f"expected {_type_name(node)}, got {type(value).__name__}")
+            for i, v in enumerate(value):
+                walk(node[0], v, [*path, i])
+        elif isinstance(node, tuple):
+            if value not in node:
+                raise fail(path, f"invalid value {value!r}; expected {_type_name(node)}")
+        elif node == MAP_STR:
+            if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+                raise fail(path, f"expected {_type_name(node)}")
+        elif node == STR_OR_ARGV:
+            ok = isinstance(value, str) or (
+                isinstance(value, list) and value and all(isinstance(v, str) for v in value)
+            )
+            if not ok:
+                raise fail(path, f"expected {_type_name(node)}, got {value!r}")
+        elif node is bool:
+            if not isinstance(value, bool):
+                raise fail(path, f"expected true or false, got {value!r}")
+        elif node is int:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise fail(path, f"expected an integer, got {value!r}")
+        elif node is str:
+            if not isinstance(value, str):
+                raise fail(path, f"expected a string, got {value!r}")
+            if "\0" in value:
+                raise fail(path, "contains a NUL byte")
+
+    walk(schema, data, [])
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class Source:
+    layer: str
+    file: Path
+    data: dict[str, Any]
+    locator: Locator
+
+
+def _line_of_toml_error(e: tomllib.TOMLDecodeError) -> int | None:
+    m = re.search(r"line (\d+)", str(e))
+    return int(m.group(1)) if m else None
+
+
+def _guess_key_at(lines: list[str], line: int | None) -> str:
+    if not line or line > len(lines):
+        return ""
+    m = re.match(r"^\s*([A-Za-z0-9_.\"'-]+)\s*=", lines[line - 1])
+    if m:
+        return m.group(1)
+    m = re.match(r"^\s*\[\[?([^\]]+)\]", lines[line - 1])
+    return f"[{m.group(1)}]" if m else ""
+
+
+def read_toml(layer: str, file: Path, *, table: tuple[str, ...] = ()) -> Source | None:
+    """Parse a TOML tier; ``table`` selects a sub-table (``("tool", "stockade")``)."""
+    try:
+        raw = file.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise PolicyError(f"{file}: cannot read policy file: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad_line = raw[: e.start].count(b"\n") + 1
+        raise PolicyError(f"{file}:{bad_line}: not valid UTF-8") from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        err_line = _line_of_toml_error(e)
+        key = _guess_key_at(text.splitlines(), err_line)
+        msg = str(e).split(" (at ")[0]
+        where = f"{file}:{err_line}" if err_line else str(file)
+        raise PolicyError(f"{where}: malformed TOML{' near key ' + key if key else ''}: {msg}") from None
+    data: Any = doc
+    for part in table:
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    loc = Locator(text, "toml", table)
+    if not isinstance(data, dict):
+        raise _err(str(file), loc.line([]), ".".join(table), "expected a table")
+    validate(data, SCHEMA, str(file), loc)
+    return Source(layer, file, data, loc)
+
+
+def read_json(layer: str, file: Path) -> Source | None:
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PolicyError(f"{file}: cannot read policy file: {e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        key = ""
+        line_text = text.splitlines()[e.lineno - 1] if 0 < e.lineno <= len(text.splitlines()) else ""
+        m = re.search(r'"([^"]+)"\s*:', line_text)
+        if m:
+            key = m.group(1)
+        raise PolicyError(
+            f"{file}:{e.lineno}: malformed JSON{' near key ' + key if key else ''}: {e.msg} (column {e.colno})"
+        ) from None
+    loc = Locator(text, "json")
+    if not isinstance(data, dict):
+        raise _err(str(file), 1, "", "expected a JSON object")
+    validate(data, SESSION_SCHEMA, str(file), loc)
+    version = data.get("schema_version", SESSION_SCHEMA_VERSION)
+    if version > SESSION_SCHEMA_VERSION:
+        raise _err(
+            str(file), loc.line(["schema_version"]), "schema_version",
+            f"version {version} is newer than this stockade understands ({SESSION_SCHEMA_VERSION})",
+        )
+    return Source(layer, file, data, loc)
+
+
+def global_config_path() -> Path:
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    base = Path(xdg) if xdg else Path(os.path.expanduser("~")) / ".config"
+    return base / "stockade" / "config.toml"
+
+
+def session_policy_path(session_dir: Path) -> Path:
+    return session_dir / "policy.json"
+
+
+def workspace_sources(project: Path) -> tuple[Source | None, list[str]]:
+    warnings: list[str] = []
+    own = read_toml("workspace", project / ".stockade.toml")
+    pyproject = project / "pyproject.toml"
+    if own is not None:
+        if pyproject.is_file():
+            try:
+                has_table = "stockade" in tomllib.loads(pyproject.read_text("utf-8")).get("tool", {})
+            except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError):
+                has_table = False
+            if has_table:
+                warnings.append(
+                    f"{pyproject}: [tool.stockade] is ignored because {own.file} exists; keep one"
+                )
+        return own, warnings
+    return read_toml("workspace", pyproject, table=("tool", "stockade")), warnings
+
+
+# --------------------------------------------------------------------------- to a Layer
+
+
+def _norm_path(raw: str, *, layer: str, base: Path | None, file: str, line: int | None, key: str) -> str:
+    p = os.path.expanduser(raw)
+    if not os.path.isabs(p):
+        if base is None:
+            raise _err(file, line, key, f"path {raw!r} must be absolute (or start with ~/)")
+        p = os.path.join(base, p)
+    if p.startswith("~"):
+        raise _err(file, line, key, f"cannot expand {raw!r}: no such user")
+    return os.path.realpath(p)
+
+
+def split_command(raw: str | list[str]) -> tuple[str, ...]:
+    import shlex
+
+    if isinstance(raw, list):
+        return tuple(raw)
+    try:
+        return tuple(shlex.split(raw))
+    except ValueError as e:
+        raise PolicyError(f"command {raw!r}: {e}") from None
+
+
+def layer_from_source(src: Source, *, project: Path, cwd: Path | None = None) -> Layer:
+    """Turn a validated tier into a Layer with origins. Relative paths: workspace and
+    session tiers resolve against the project; the global tier must use absolute paths."""
+    file = str(src.file)
+    d = src.data
+    lay = Layer(src.layer, file)
+
+    def origin(path: Sequence[str | int], value: str | None = None) -> Origin:
+        return Origin(src.layer, file, src.locator.line(path, value))
+
+    base: Path | None = None if src.layer == "global" else project
+    if "read_only" in d:
+        lay.read_only = (d["read_only"], origin(["read_only"]))
+    if "mask_mode" in d:
+        lay.mask_mode = (d["mask_mode"], origin(["mask_mode"]))
+    seen: dict[str, tuple[str, Origin]] = {}
+    for i, ent in enumerate(d.get("paths", [])):
+        o = origin(["paths", i])
+        p = _norm_path(ent["path"], layer=src.layer, base=base, file=file, line=o.line, key=f"paths[{i}].path")
+        access = ent.get("access", "ro")
+        if p in seen and (seen[p][0] == "deny") != (access == "deny"):
+            raise _err(
+                file, o.line, f"paths[{i}]",
+                f"{p} is both allowed and denied in this file (other entry at line {seen[p][1].line}); keep one",
+            )
+        seen[p] = (access, o)
+        lay.paths.append(PathEntry(p, access, o))
+    sec = d.get("secrets", {})
+    if "defaults" in sec:
+        lay.secret_defaults = (sec["defaults"], origin(["secrets", "defaults"]))
+    for key, target in (("patterns", lay.secret_patterns), ("allow", lay.secret_allow)):
+        for i, pat in enumerate(sec.get(key, [])):
+            o = origin(["secrets", key, i], pat)
+            _check_pattern(pat, file, o.line, f"secrets.{key}[{i}]")
+            target.append(Item(pat, o))
+    env = d.get("env", {})
+    for key, target in (("allow", lay.env_allow), ("block", lay.env_block)):
+        for i, pat in enumerate(env.get(key, [])):
+            o = origin(["env", key, i], pat)
+            if not _ENV_PATTERN_RE.match(pat):
+                raise _err(file, o.line, f"env.{key}[{i}]", f"{pat!r} is not a variable name or glob")
+            target.append(Item(pat, o))
+    for name, val in env.get("set", {}).items():
+        o = origin(["env", "set", name])
+        if not _ENV_NAME_RE.match(name):
+            raise _err(file, o.line, f"env.set.{name}", "not a valid environment variable name")
+        lay.env_set[name] = (val, o)
+    if "inherit" in env:
+        lay.env_inherit = (env["inherit"], origin(["env", "inherit"]))
+    if "filter_values" in env:
+        lay.env_filter_values = (env["filter_values"], origin(["env", "filter_values"]))
+    ex = d.get("exec", {})
+    if "allow" in ex:
+        items: list[Item] = []
+        for i, raw in enumerate(ex["allow"]):
+            o = origin(["exec", "allow", i], raw)
+            items.append(Item(_norm_path(raw, layer=src.layer, base=base, file=file, line=o.line, key=f"exec.allow[{i}]"), o))
+        lay.exec_allow = (items, origin(["exec", "allow"]))
+    for i, raw in enumerate(d.get("commands", {}).get("deny", [])):
+        o = origin(["commands", "deny", i], raw if isinstance(raw, str) else raw[0])
+        argv = split_command(raw)
+        if not argv:
+            raise _err(file, o.line, f"commands.deny[{i}]", "empty command")
+        lay.commands_deny.append(CommandEntry(argv, o))
+    for i, raw in enumerate(d.get("etc", {}).get("extra", [])):
+        o = origin(["etc", "extra", i], raw)
+        norm = os.path.normpath(raw if raw.startswith("/") else "/etc/" + raw)
+        if not norm.startswith("/etc/") or norm == "/etc":
+            raise _err(file, o.line, f"etc.extra[{i}]", f"{raw!r} is not an entry under /etc")
+        lay.etc_extra.append(Item(norm, o))
+    return lay
+
+
+def _check_pattern(pat: str, file: str, line: int | None, key: str) -> None:
+    if not pat.strip():
+        raise _err(file, line, key, "empty pattern")
+    if pat.startswith("!"):
+        raise _err(file, line, key, f"{pat!r}: negation is not supported here; put {pat[1:]!r} in secrets.allow")

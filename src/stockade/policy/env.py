@@ -1,0 +1,135 @@
+"""Environment filter: which of the caller's variables reach the sandbox.
+
+Order of decisions for one variable:
+
+1. ``--env K=V`` on the command line and ``env.set`` in a config always pass.
+2. ``env.inherit``: ``all`` (default) considers every variable, ``core`` only those an
+   allow pattern names, ``none`` none.
+3. A block pattern (``AWS_*``, ``*_TOKEN``...) removes it unless an allow pattern from
+   the same or a later layer names it too (deny wins otherwise).
+4. With ``env.filter_values`` (default on), a value that looks like a known token
+   format (``ghp_…``, ``AKIA…``, ``sk-…``, a URL with a password…) removes it unless a
+   user layer (not the defaults) explicitly allows the name.
+
+Names are matched case-insensitively with shell globs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+
+from .config import Origin
+
+DEFAULT_ALLOW: tuple[str, ...] = (
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TERM",
+    "COLORTERM", "TZ", "NODE_ENV", "DEBUG", "CI", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE",
+    "EDITOR", "PAGER", "NO_COLOR", "FORCE_COLOR", "TMPDIR", "PWD",
+)
+DEFAULT_BLOCK: tuple[str, ...] = (
+    "*_KEY", "*_API_KEY", "*_APIKEY", "*_SECRET", "*_SECRET_*", "*_TOKEN", "*_TOKEN_*",
+    "*PASSWORD*", "*PASSWD*", "*CREDENTIAL*", "AWS_*", "GITHUB_*", "*_PAT",
+    "SSH_AUTH_SOCK", "GPG_AGENT_INFO",
+)
+
+# (label, regex) of token formats found in values; also used by the audit redactor.
+TOKEN_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("github-token", re.compile(r"\bgh[pousr]_[A-Za-z0-9]{30,}")),
+    ("github-token", re.compile(r"\bgithub_pat_[A-Za-z0-9_]{22,}")),
+    ("aws-access-key-id", re.compile(r"\b(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA)[A-Z0-9]{16}\b")),
+    ("api-key", re.compile(r"\bsk-(?:ant-|proj-)?[A-Za-z0-9_-]{20,}")),
+    ("stripe-key", re.compile(r"\b[rs]k_(?:live|test)_[A-Za-z0-9]{16,}")),
+    ("slack-token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}")),
+    ("gitlab-token", re.compile(r"\bglpat-[A-Za-z0-9_-]{20,}")),
+    ("google-api-key", re.compile(r"\bAIza[0-9A-Za-z_-]{35}")),
+    ("npm-token", re.compile(r"\bnpm_[A-Za-z0-9]{36}")),
+    ("pypi-token", re.compile(r"\bpypi-AgE[A-Za-z0-9_-]{50,}")),
+    ("huggingface-token", re.compile(r"\bhf_[A-Za-z0-9]{30,}")),
+    ("private-key", re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")),
+    ("jwt", re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")),
+    ("url-password", re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:[^/\s@]+@")),
+)
+
+
+def token_kind(value: str) -> str | None:
+    """The label of the first token format found in ``value``."""
+    for label, rx in TOKEN_PATTERNS:
+        if rx.search(value):
+            return label
+    return None
+
+
+def name_matches(pattern: str, name: str) -> bool:
+    return fnmatch.fnmatchcase(name.upper(), pattern.upper())
+
+
+@dataclass(frozen=True)
+class EnvRule:
+    pattern: str
+    action: str  # "allow" | "block"
+    origin: Origin
+
+
+@dataclass(frozen=True)
+class EnvDecision:
+    name: str
+    passed: bool
+    rule: EnvRule | None
+    reason: str
+
+
+class EnvFilter:
+    def __init__(
+        self,
+        allow: list[EnvRule],
+        block: list[EnvRule],
+        *,
+        inherit: str = "all",
+        filter_values: bool = True,
+        set_values: dict[str, tuple[str, Origin]] | None = None,
+    ) -> None:
+        self.allow = allow
+        self.block = block
+        self.inherit = inherit
+        self.filter_values = filter_values
+        self.set_values = dict(set_values or {})
+
+    def decide(self, name: str, value: str) -> EnvDecision:
+        if name in self.set_values:
+            o = self.set_values[name][1]
+            return EnvDecision(name, True, None, f"set explicitly by {o}")
+        allows = [a for a in self.allow if name_matches(a.pattern, name)]
+        if self.inherit == "none":
+            return EnvDecision(name, False, None, "env.inherit = \"none\"")
+        if self.inherit == "core" and not allows:
+            return EnvDecision(name, False, None, "env.inherit = \"core\" and no allow pattern names it")
+        for b in self.block:
+            if not name_matches(b.pattern, name):
+                continue
+            if any(a.origin.index >= b.origin.index for a in allows):
+                continue
+            return EnvDecision(name, False, b, f"name matches {b.pattern} ({b.origin})")
+        user_allows = [a for a in allows if a.origin.layer != "default"]
+        if self.filter_values and not user_allows:
+            kind = token_kind(value)
+            if kind is not None:
+                return EnvDecision(name, False, None, f"value looks like a {kind}")
+        if allows:
+            return EnvDecision(name, True, allows[-1], f"allowed by {allows[-1].pattern} ({allows[-1].origin})")
+        return EnvDecision(name, True, None, "env.inherit = \"all\"")
+
+    def apply(self, environ: dict[str, str], cli_env: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+        passed: dict[str, str] = {}
+        removed: list[str] = []
+        for name, value in environ.items():
+            if name in cli_env or name in self.set_values:
+                continue
+            if self.decide(name, value).passed:
+                passed[name] = value
+            else:
+                removed.append(name)
+        for name, (value, _) in self.set_values.items():
+            passed[name] = value
+        passed.update(cli_env)
+        return passed, sorted(removed)
