@@ -160,7 +160,8 @@ _SIGCHLD = 17
 _CLONE_FORK_FLAGS = 0x01200000 | _SIGCHLD  # CLONE_CHILD_SETTID|CLONE_CHILD_CLEARTID|SIGCHLD
 # What the sandbox's init (PID 1) does after installing the filter: fork the
 # command with clone(SIGCHLD), mask and wait for signals, reap, forward signals,
-# report over a pipe, and in the child set the process group, wire fds and exec.
+# report over a pipe, and in the child set the process group (or, with a pty, a
+# new session that takes the pty as its terminal), wire fds and exec.
 # Each entry: (syscall, argument vector the check uses).
 INIT_REQUIRED_CALLS: tuple[tuple[str, tuple[int, ...]], ...] = (
     ("clone", (_SIGCHLD, 0, 0, 0, 0, 0)),
@@ -173,6 +174,9 @@ INIT_REQUIRED_CALLS: tuple[tuple[str, tuple[int, ...]], ...] = (
     ("write", (1, 0, 1, 0, 0, 0)),
     ("close", (3, 0, 0, 0, 0, 0)),
     ("setpgid", (0, 0, 0, 0, 0, 0)),
+    ("setsid", (0, 0, 0, 0, 0, 0)),
+    # TIOCSCTTY: under `stockade shell` the pty becomes the command's terminal
+    ("ioctl", (0, 0x540E, 0, 0, 0, 0)),
     ("dup2", (3, 1, 0, 0, 0, 0)),
     ("dup3", (3, 1, 0x80000, 0, 0, 0)),
     ("execve", (0, 0, 0, 0, 0, 0)),
@@ -344,18 +348,24 @@ def _errno_value(path: Path, where: str, raw: object) -> int:
             raise _fail(path, where, f"unknown errno name {raw!r}")
         return val
     if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw <= 4095:
-        raise _fail(path, where, f"must be an errno number 0..4095 or a name like 'EPERM', not {raw!r}")
+        raise _fail(
+            path, where, f"must be an errno number 0..4095 or a name like 'EPERM', not {raw!r}"
+        )
     return raw
 
 
-def _action(path: Path, where: str, raw: object, errno_raw: object, errno_where: str, default_errno: int) -> int:
+def _action(
+    path: Path, where: str, raw: object, errno_raw: object, errno_where: str, default_errno: int
+) -> int:
     if not isinstance(raw, str):
         raise _fail(path, where, f"must be a string like 'SCMP_ACT_ALLOW', not {raw!r}")
     if raw in _REFUSED_ACTIONS:
         raise _fail(path, where, f"{raw} is not supported: it {_REFUSED_ACTIONS[raw]}")
     base = _ACTIONS.get(raw)
     if base is None:
-        raise _fail(path, where, f"unknown action {raw!r} (expected one of {', '.join(sorted(_ACTIONS))})")
+        raise _fail(
+            path, where, f"unknown action {raw!r} (expected one of {', '.join(sorted(_ACTIONS))})"
+        )
     if base == SECCOMP_RET_ERRNO:
         eno = default_errno if errno_raw is None else _errno_value(path, errno_where, errno_raw)
         return SECCOMP_RET_ERRNO | eno
@@ -401,7 +411,12 @@ def _parse(path: Path, data: bytes) -> _Profile:
     if doc.get("defaultErrnoRet") is not None:
         default_errno = _errno_value(path, "defaultErrnoRet", doc["defaultErrnoRet"])
     default_action = _action(
-        path, "defaultAction", doc["defaultAction"], doc.get("defaultErrnoRet"), "defaultErrnoRet", default_errno
+        path,
+        "defaultAction",
+        doc["defaultAction"],
+        doc.get("defaultErrnoRet"),
+        "defaultErrnoRet",
+        default_errno,
     )
 
     arch_names = doc.get("architectures", ["SCMP_ARCH_NATIVE"])
@@ -432,17 +447,28 @@ def _parse(path: Path, data: bytes) -> _Profile:
             raise _fail(path, where, "must be an object")
         for key in r:
             if key not in _RULE_KEYS:
-                raise _fail(path, f"{where}.{key}", f"unknown field (known: {', '.join(sorted(_RULE_KEYS))})")
+                raise _fail(
+                    path,
+                    f"{where}.{key}",
+                    f"unknown field (known: {', '.join(sorted(_RULE_KEYS))})",
+                )
         names = r.get("names")
         if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
             raise _fail(path, f"{where}.names", "must be a non-empty list of syscall names")
         for j, n in enumerate(names):
             if lib.resolve(n) is None:
-                raise _fail(path, f"{where}.names[{j}]", f"unknown syscall {n!r} (libseccomp {lib.version})")
+                raise _fail(
+                    path, f"{where}.names[{j}]", f"unknown syscall {n!r} (libseccomp {lib.version})"
+                )
         if "action" not in r:
             raise _fail(path, f"{where}.action", "missing")
         action = _action(
-            path, f"{where}.action", r["action"], r.get("errnoRet"), f"{where}.errnoRet", _errno.EPERM
+            path,
+            f"{where}.action",
+            r["action"],
+            r.get("errnoRet"),
+            f"{where}.errnoRet",
+            _errno.EPERM,
         )
         raw_args = r.get("args") or []
         if not isinstance(raw_args, list):
@@ -454,7 +480,11 @@ def _parse(path: Path, data: bytes) -> _Profile:
                 raise _fail(path, aw, "must be an object {index, value, valueTwo, op}")
             for key in a:
                 if key not in _ARG_KEYS:
-                    raise _fail(path, f"{aw}.{key}", f"unknown field (known: {', '.join(sorted(_ARG_KEYS))})")
+                    raise _fail(
+                        path,
+                        f"{aw}.{key}",
+                        f"unknown field (known: {', '.join(sorted(_ARG_KEYS))})",
+                    )
             idx = a.get("index")
             if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx <= 5:
                 raise _fail(path, f"{aw}.index", f"must be an argument index 0..5, not {idx!r}")
@@ -467,7 +497,9 @@ def _parse(path: Path, data: bytes) -> _Profile:
                 )
             op = a.get("op")
             if not isinstance(op, str) or op not in _OPS:
-                raise _fail(path, f"{aw}.op", f"unknown operator {op!r} (expected one of {', '.join(_OPS)})")
+                raise _fail(
+                    path, f"{aw}.op", f"unknown operator {op!r} (expected one of {', '.join(_OPS)})"
+                )
             if "value" not in a:
                 raise _fail(path, f"{aw}.value", "missing")
             va = _u64(path, f"{aw}.value", a["value"])
@@ -478,7 +510,9 @@ def _parse(path: Path, data: bytes) -> _Profile:
 
 
 # ---- compilation ----------------------------------------------------------------
-def _plan(prof: _Profile) -> tuple[list[tuple[int, int, tuple[_Cmp, ...]]], list[tuple[int, int, tuple[_Cmp, ...]]]]:
+def _plan(
+    prof: _Profile,
+) -> tuple[list[tuple[int, int, tuple[_Cmp, ...]]], list[tuple[int, int, tuple[_Cmp, ...]]]]:
     """Split rules into the main program (A) and the argument-deny program (B).
 
     Returns two lists of (syscall nr, action, comparisons).
@@ -526,14 +560,20 @@ def _plan(prof: _Profile) -> tuple[list[tuple[int, int, tuple[_Cmp, ...]]], list
     return prog_a, prog_b
 
 
-def _build(prof: _Profile, default: int, rules: Sequence[tuple[int, int, tuple[_Cmp, ...]]]) -> bytes:
+def _build(
+    prof: _Profile, default: int, rules: Sequence[tuple[int, int, tuple[_Cmp, ...]]]
+) -> bytes:
     lib = _libseccomp()
     ffi, c = lib.ffi, lib.lib
     ctx = c.seccomp_init(default)
     if ctx == ffi.NULL:
         raise _fail(prof.path, "defaultAction", "libseccomp refused the default action")
     try:
-        _check(prof, "set bad-arch action", c.seccomp_attr_set(ctx, _ATTR_ACT_BADARCH, SECCOMP_RET_KILL_PROCESS))
+        _check(
+            prof,
+            "set bad-arch action",
+            c.seccomp_attr_set(ctx, _ATTR_ACT_BADARCH, SECCOMP_RET_KILL_PROCESS),
+        )
         # binary-tree syscall dispatch (libseccomp >= 2.5): O(log n) per syscall
         c.seccomp_attr_set(ctx, _ATTR_CTL_OPTIMIZE, 2)
         for tok in prof.arches:
@@ -562,7 +602,11 @@ def _build(prof: _Profile, default: int, rules: Sequence[tuple[int, int, tuple[_
     finally:
         c.seccomp_release(ctx)
     if not out or len(out) % _INSN.size:
-        raise SandboxError("compile seccomp profile", path=str(prof.path), detail=f"libseccomp exported {len(out)} bytes")
+        raise SandboxError(
+            "compile seccomp profile",
+            path=str(prof.path),
+            detail=f"libseccomp exported {len(out)} bytes",
+        )
     return out
 
 
@@ -594,10 +638,7 @@ def _prologue(arches: Iterable[int]) -> bytes:
     for i, tok in enumerate(allowed):
         # distance from the instruction after this jeq to the target
         after_kill = (n - i - 1) + 1  # remaining jeqs + the kill
-        if tok == AUDIT_ARCH_X86_64 or not tail:
-            target = after_kill
-        else:
-            target = after_kill + len(tail)
+        target = after_kill if tok == AUDIT_ARCH_X86_64 or not tail else after_kill + len(tail)
         head.append(_insn(_BPF_JMP | _BPF_JEQ | _BPF_K, target, 0, tok))
     head.append(kill)
     return b"".join(head + tail)
@@ -614,12 +655,16 @@ def _compose(prologue: bytes, deny: bytes | None, main: bytes) -> bytes:
             if code == (_BPF_RET | _BPF_K) and k == SECCOMP_RET_ALLOW:
                 patched.append(_insn(_BPF_JMP | _BPF_JA, 0, 0, len(insns) - i - 1))
             elif code == (_BPF_RET | _BPF_A_SRC):
-                raise SandboxError("compose seccomp programs", detail="unexpected RET A in libseccomp output")
+                raise SandboxError(
+                    "compose seccomp programs", detail="unexpected RET A in libseccomp output"
+                )
             else:
                 patched.append(_insn(code, jt, jf, k))
         out = prologue + b"".join(patched) + main
     if len(out) // _INSN.size > BPF_MAXINSNS:
-        raise PolicyError(f"seccomp profile compiles to {len(out) // _INSN.size} BPF instructions (limit {BPF_MAXINSNS})")
+        raise PolicyError(
+            f"seccomp profile compiles to {len(out) // _INSN.size} BPF instructions (limit {BPF_MAXINSNS})"
+        )
     return out
 
 
@@ -644,7 +689,9 @@ def _check_init_calls(prof: _Profile, bpf: bytes) -> None:
             continue
         ret = evaluate(bpf, nr, args, arch=lib.native)
         if (ret & SECCOMP_RET_ACTION_FULL) not in _PERMISSIVE:
-            what = f"{name}({', '.join(hex(a) for a in args[:2])}, ...)" if name == "clone" else name
+            what = (
+                f"{name}({', '.join(hex(a) for a in args[:2])}, ...)" if name == "clone" else name
+            )
             denied.append(f"{what} -> {_action_name(ret)}")
     if denied:
         raise PolicyError(
@@ -656,7 +703,9 @@ def _check_init_calls(prof: _Profile, bpf: bytes) -> None:
 
 
 # ---- a classic BPF interpreter (validation and tests) ----------------------------
-def evaluate(bpf: bytes, nr: int, args: Sequence[int] = (), *, arch: int | None = None, ip: int = 0) -> int:
+def evaluate(
+    bpf: bytes, nr: int, args: Sequence[int] = (), *, arch: int | None = None, ip: int = 0
+) -> int:
     """Run ``bpf`` on a ``struct seccomp_data`` and return the SECCOMP_RET_* value."""
     if arch is None:
         arch = _libseccomp().native
@@ -787,7 +836,12 @@ _mem_by_key: dict[str, bytes] = {}
 def _cache_key(data: bytes) -> str:
     lib = _libseccomp()
     h = hashlib.sha256()
-    for part in (_COMPILER_VERSION, platform.machine().encode(), f"{lib.native:#x}".encode(), lib.version.encode()):
+    for part in (
+        _COMPILER_VERSION,
+        platform.machine().encode(),
+        f"{lib.native:#x}".encode(),
+        lib.version.encode(),
+    ):
         h.update(part + b"\0")
     h.update(data)
     return h.hexdigest()
