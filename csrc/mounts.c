@@ -78,14 +78,14 @@ static int mkparent(const char *path)
 
 static int ensure_file(const char *path)
 {
+    struct stat st;
+    if (lstat(path, &st) == 0)
+        return 0; /* never open an existing target: it may be a device or a /proc file */
     if (mkparent(path) < 0)
         return -1;
-    int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
-    if (fd < 0) {
-        if (errno == EEXIST || errno == EISDIR)
-            return 0;
-        return -1;
-    }
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0)
+        return errno == EEXIST ? 0 : -1;
     close(fd);
     return 0;
 }

@@ -1,0 +1,834 @@
+"""Python API: ``stockade.run`` (subprocess.run-compatible) and ``Sandbox`` (a session).
+
+The supervisor runs in the calling thread (no helper threads): it releases the
+child, tees its stdout/stderr to the caller and the session's logs, feeds
+stdin, enforces the timeout, and turns the child's report records into a
+result or a SandboxError. Safe to call from many threads at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from . import plan as planmod
+from .errors import SandboxError, UsageError
+from .session import store
+
+PIPE = subprocess.PIPE
+DEVNULL = subprocess.DEVNULL
+STDOUT = subprocess.STDOUT
+
+_CHUNK = 1 << 16
+
+
+class RunResult(subprocess.CompletedProcess[Any]):
+    """A CompletedProcess plus what stockade knows about the run."""
+
+    session: str
+    run: int
+    outcome: str
+    peak_memory: int | None
+    cpu_time: float | None
+    degraded: tuple[str, ...]
+
+    def __init__(self, args: Any, returncode: int, stdout: Any = None, stderr: Any = None) -> None:
+        super().__init__(args, returncode, stdout, stderr)
+        self.session = ""
+        self.run = 0
+        self.outcome = ""
+        self.peak_memory = None
+        self.cpu_time = None
+        self.degraded = ()
+
+    @property
+    def exit_status(self) -> int:
+        """The shell-style status: the code, or 128+N when killed by signal N."""
+        return self.returncode if self.returncode >= 0 else 128 - self.returncode
+
+
+@dataclass
+class Options:
+    """Everything a run can be asked for beyond the command itself."""
+
+    env: Mapping[str, str] | None = None  # extra variables, always passed (--env)
+    cwd: str | os.PathLike[str] | None = None
+    root: bool = False
+    user: int | None = None
+    read_only: bool = False
+    network: str = "none"
+    pass_fds: Sequence[int] = ()
+    seccomp: str = "default"
+    allow_degraded: frozenset[str] = frozenset()
+    limits: Any = None  # cgroups.base.Limits
+    policy: Any = None  # policy.CliPolicy
+    no_wait: bool = False
+    quiet: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _base_env() -> dict[str, str]:
+    """Variables that pass when no policy module decides (PATH, locale, terminal)."""
+    keep = ("PATH", "LANG", "LANGUAGE", "TERM", "TZ", "COLORTERM", "NODE_ENV", "DEBUG", "CI", "PYTHONUNBUFFERED", "NO_COLOR", "FORCE_COLOR")
+    env = {k: v for k, v in os.environ.items() if k in keep or k.startswith("LC_")}
+    return env
+
+
+class Sandbox:
+    """A session: successive runs stack their writes in one upper layer.
+
+    ``with Sandbox("proj") as sb: sb.run(["make"]); sb.changes().diff()``
+    """
+
+    def __init__(self, project: str | os.PathLike[str] = ".", session: str | None = None, **options: Any) -> None:
+        self.project = planmod.resolve_project(project)
+        self.session = store.open_or_create(self.project, session)
+        self.options = options
+
+    @property
+    def id(self) -> str:
+        return self.session.id
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def run(self, args: Sequence[str] | str, **kwargs: Any) -> RunResult:
+        merged = {**self.options, **kwargs}
+        return _run_in_session(self.session, self.project, args, **merged)
+
+    def changes(self) -> Any:
+        from .changes.scan import scan
+
+        return scan(self.session)
+
+
+def run(
+    args: Sequence[str] | str,
+    *,
+    project: str | os.PathLike[str] = ".",
+    session: str | None = None,
+    **kwargs: Any,
+) -> RunResult:
+    """Run ``args`` sandboxed, like ``subprocess.run``; the result also has ``.session``."""
+    proj = planmod.resolve_project(project)
+    sess = store.open_or_create(proj, session)
+    return _run_in_session(sess, proj, args, **kwargs)
+
+
+def _argv(args: Sequence[str] | str, shell: bool) -> tuple[str, ...]:
+    if isinstance(args, str | bytes):
+        if shell:
+            return ("/bin/sh", "-c", os.fsdecode(args))
+        return (os.fsdecode(args),)
+    if shell:
+        return ("/bin/sh", "-c", " ".join(args))
+    return tuple(os.fsdecode(a) for a in args)
+
+
+def _run_in_session(
+    sess: store.Session,
+    project: Path,
+    args: Sequence[str] | str,
+    *,
+    input: bytes | str | None = None,
+    stdin: int | IO[Any] | None = None,
+    stdout: int | IO[Any] | None = None,
+    stderr: int | IO[Any] | None = None,
+    capture_output: bool = False,
+    text: bool = False,
+    encoding: str | None = None,
+    errors: str | None = None,
+    timeout: float | None = None,
+    check: bool = False,
+    no_wait: bool = False,
+    quiet: bool = True,
+    forward_signals: bool = False,
+    _tee_to: tuple[int, int] | None = None,
+    **opts: Any,
+) -> RunResult:
+    if capture_output:
+        if stdout is not None or stderr is not None:
+            raise ValueError("stdout and stderr arguments may not be used with capture_output.")
+        stdout = stderr = PIPE
+    if input is not None and stdin is not None:
+        raise ValueError("stdin and input arguments may not both be used.")
+    text_mode = bool(text or encoding or errors)
+    prep = _prepare(sess, project, args, timeout=timeout, **opts)
+    raise_timeout = timeout is not None and not forward_signals
+    with sess.lock(wait=not no_wait):
+        return _execute(
+            sess, prep.plan, prep.plan.argv, input=input, stdin=stdin, stdout=stdout, stderr=stderr,
+            text_mode=text_mode, encoding=encoding, errors=errors, timeout=prep.timeout, check=check,
+            cg_manager=prep.cg_manager, limits=prep.limits, tee_to=_tee_to, quiet=quiet, notes=[],
+            raise_timeout=raise_timeout and prep.timeout == timeout, forward_signals=forward_signals,
+        )
+
+
+@dataclass
+class Prepared:
+    plan: planmod.Plan
+    cg_manager: Any
+    limits: Any
+    timeout: float | None
+
+
+def plan_for(
+    args: Sequence[str] | str,
+    *,
+    project: str | os.PathLike[str] = ".",
+    session: str | None = None,
+    no_wait: bool = False,
+    **opts: Any,
+) -> planmod.Plan:
+    """The Plan a run would execute (``stockade explain``); creates nothing."""
+    proj = planmod.resolve_project(project)
+    if session:
+        try:
+            sess = store.open_session(session)
+        except UsageError:
+            sess = store.Session(session, store.sessions_dir() / session)
+    else:
+        sess = store.Session("(new)", store.sessions_dir() / "(new)")
+    return _prepare(sess, proj, args, explain_only=True, **opts).plan
+
+
+def _prepare(
+    sess: store.Session,
+    project: Path,
+    args: Sequence[str] | str,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    timeout: float | None = None,
+    shell: bool = False,
+    root: bool = False,
+    user: int | None = None,
+    read_only: bool = False,
+    network: str = "none",
+    pass_fds: Sequence[int] = (),
+    seccomp: str = "default",
+    allow_degraded: Sequence[str] = (),
+    landlock: bool = True,
+    limits: Any = None,
+    policy: Any = None,
+    explain_only: bool = False,
+) -> Prepared:
+    argv = _argv(args, shell)
+    if network not in ("none", "host"):
+        raise UsageError(f"--net {network!r} is not a network mode; use none or host")
+    degraded_ok = frozenset(allow_degraded)
+    unknown = degraded_ok - {"landlock", "seccomp", "limits", "cgroups"}
+    if unknown:
+        raise UsageError(f"--allow-degraded {','.join(sorted(unknown))}: unknown; accepted: landlock, seccomp, limits")
+    if not landlock and "landlock" not in degraded_ok:
+        raise UsageError("turning Landlock off needs --allow-degraded landlock")
+    if seccomp == "off" and "seccomp" not in degraded_ok:
+        raise UsageError("--seccomp off needs --allow-degraded seccomp")
+
+    wd = planmod.resolve_cwd(project, cwd)
+    degraded: list[str] = []
+    notes: list[str] = []
+
+    # environment
+    pol = _load_policy(project, sess, policy, env)
+    if pol is not None:
+        passed, _removed = pol.env(os.environ)
+        run_env = dict(passed)
+        if pol.read_only:
+            read_only = True
+        reason = pol.check_command(list(argv))
+        if reason:
+            _audit(sess, "command", " ".join(argv[:3]), "blocked", reason=reason)
+            raise UsageError(f"command refused by policy: {reason}")
+    else:
+        run_env = _base_env()
+        run_env.update(env or {})
+
+    # confinement: Landlock and seccomp, fail closed
+    use_landlock = landlock
+    if use_landlock and planmod.landlock_abi() == 0:
+        if "landlock" in degraded_ok:
+            use_landlock = False
+            degraded.append("landlock (kernel has none)")
+        else:
+            raise SandboxError(
+                "landlock_create_ruleset",
+                errno=95,
+                remedy="this kernel has no Landlock (needs 5.13+ with lsm=landlock); pass --allow-degraded landlock to run without it",
+            )
+    elif not use_landlock:
+        degraded.append("landlock (turned off)")
+    seccomp_name: str | None = None
+    bpf = b""
+    if seccomp != "off":
+        bpf, seccomp_name = _seccomp(seccomp, degraded_ok, degraded)
+    else:
+        degraded.append("seccomp (turned off)")
+
+    masked: tuple[tuple[str, bool], ...] = ()
+    grants: tuple[tuple[str, bool], ...] = ()
+    exec_allow: tuple[str, ...] | None = None
+    etc_extra: tuple[str, ...] = ()
+    lower_layers: list[Path] = [p for p in reversed(sess.layers())]
+    mask_empty: str | None = None
+    if pol is not None:
+        masked_l = pol.masked(project)
+        if getattr(pol, "mask_mode", "empty") == "absent" and not read_only and not explain_only:
+            from .session.masklayer import ensure_mask_layer
+
+            lower_layers.append(ensure_mask_layer(sess, [(m.path, m.is_dir) for m in masked_l], project))
+        else:
+            masked = tuple((str(m.path), bool(m.is_dir)) for m in masked_l)
+            mask_empty = str(_empty_file())
+        grants = tuple((str(g.host_path), bool(g.writable)) for g in pol.grants)
+        exec_allow = tuple(pol.exec_allow) if pol.exec_allow is not None else None
+        etc_extra = tuple(pol.etc_extra)
+
+    # limits
+    cg_manager = None
+    rlimits: tuple[tuple[int, int, int], ...] = ()
+    lim = limits
+    try:
+        from .cgroups import base as cgbase
+        from .cgroups import detect as cgdetect
+    except ImportError:  # pragma: no cover - cgroups package not present
+        cgbase = cgdetect = None  # type: ignore[assignment]
+    if cgbase is not None and cgdetect is not None:
+        if lim is None:
+            lim = cgbase.Limits.defaults()
+        cg_manager = cgdetect.detect()
+        rlimits = tuple(cgbase.rlimits_for(lim, cg_manager))
+        if timeout is None and lim.timeout is not None:
+            timeout = lim.timeout
+
+    req = planmod.Request(
+        argv=argv,
+        project=project,
+        cwd=wd,
+        env=run_env,
+        lower_layers=tuple(lower_layers),
+        upper=None if read_only else sess.upper,
+        work=None if read_only else sess.work,
+        root=root,
+        user=user,
+        read_only=read_only,
+        network=network,
+        keep_fds=tuple(pass_fds),
+        masked=masked,
+        mask_empty_file=mask_empty,
+        grants=grants,
+        exec_allow=exec_allow,
+        etc_extra=etc_extra,
+        landlock=use_landlock,
+        seccomp_name=seccomp_name,
+        seccomp_bpf=bpf,
+        rlimits=rlimits,
+        degraded=tuple(degraded),
+    )
+    plan = planmod.build(req)
+    for fd in pass_fds:
+        try:
+            os.fstat(fd)
+        except OSError:
+            raise UsageError(f"--pass-fd {fd}: not an open file descriptor") from None
+    return Prepared(plan, cg_manager, lim, timeout)
+
+
+_EMPTY: Path | None = None
+
+
+def _empty_file() -> Path:
+    global _EMPTY
+    if _EMPTY is None:
+        p = store.state_dir() / "empty"
+        if not p.exists():
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.touch(mode=0o444)
+        _EMPTY = p
+    return _EMPTY
+
+
+def _load_policy(project: Path, sess: store.Session, cli: Any, env: Mapping[str, str] | None) -> Any:
+    try:
+        from . import policy as polmod
+    except ImportError:  # pragma: no cover
+        return None
+    load = getattr(polmod, "load", None)
+    if load is None:
+        return None
+    if cli is None:
+        cli = polmod.CliPolicy(env=dict(env or {}))
+    elif env:
+        import dataclasses
+
+        cli = dataclasses.replace(cli, env={**cli.env, **env})
+    return load(project, sess.dir, cli)
+
+
+def _audit(sess: store.Session, operation: str, target: str, result: str, **kw: Any) -> None:
+    try:
+        from .audit import AuditLog
+    except ImportError:  # pragma: no cover
+        return
+    try:
+        AuditLog(sess).event(operation, target, result, **kw)
+    except OSError:
+        pass
+
+
+_seccomp_cache: dict[str, tuple[bytes, str]] = {}
+
+
+def _seccomp(spec: str, degraded_ok: frozenset[str], degraded: list[str]) -> tuple[bytes, str | None]:
+    hit = _seccomp_cache.get(spec)
+    if hit is not None:
+        return hit
+    try:
+        from .linux import seccomp as sc
+    except ImportError:
+        if "seccomp" in degraded_ok:
+            degraded.append("seccomp (compiler unavailable)")
+            return b"", None
+        raise SandboxError("seccomp compile", remedy="the seccomp compiler is not installed; reinstall stockade") from None
+    compiled = sc.compile_profile(spec)
+    res = (compiled.bpf, compiled.name)
+    _seccomp_cache[spec] = res
+    return res
+
+
+def _std_target(spec: int | IO[Any] | None, default_fd: int) -> int | None:
+    """None = inherit default_fd via tee; int fd to write to."""
+    if spec is None:
+        return default_fd
+    if spec == DEVNULL:
+        return None
+    if isinstance(spec, int):
+        return spec
+    return spec.fileno()
+
+
+def _execute(
+    sess: store.Session,
+    plan: planmod.Plan,
+    argv: tuple[str, ...],
+    *,
+    input: bytes | str | None,
+    stdin: int | IO[Any] | None,
+    stdout: int | IO[Any] | None,
+    stderr: int | IO[Any] | None,
+    text_mode: bool,
+    encoding: str | None,
+    errors: str | None,
+    timeout: float | None,
+    check: bool,
+    cg_manager: Any,
+    limits: Any,
+    tee_to: tuple[int, int] | None,
+    quiet: bool,
+    notes: list[str],
+    raise_timeout: bool,
+    forward_signals: bool,
+) -> RunResult:
+    from .linux import native
+
+    run_no, run_dir = sess.new_run_dir()
+    started = time.time()
+    record: dict[str, Any] = {
+        "run": run_no,
+        "argv": list(argv),
+        "cwd": plan.cwd,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "status": "running",
+        "degraded": list(plan.degraded),
+    }
+    store.write_json_atomic(run_dir / "run.json", record)
+    _audit(sess, "run", " ".join(argv), "allowed", run=run_no, cwd=plan.cwd)
+
+    to_close: list[int] = []
+    # stdin
+    stdin_fd = 0
+    feed: bytes | None = None
+    stdin_w = -1
+    if input is not None:
+        feed = input.encode(encoding or "utf-8", errors or "strict") if isinstance(input, str) else bytes(input)
+        r, stdin_w = os.pipe()
+        stdin_fd = r
+        to_close.append(r)
+    elif stdin == DEVNULL:
+        stdin_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        to_close.append(stdin_fd)
+    elif stdin is not None:
+        stdin_fd = stdin if isinstance(stdin, int) else stdin.fileno()
+
+    # stdout/stderr: always through pipes, so the session keeps a copy
+    out_r, out_w = os.pipe()
+    if stderr == STDOUT:
+        err_r, err_w = -1, out_w
+    else:
+        err_r, err_w = os.pipe()
+    to_close.extend([out_w] + ([err_w] if err_w != out_w else []))
+    capture_out = stdout == PIPE
+    capture_err = stderr == PIPE
+    dest_out = None if capture_out else _std_target(stdout, tee_to[0] if tee_to else 1)
+    dest_err = None if capture_err else _std_target(stderr if stderr != STDOUT else stdout, tee_to[1] if tee_to else 2)
+    log_out = os.open(run_dir / "stdout.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    log_err = os.open(run_dir / "stderr.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+
+    cg = None
+    child = None
+    try:
+        if cg_manager is not None and limits is not None:
+            cg = cg_manager.create(f"stockade-{sess.id}-{run_no}-{os.getpid()}", limits)
+        lowered = native.Lowered(plan, (stdin_fd, out_w, err_w), cg.clone_into_fd() if cg else None, pty=False)
+        child = native.spawn(lowered)
+        if cg is not None:
+            cg.attach(child.pid)
+        native.go(child)
+        for fd in to_close:
+            os.close(fd)
+        to_close = []
+        sup = _Supervisor(child, out_r, err_r, stdin_w, feed, dest_out, dest_err, log_out, log_err, capture_out, capture_err, timeout, cg)
+        stdin_w = -1
+        if forward_signals:
+            with _forwarding(child.pid):
+                sup.loop()
+        else:
+            sup.loop()
+    except BaseException:
+        if child is not None:
+            try:
+                os.kill(child.pid, signal.SIGKILL)
+                os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
+            except (OSError, ChildProcessError):
+                pass
+        raise
+    finally:
+        for fd in (*to_close, out_r, err_r, log_out, log_err, stdin_w):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        if child is not None:
+            child.close()
+        if cg is not None:
+            stats = None
+            try:
+                cg.kill()
+                stats = cg.stats()
+            finally:
+                cg.remove()
+            sup_stats = stats
+        else:
+            sup_stats = None
+
+    # outcome
+    ended = time.time()
+    record["ended"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ended))
+    record["duration"] = round(ended - started, 4)
+    if sup.error is not None:
+        rep = sup.error
+        path = rep.path
+        for pre in (native.NEW, native.OLD):
+            if path.startswith(pre):
+                path = path[len(pre):] or "/"
+        kind = None
+        if rep.step == "mount" and 0 <= rep.value < len(plan.mounts):
+            kind = plan.mounts[rep.value].kind
+        err = native.spawn_error(rep.step, rep.err, path, op_kind=kind)
+        record["status"] = "setup-failed"
+        record["error"] = str(err)
+        store.write_json_atomic(run_dir / "run.json", record)
+        raise err
+
+    returncode = sup.returncode
+    outcome = _classify(sup, sup_stats, returncode)
+    record.update(outcome)
+    record["status"] = "done"
+    record["exit_status"] = returncode if returncode >= 0 else 128 - returncode
+    if sup.exec_failed is not None:
+        record["exec_failed"] = {"path": sup.exec_failed.path, "errno": sup.exec_failed.err}
+    store.write_json_atomic(run_dir / "run.json", record)
+    _audit(sess, "outcome", " ".join(argv[:1]), "allowed", run=run_no, outcome=outcome.get("outcome"))
+
+    out_data: Any = bytes(sup.out_buf) if capture_out else None
+    err_data: Any = bytes(sup.err_buf) if capture_err else None
+    if text_mode:
+        enc = encoding or "utf-8"
+        if out_data is not None:
+            out_data = out_data.decode(enc, errors or "strict")
+        if err_data is not None:
+            err_data = err_data.decode(enc, errors or "strict")
+    res = RunResult(list(argv), returncode, out_data, err_data)
+    res.session = sess.id
+    res.run = run_no
+    res.outcome = str(outcome.get("outcome", ""))
+    res.peak_memory = outcome.get("peak_memory")
+    res.cpu_time = outcome.get("cpu_time")
+    res.degraded = plan.degraded
+    res.exec_failed = sup.exec_failed  # type: ignore[attr-defined]
+    if sup.timed_out and raise_timeout and timeout is not None:
+        # subprocess.run compatibility; the result rides along for callers that want the outcome
+        exc = subprocess.TimeoutExpired(list(argv), timeout, out_data, err_data)
+        exc.result = res  # type: ignore[attr-defined]
+        raise exc
+    if check and returncode != 0:
+        raise subprocess.CalledProcessError(returncode, list(argv), out_data, err_data)
+    return res
+
+
+def _classify(sup: _Supervisor, stats: Any, returncode: int) -> dict[str, Any]:
+    try:
+        from .cgroups import base as cgbase
+    except ImportError:  # pragma: no cover
+        cgbase = None  # type: ignore[assignment]
+    if cgbase is not None and hasattr(cgbase, "classify"):
+        o = cgbase.classify(returncode, timed_out=sup.timed_out, stats=stats)
+        return {
+            "outcome": o.summary() if hasattr(o, "summary") else str(o.kind),
+            "outcome_kind": o.kind,
+            "peak_memory": o.peak_memory,
+            "cpu_time": o.cpu_time,
+            "exit_code": o.exit_status,
+        }
+    if sup.timed_out:
+        return {"outcome": "timeout", "outcome_kind": "timeout"}
+    if returncode < 0:
+        return {"outcome": f"signaled({signal.Signals(-returncode).name})", "outcome_kind": "signaled"}
+    return {"outcome": f"exited({returncode})", "outcome_kind": "exited"}
+
+
+class _Supervisor:
+    """Moves bytes, reads the child's reports, waits for init, enforces the timeout."""
+
+    def __init__(
+        self,
+        child: Any,
+        out_r: int,
+        err_r: int,
+        stdin_w: int,
+        feed: bytes | None,
+        dest_out: int | None,
+        dest_err: int | None,
+        log_out: int,
+        log_err: int,
+        capture_out: bool,
+        capture_err: bool,
+        timeout: float | None,
+        cg: Any,
+    ) -> None:
+        self.child = child
+        self.out_r, self.err_r = out_r, err_r
+        self.stdin_w = stdin_w
+        self.feed = memoryview(feed) if feed is not None else None
+        self.dest = {out_r: dest_out, err_r: dest_err}
+        self.log = {out_r: log_out, err_r: log_err}
+        self.capture = {out_r: capture_out, err_r: capture_err}
+        self.out_buf = bytearray()
+        self.err_buf = bytearray()
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.cg = cg
+        self.timed_out = False
+        self.error: Any = None
+        self.exec_failed: Any = None
+        self.exit_status: int | None = None
+        self.init_status: int | None = None
+        self.returncode = 0
+        self._rbuf = b""
+        self._term_sent_at: float | None = None
+
+    def _write_all(self, fd: int, data: bytes) -> None:
+        mv = memoryview(data)
+        while mv:
+            try:
+                n = os.write(fd, mv)
+            except BrokenPipeError:
+                return
+            except InterruptedError:
+                continue
+            except BlockingIOError:
+                import select
+
+                select.select([], [fd], [])
+                continue
+            mv = mv[n:]
+
+    def loop(self) -> None:
+        from .linux import native
+
+        sel = selectors.DefaultSelector()
+        open_streams = 0
+        for fd in (self.out_r, self.err_r):
+            if fd >= 0:
+                sel.register(fd, selectors.EVENT_READ, "out")
+                open_streams += 1
+        sel.register(self.child.report_fd, selectors.EVENT_READ, "report")
+        sel.register(self.child.pidfd, selectors.EVENT_READ, "pidfd")
+        if self.stdin_w >= 0:
+            if self.feed is not None and len(self.feed):
+                os.set_blocking(self.stdin_w, False)
+                sel.register(self.stdin_w, selectors.EVENT_WRITE, "stdin")
+            else:
+                os.close(self.stdin_w)
+                self.stdin_w = -1
+        init_done = False
+        report_open = True
+        try:
+            while open_streams or not init_done or report_open:
+                wait = None
+                now = time.monotonic()
+                if self.deadline is not None and not self.timed_out:
+                    wait = max(0.0, self.deadline - now)
+                elif self._term_sent_at is not None:
+                    wait = max(0.0, self._term_sent_at + 2.0 - now)
+                if init_done and not report_open and open_streams:
+                    # init is gone, so is every process of the sandbox; drain what is buffered
+                    wait = 0.5 if wait is None else min(wait, 0.5)
+                events = sel.select(wait)
+                if not events:
+                    now = time.monotonic()
+                    if self.deadline is not None and not self.timed_out and now >= self.deadline:
+                        self._on_timeout()
+                        continue
+                    if self._term_sent_at is not None and now >= self._term_sent_at + 2.0:
+                        self._kill()
+                        self._term_sent_at = None
+                        continue
+                    if init_done and not report_open:
+                        break
+                    continue
+                for key, _ in events:
+                    what = key.data
+                    fd = key.fd
+                    if what == "out":
+                        try:
+                            data = os.read(fd, _CHUNK)
+                        except InterruptedError:
+                            continue
+                        if not data:
+                            sel.unregister(fd)
+                            open_streams -= 1
+                            continue
+                        os.write(self.log[fd], data)
+                        if self.capture[fd]:
+                            (self.out_buf if fd == self.out_r else self.err_buf).extend(data)
+                        else:
+                            d = self.dest[fd]
+                            if d is not None:
+                                self._write_all(d, data)
+                    elif what == "report":
+                        data = os.read(fd, 4096)
+                        if not data:
+                            sel.unregister(fd)
+                            report_open = False
+                            continue
+                        reps, self._rbuf = native.parse_reports(self._rbuf + data)
+                        for r in reps:
+                            if r.kind == native.REP_ERROR:
+                                self.error = r
+                            elif r.kind == native.REP_EXEC_FAILED:
+                                self.exec_failed = r
+                            elif r.kind == native.REP_EXIT:
+                                self.exit_status = r.value
+                    elif what == "pidfd":
+                        sel.unregister(fd)
+                        info = os.waitid(os.P_PIDFD, fd, os.WEXITED)
+                        if info is not None:
+                            self.init_status = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+                        init_done = True
+                    elif what == "stdin":
+                        assert self.feed is not None
+                        try:
+                            n = os.write(fd, self.feed[:_CHUNK])
+                        except BrokenPipeError:
+                            n = len(self.feed)
+                        except BlockingIOError:
+                            continue
+                        self.feed = self.feed[n:]
+                        if not len(self.feed):
+                            sel.unregister(fd)
+                            os.close(fd)
+                            self.stdin_w = -1
+        except KeyboardInterrupt:
+            self._forward(signal.SIGINT)
+            raise
+        finally:
+            sel.close()
+            if self.stdin_w >= 0:
+                os.close(self.stdin_w)
+                self.stdin_w = -1
+        if self.exit_status is not None:
+            st = self.exit_status
+            self.returncode = os.waitstatus_to_exitcode(st)
+        elif self.init_status is not None:
+            s = self.init_status
+            self.returncode = s if s <= 128 or s >= 256 else -(s - 128)
+            if s < 0:
+                self.returncode = s
+        else:
+            self.returncode = -signal.SIGKILL
+
+    def _forward(self, sig: int) -> None:
+        try:
+            os.kill(self.child.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _on_timeout(self) -> None:
+        self.timed_out = True
+        self._forward(signal.SIGTERM)
+        self._term_sent_at = time.monotonic()
+
+    def _kill(self) -> None:
+        if self.cg is not None:
+            try:
+                self.cg.kill()
+            except OSError:
+                pass
+        self._forward(signal.SIGKILL)
+
+
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
+
+
+class _forwarding:
+    """CLI only (main thread): signals the supervisor receives go to the sandbox's init,
+    which forwards them to the command's process group, like a shell's foreground job."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.old: dict[int, Any] = {}
+
+    def _handler(self, sig: int, _frame: Any) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> None:
+        for s in _FORWARDED:
+            self.old[s] = signal.signal(s, self._handler)
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+
+def result_json(res: RunResult) -> str:
+    return json.dumps({"session": res.session, "run": res.run, "returncode": res.returncode, "outcome": res.outcome})
+
+
+def _stderr(msg: str) -> None:
+    sys.stderr.write(msg + "\n")

@@ -1,0 +1,211 @@
+"""Command-line front end: argparse only, no logic. Imports stay lazy so the
+`run` path loads nothing it does not need."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, exit 2
+        sys.stderr.write(f"stockade: {message} (see `{self.prog} --help`)\n")
+        raise SystemExit(2)
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--project", "-p", default=".", metavar="DIR", help="project directory (default: .)")
+    p.add_argument("--session", "-s", metavar="NAME", help="reuse or create the named session")
+    p.add_argument("--cwd", metavar="DIR", help="working directory inside the project")
+    p.add_argument("--root", action="store_true", help="appear as uid 0 inside (no capabilities)")
+    p.add_argument("--user", type=int, metavar="UID", help="(real root only) run as this uid instead of the project's owner")
+    p.add_argument("--net", default="none", choices=("none", "host"), help="network: none (own netns, lo only) or host")
+    p.add_argument("--pass-fd", type=int, action="append", default=[], metavar="N", help="pass file descriptor N through")
+    p.add_argument("--seccomp", default="default", metavar="NAME|PATH", help="seccomp profile (default, strict, permissive, a JSON file, or off)")
+    p.add_argument("--no-landlock", action="store_true", help="do not apply Landlock (needs --allow-degraded landlock)")
+    p.add_argument("--allow-degraded", action="append", default=[], metavar="WHAT", help="run without a layer the kernel lacks: landlock, seccomp, limits")
+    p.add_argument("--no-wait", action="store_true", help="fail instead of waiting when the session is busy")
+    try:
+        from .cgroups.cli import add_limit_arguments
+    except ImportError:  # pragma: no cover
+        pass
+    else:
+        add_limit_arguments(p)
+    try:
+        from .policy.cli import add_policy_arguments
+    except ImportError:  # pragma: no cover
+        p.add_argument("--env", "-e", action="append", default=[], metavar="K=V", help="set a variable inside (always passes)")
+        p.add_argument("--read-only", action="store_true", help="mount the project read-only")
+    else:
+        add_policy_arguments(p)
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+
+
+def _run_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from .errors import UsageError
+
+    cmd = list(args.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise UsageError("no command given; usage: stockade run [OPTIONS] -- CMD [ARGS...]")
+    kw: dict[str, Any] = {
+        "args": cmd,
+        "project": args.project,
+        "session": args.session,
+        "cwd": args.cwd,
+        "root": args.root,
+        "user": args.user,
+        "network": args.net,
+        "pass_fds": tuple(args.pass_fd),
+        "seccomp": args.seccomp,
+        "landlock": not args.no_landlock,
+        "allow_degraded": tuple(x for a in args.allow_degraded for x in a.split(",") if x),
+        "no_wait": args.no_wait,
+    }
+    if hasattr(args, "memory"):
+        from .cgroups.cli import limits_from_args
+
+        kw["limits"] = limits_from_args(args)
+    if "policy.cli" in sys.modules or hasattr(args, "policy_flags"):
+        from .policy.cli import cli_policy_from_args
+
+        kw["policy"] = cli_policy_from_args(args)
+    else:
+        env = {}
+        for item in getattr(args, "env", []) or []:
+            if "=" not in item:
+                raise UsageError(f"--env {item!r}: expected K=V")
+            k, v = item.split("=", 1)
+            env[k] = v
+        kw["env"] = env
+        kw["read_only"] = bool(getattr(args, "read_only", False))
+    return kw
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from . import api
+    from .errors import SandboxError
+
+    kw = _run_kwargs(args)
+    argv = kw.pop("args")
+    project = kw.pop("project")
+    session = kw.pop("session")
+    res = api.run(argv, project=project, session=session, forward_signals=True, quiet=False, **kw)
+    ef = getattr(res, "exec_failed", None)
+    if ef is not None:
+        import errno as _e
+
+        if ef.err in (_e.ENOENT, _e.ENOTDIR):
+            sys.stderr.write(f"stockade: {ef.path}: command not found\n")
+        else:
+            sys.stderr.write(f"stockade: {ef.path}: cannot execute: {os.strerror(ef.err)}\n")
+    _after_run(res)
+    del SandboxError
+    status: int = res.exit_status
+    kind = getattr(res, "outcome_kind", None) or res.outcome
+    if kind.startswith("timeout"):
+        status = 124
+    elif kind.startswith("oom"):
+        status = 137
+    return status
+
+
+def _after_run(res: Any) -> None:
+    """The one-line summaries on stderr: outcome when notable, degraded layers, changes."""
+    lines: list[str] = []
+    if res.outcome and not res.outcome.startswith("exited"):
+        lines.append(f"stockade: run {res.run} of session {res.session} ended: {res.outcome}")
+    if res.degraded:
+        lines.append("stockade: DEGRADED sandbox: " + ", ".join(res.degraded))
+    try:
+        from .changes.cli import summary_line
+        from .session import store
+
+        line = summary_line(store.open_session(res.session))
+    except ImportError:
+        line = None
+    if line:
+        lines.append(line)
+    elif res.run == 1:
+        lines.append(f"stockade: session {res.session}")
+    for ln in lines:
+        sys.stderr.write(ln + "\n")
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from . import explain
+
+    kw = _run_kwargs(args)
+    sys.stdout.write(explain.explain(**kw) + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="stockade", description="Run untrusted commands in a Linux sandbox; review their writes as a change set.")
+    parser.add_argument("--version", action="version", version="stockade 0.1.0")
+    sub = parser.add_subparsers(dest="verb", metavar="COMMAND", parser_class=_Parser)
+    p = sub.add_parser("run", help="run a command in a sandbox over the project")
+    _add_run_options(p)
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("explain", help="print the plan a run would execute")
+    _add_run_options(p)
+    p.set_defaults(func=cmd_explain)
+    p = sub.add_parser("shell", help="an interactive shell in the sandbox (a pty relayed to your terminal)")
+    _add_run_options(p)
+    p.set_defaults(func=_lazy("stockade.shell", "cmd_shell"))
+    for mod in ("stockade.changes.cli", "stockade.cgroups.cli", "stockade.policy.cli", "stockade.linux.seccomp_cli"):
+        try:
+            m = __import__(mod, fromlist=["register"])
+        except ImportError:
+            continue
+        reg = getattr(m, "register", None)
+        if reg is not None:
+            reg(sub)
+    return parser
+
+
+def _lazy(module: str, name: str) -> Any:
+    def f(args: argparse.Namespace) -> int:
+        m = __import__(module, fromlist=[name])
+        rc: int = getattr(m, name)(args)
+        return rc
+
+    return f
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import StockadeError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        if args.verb not in ("run", "explain", "shell", "recover"):
+            _recover_quietly()
+        rc: int = args.func(args)
+        return rc
+    except StockadeError as e:
+        sys.stderr.write(f"stockade: {e.one_line()}\n")
+        return e.exit_status
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 141
+
+
+def _recover_quietly() -> None:
+    try:
+        from .changes.apply import recover_pending
+    except ImportError:
+        return
+    for line in recover_pending():
+        sys.stderr.write(f"stockade: {line}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""Thin typed layer over the C core (stockade._native): lowers a Plan into C structs,
+spawns, and turns the child's report records into Python values."""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from .._native import ffi, lib  # type: ignore[import-not-found]
+from ..errors import SandboxError
+from ..plan import Plan
+
+_KIND = {
+    "bind": lib.SK_OP_BIND,
+    "tmpfs": lib.SK_OP_TMPFS,
+    "overlay": lib.SK_OP_OVERLAY,
+    "proc": lib.SK_OP_PROC,
+    "devpts": lib.SK_OP_DEVPTS,
+    "mqueue": lib.SK_OP_MQUEUE,
+    "mkdir": lib.SK_OP_MKDIR,
+    "symlink": lib.SK_OP_SYMLINK,
+    "file": lib.SK_OP_FILE,
+    "remount-ro": lib.SK_OP_REMOUNT_RO,
+}
+_FLAG = {
+    "ro": lib.SK_F_RDONLY,
+    "rec": lib.SK_F_REC,
+    "optional": lib.SK_F_OPTIONAL,
+    "dev": lib.SK_F_DEV,
+    "file": lib.SK_F_FILE,
+    "noexec": lib.SK_F_NOEXEC,
+}
+_NS_FLAG = {
+    "user": 0x10000000,
+    "mount": 0x00020000,
+    "pid": 0x20000000,
+    "net": 0x40000000,
+    "ipc": 0x08000000,
+    "uts": 0x04000000,
+    "cgroup": 0x02000000,
+}
+
+STEP_NAMES = {
+    getattr(lib, n): n[len("SK_STEP_"):].lower().replace("_", "-")
+    for n in dir(lib)
+    if n.startswith("SK_STEP_")
+}
+
+REPORT = struct.Struct("iiii240s")
+assert REPORT.size == ffi.sizeof("struct sk_report")
+
+OLD = "/oldroot"
+NEW = "/newroot"
+
+
+def landlock_abi() -> int:
+    r: int = lib.sk_landlock_abi()
+    return r if r > 0 else 0
+
+
+def _overlay_escape(p: str) -> str:
+    # overlayfs splits options on ',' and lower dirs on ':'; '\' escapes both.
+    return p.replace("\\", "\\\\").replace(",", "\\,").replace(":", "\\:")
+
+
+def _host(p: str) -> str:
+    return OLD + p
+
+
+def _sbx(p: str) -> str:
+    return NEW if p == "/" else NEW + p
+
+
+class Lowered:
+    """cffi objects for one plan; keeps every buffer alive while the parent needs it."""
+
+    def __init__(self, plan: Plan, stdio: tuple[int, int, int], cgroup_fd: int | None, pty: bool, stage_dir: str = "/tmp") -> None:
+        keep: list[Any] = []
+        self._keep = keep
+
+        def s(v: str | bytes | None) -> Any:
+            if v is None:
+                return ffi.NULL
+            b = v.encode("utf-8", "surrogateescape") if isinstance(v, str) else v
+            c = ffi.new("char[]", b)
+            keep.append(c)
+            return c
+
+        ops = ffi.new("struct sk_mount_op[]", len(plan.mounts))
+        keep.append(ops)
+        for i, m in enumerate(plan.mounts):
+            o = ops[i]
+            o.kind = _KIND[m.kind]
+            fl = 0
+            for f in m.flags:
+                fl |= _FLAG[f]
+            o.flags = fl
+            o.target = s(_sbx(m.target))
+            if m.source is not None:
+                o.source = s(_sbx(m.source) if m.source_in_sandbox else _host(m.source))
+            if m.kind == "overlay":
+                lowers = ":".join(_overlay_escape(_host(x)) for x in m.lower)
+                opts = f"lowerdir={lowers}"
+                if m.upper is not None and m.work is not None:
+                    opts += f",upperdir={_overlay_escape(_host(m.upper))},workdir={_overlay_escape(_host(m.work))}"
+                opts += ",userxattr"
+                o.data = s(opts)
+            elif m.data is not None:
+                data = m.data.encode("utf-8", "surrogateescape") if isinstance(m.data, str) else m.data
+                o.data = s(data)
+                o.data_len = len(data)
+            o.mode = m.mode
+
+        p = ffi.new("struct sk_plan *")
+        keep.append(p)
+        flags = 0
+        for n in plan.namespaces:
+            flags |= _NS_FLAG[n]
+        p.clone_flags = flags
+        p.cgroup_fd = -1 if cgroup_fd is None else cgroup_fd
+        p.uid_map = s(plan.uid_map.line())
+        p.gid_map = s(plan.gid_map.line())
+        p.deny_setgroups = int(plan.deny_setgroups)
+        p.drop_groups = int(plan.drop_groups)
+        p.uid = plan.uid
+        p.gid = plan.gid
+        p.stage_dir = s(stage_dir)
+        p.ops = ops
+        p.n_ops = len(plan.mounts)
+        p.hostname = s(plan.hostname)
+        p.lo_up = int("net" in plan.namespaces)
+        p.cwd = s(plan.cwd)
+        if plan.rlimits:
+            rl = ffi.new("struct sk_rlimit[]", len(plan.rlimits))
+            keep.append(rl)
+            for i, (res, soft, hard) in enumerate(plan.rlimits):
+                rl[i].resource = res
+                rl[i].soft = soft
+                rl[i].hard = hard
+            p.rlimits = rl
+            p.n_rlimits = len(plan.rlimits)
+        p.stdio = list(stdio)
+        if plan.keep_fds:
+            kf = ffi.new("int[]", list(plan.keep_fds))
+            keep.append(kf)
+            p.keep_fds = kf
+            p.n_keep_fds = len(plan.keep_fds)
+        p.pty = int(pty)
+        p.drop_caps = 1
+        p.no_new_privs = 1
+        if plan.landlock is not None and plan.landlock.abi > 0:
+            ll = plan.landlock
+            rules = ffi.new("struct sk_landlock_rule[]", max(1, len(ll.rules)))
+            keep.append(rules)
+            for i, (path, acc, opt) in enumerate(ll.rules):
+                rules[i].path = s(path)
+                rules[i].access = acc
+                rules[i].optional = int(opt)
+            p.landlock.abi = ll.abi
+            p.landlock.handled_fs = ll.handled_fs
+            p.landlock.handled_net = ll.handled_net
+            p.landlock.scoped = ll.scoped
+            p.landlock.rules = rules
+            p.landlock.n_rules = len(ll.rules)
+            for attr, ports in (("bind_ports", ll.bind_ports), ("connect_ports", ll.connect_ports)):
+                if ports:
+                    arr = ffi.new("unsigned short[]", list(ports))
+                    keep.append(arr)
+                    setattr(p.landlock, attr, arr)
+                    setattr(p.landlock, "n_" + attr, len(ports))
+        if plan.seccomp_bpf:
+            bpf = ffi.new("unsigned char[]", plan.seccomp_bpf)
+            keep.append(bpf)
+            p.seccomp_bpf = bpf
+            p.seccomp_len = len(plan.seccomp_bpf)
+        argv = [s(a) for a in plan.argv] + [ffi.NULL]
+        envp = [s(f"{k}={v}") for k, v in plan.env] + [ffi.NULL]
+        c_argv = ffi.new("char *[]", argv)
+        c_envp = ffi.new("char *[]", envp)
+        keep.extend((c_argv, c_envp))
+        p.argv = c_argv
+        p.envp = c_envp
+        p.path_env = s(plan.path_env)
+        self.plan = p
+
+
+@dataclass
+class Report:
+    kind: int
+    step: str
+    err: int
+    value: int
+    path: str
+
+
+def parse_reports(buf: bytes) -> tuple[list[Report], bytes]:
+    out: list[Report] = []
+    n = REPORT.size
+    while len(buf) >= n:
+        kind, step, err, value, path = REPORT.unpack_from(buf)
+        out.append(Report(kind, STEP_NAMES.get(step, str(step)), err, value, path.split(b"\0", 1)[0].decode("utf-8", "replace")))
+        buf = buf[n:]
+    return out, buf
+
+
+REP_ERROR = lib.SK_REP_ERROR
+REP_STARTED = lib.SK_REP_STARTED
+REP_EXEC_FAILED = lib.SK_REP_EXEC_FAILED
+REP_EXIT = lib.SK_REP_EXIT
+
+
+@dataclass
+class Child:
+    pid: int
+    pidfd: int
+    report_fd: int
+    sync_fd: int
+    lowered: Lowered | None
+
+    def close(self) -> None:
+        for fd in (self.pidfd, self.report_fd, self.sync_fd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.pidfd = self.report_fd = self.sync_fd = -1
+
+
+def spawn(lowered: Lowered) -> Child:
+    out = ffi.new("struct sk_child *")
+    step = ffi.new("int *")
+    r = lib.sk_spawn(lowered.plan, out, step)
+    if r < 0:
+        name = STEP_NAMES.get(step[0], str(step[0]))
+        raise spawn_error(name, -r, None)
+    return Child(out.pid, out.pidfd, out.report_fd, out.sync_fd, lowered)
+
+
+def go(child: Child) -> None:
+    c = ffi.new("struct sk_child *")
+    c.sync_fd = child.sync_fd
+    r = lib.sk_go(c)
+    if r < 0:
+        raise SandboxError("release child", errno=-r, remedy="the sandbox's init died before starting; see `stockade doctor`")
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def userns_remedy(err: int) -> str:
+    if err == _errno.ENOSPC:
+        n = _read_int("/proc/sys/user/max_user_namespaces")
+        if n == 0:
+            return "user namespaces are disabled (user.max_user_namespaces=0): run `sudo sysctl -w user.max_user_namespaces=15000`"
+        return "the user namespace limit is reached: raise user.max_user_namespaces or end other sandboxes"
+    if err == _errno.EPERM:
+        if _read_int("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == 1:
+            return ("AppArmor restricts unprivileged user namespaces: run `sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` "
+                    "or install the profile printed by `stockade doctor --apparmor`")
+        if _read_int("/proc/sys/kernel/unprivileged_userns_clone") == 0:
+            return "unprivileged user namespaces are disabled: run `sudo sysctl -w kernel.unprivileged_userns_clone=1`"
+        return ("creating namespaces is forbidden here (a container's seccomp profile or an LSM): "
+                "run on the host, or give the container `--security-opt seccomp=unconfined`; `stockade doctor` probes it")
+    return "see `stockade doctor`"
+
+
+_REMEDIES: dict[str, str] = {
+    "uid-map": "the kernel refused the uid map; see `stockade doctor`",
+    "gid-map": "the kernel refused the gid map; see `stockade doctor`",
+    "pivot-root": "pivot_root needs a private mount namespace; see `stockade doctor`",
+    "landlock": "Landlock refused the ruleset; run with --allow-degraded landlock to run without it, and see `stockade doctor`",
+    "seccomp": "the kernel refused the seccomp filter; see `stockade doctor`",
+    "chdir": "the working directory does not exist inside the sandbox; pass --cwd with a directory inside the project",
+    "lo-up": "bringing up loopback failed in the new network namespace",
+    "rlimit": "a resource limit is above the hard limit of the caller; lower it",
+}
+
+
+def spawn_error(step: str, err: int, path: str | None, *, op_kind: str | None = None) -> SandboxError:
+    if step == "clone":
+        return SandboxError("clone3 (new user, mount, pid, net, ipc, uts, cgroup namespaces)", errno=err, remedy=userns_remedy(err))
+    remedy = _REMEDIES.get(step)
+    if step == "mount":
+        if op_kind == "overlay":
+            remedy = ("overlayfs refused the session directory; put the state dir on ext4, xfs, btrfs or tmpfs "
+                      "(set STOCKADE_STATE_DIR=/path/on/such/fs) and see `stockade doctor`")
+        else:
+            remedy = "a mount the plan needs failed; `stockade explain` prints the plan and `stockade doctor` probes the kernel"
+    return SandboxError(step, path=path, errno=err, remedy=remedy or "see `stockade doctor`")

@@ -1,0 +1,619 @@
+"""The Plan: pure, frozen data describing one sandboxed run, and build(), the one
+place where a request and policy become mechanism.
+
+Nothing here touches the kernel. ``build`` reads a few host facts (cached per
+process), so plans can be unit-tested without privileges and printed by
+``stockade explain``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pwd
+import stat
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UsageError
+
+# ---------------------------------------------------------------------------
+# data
+
+NAMESPACES = ("user", "mount", "pid", "net", "ipc", "uts", "cgroup")
+
+
+@dataclass(frozen=True)
+class MountOp:
+    """One step of building the sandbox's filesystem, executed in order by csrc/mounts.c.
+
+    ``target`` is a path inside the sandbox; ``source`` a host path (or, with
+    ``source_in_sandbox``, a path already mounted in the sandbox).
+    """
+
+    kind: str  # bind tmpfs overlay proc devpts mqueue mkdir symlink file remount-ro
+    target: str
+    source: str | None = None
+    data: str | bytes | None = None
+    flags: frozenset[str] = frozenset()  # ro rec optional dev file noexec
+    mode: int = 0
+    lower: tuple[str, ...] = ()  # overlay: lower dirs, top first
+    upper: str | None = None
+    work: str | None = None
+    source_in_sandbox: bool = False
+    why: str = ""
+
+    def describe(self) -> str:
+        fl = ",".join(sorted(self.flags))
+        fl = f" [{fl}]" if fl else ""
+        if self.kind == "bind":
+            src = f"(sandbox){self.source}" if self.source_in_sandbox else self.source
+            s = f"bind     {src} -> {self.target}{fl}"
+        elif self.kind == "overlay":
+            low = ":".join(self.lower)
+            s = f"overlay  {self.target} lower={low}"
+            if self.upper:
+                s += f" upper={self.upper}"
+        elif self.kind == "symlink":
+            s = f"symlink  {self.target} -> {self.data!s}"
+        elif self.kind == "file":
+            n = len(self.data or b"")
+            s = f"file     {self.target} ({n} bytes, mode {self.mode:o})"
+        elif self.kind in ("tmpfs", "devpts"):
+            s = f"{self.kind:<8} {self.target} ({self.data}){fl}"
+        else:
+            s = f"{self.kind:<8} {self.target}{fl}"
+        if self.why:
+            s += f"    # {self.why}"
+        return s
+
+
+@dataclass(frozen=True)
+class IdMap:
+    inside: int
+    outside: int
+    count: int = 1
+
+    def line(self) -> str:
+        return f"{self.inside} {self.outside} {self.count}\n"
+
+
+@dataclass(frozen=True)
+class LandlockPlan:
+    abi: int
+    handled_fs: int
+    handled_net: int
+    scoped: int
+    rules: tuple[tuple[str, int, bool], ...]  # (sandbox path, access, optional)
+    bind_ports: tuple[int, ...] = ()
+    connect_ports: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    cwd: str
+    project: str
+    uid: int
+    gid: int
+    user_name: str
+    home: str
+    uid_map: IdMap
+    gid_map: IdMap
+    deny_setgroups: bool
+    drop_groups: bool
+    namespaces: tuple[str, ...]
+    hostname: str
+    mounts: tuple[MountOp, ...]
+    rlimits: tuple[tuple[int, int, int], ...] = ()
+    landlock: LandlockPlan | None = None
+    seccomp_name: str | None = None
+    seccomp_bpf: bytes = b""
+    keep_fds: tuple[int, ...] = ()
+    network: str = "none"
+    read_only: bool = False
+    hidden: tuple[str, ...] = ()
+    degraded: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def path_env(self) -> str:
+        return dict(self.env).get("PATH", "/usr/local/bin:/usr/bin:/bin")
+
+    def describe(self) -> str:
+        out: list[str] = []
+        out.append(f"command:     {' '.join(self.argv)}")
+        out.append(f"project:     {self.project}" + (" (read-only)" if self.read_only else " (copy-on-write overlay)"))
+        out.append(f"cwd:         {self.cwd}")
+        out.append(f"namespaces:  {' '.join(self.namespaces)}")
+        out.append(
+            f"identity:    uid {self.uid} gid {self.gid} ({self.user_name}), home {self.home}; "
+            f"uid_map '{self.uid_map.line().strip()}', gid_map '{self.gid_map.line().strip()}'"
+        )
+        out.append(f"hostname:    {self.hostname}")
+        out.append(f"network:     {self.network}")
+        out.append("mounts (in order):")
+        for i, m in enumerate(self.mounts):
+            out.append(f"  {i:3d} {m.describe()}")
+        out.append("environment:")
+        for k, v in self.env:
+            out.append(f"  {k}={v}")
+        if self.rlimits:
+            import resource
+
+            names = {getattr(resource, n): n for n in dir(resource) if n.startswith("RLIMIT_")}
+            out.append("rlimits:     " + ", ".join(f"{names.get(r, r)}={s}" for r, s, _ in self.rlimits))
+        if self.landlock:
+            ll = self.landlock
+            out.append(f"landlock:    ABI {ll.abi}, fs rights 0x{ll.handled_fs:x}, net 0x{ll.handled_net:x}, scoped 0x{ll.scoped:x}")
+            for p, acc, _opt in ll.rules:
+                out.append(f"  allow 0x{acc:05x} beneath {p}")
+        else:
+            out.append("landlock:    off")
+        out.append(f"seccomp:     {self.seccomp_name or 'off'}" + (f" ({len(self.seccomp_bpf) // 8} BPF instructions)" if self.seccomp_bpf else ""))
+        out.append("privileges:  all capabilities dropped, bounding set cleared, securebits locked, no_new_privs")
+        if self.keep_fds:
+            out.append(f"passed fds:  {', '.join(map(str, self.keep_fds))}")
+        if self.hidden:
+            out.append("hidden:      " + ", ".join(self.hidden))
+        if self.degraded:
+            out.append("DEGRADED:    " + ", ".join(self.degraded))
+        for n in self.notes:
+            out.append(f"note:        {n}")
+        return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------
+# host facts (cached per process: the run path must stay lean)
+
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+# /etc is hidden except these. Files are copied into the sandbox's /etc (cheaper
+# than a bind each), symlinks reproduced, directories bound read-only.
+ETC_ALLOW = (
+    "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "host.conf", "gai.conf",
+    "os-release", "debian_version", "lsb-release", "localtime", "timezone", "mime.types",
+    "protocols", "services", "shells", "inputrc", "bash.bashrc", "profile", "profile.d",
+    "ssl", "ca-certificates", "ca-certificates.conf", "alternatives", "gitconfig",
+    "python3", "python3.11", "python3.12", "perl", "xdg", "magic", "mailcap",
+)
+ETC_MAX_COPY = 1 << 20
+
+PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+PROC_MASKED = (
+    "kcore", "keys", "key-users", "latency_stats", "timer_list", "timer_stats",
+    "sched_debug", "kallsyms", "kmsg", "kpagecount", "kpageflags", "kpagecgroup",
+    "config.gz", "vmallocinfo", "slabinfo", "pagetypeinfo",
+)
+PROC_MASKED_DIRS = ("acpi", "scsi", "asound", "driver", "dynamic_debug")
+
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    euid: int
+    egid: int
+    system: tuple[tuple[str, str | None], ...]  # (path, symlink target or None for a dir)
+    etc: tuple[tuple[str, str, str | bytes], ...]  # (name, kind file|symlink|dir, data)
+    proc_entries: frozenset[str]
+    landlock_abi: int
+
+
+@functools.lru_cache(maxsize=1)
+def _system_layout() -> tuple[tuple[str, str | None], ...]:
+    out: list[tuple[str, str | None]] = []
+    for d in SYSTEM_DIRS:
+        try:
+            st = os.lstat(d)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            out.append((d, os.readlink(d)))
+        elif stat.S_ISDIR(st.st_mode):
+            out.append((d, None))
+    return tuple(out)
+
+
+_etc_cache: dict[str, tuple[tuple[int, int], tuple[str, str, str | bytes] | None]] = {}
+
+
+def _etc_entry(name: str, extra: bool = False) -> tuple[str, str, str | bytes] | None:
+    path = "/etc/" + name
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    key = (st.st_mtime_ns, st.st_size)
+    hit = _etc_cache.get(path)
+    if hit and hit[0] == key:
+        return hit[1]
+    entry: tuple[str, str, str | bytes] | None
+    if stat.S_ISLNK(st.st_mode):
+        entry = (name, "symlink", os.readlink(path))
+    elif stat.S_ISDIR(st.st_mode):
+        entry = (name, "dir", "")
+    elif stat.S_ISREG(st.st_mode) and st.st_size <= ETC_MAX_COPY:
+        try:
+            with open(path, "rb") as f:
+                entry = (name, "file", f.read())
+        except OSError:
+            entry = None  # unreadable for this user: leave it out
+    elif stat.S_ISREG(st.st_mode):
+        entry = (name, "bindfile", "")
+    else:
+        entry = None
+    _etc_cache[path] = (key, entry)
+    return entry
+
+
+def host_facts(etc_extra: Sequence[str] = ()) -> HostFacts:
+    etc = []
+    for name in (*ETC_ALLOW, *etc_extra):
+        e = _etc_entry(name)
+        if e is not None:
+            etc.append(e)
+    return HostFacts(
+        euid=os.geteuid(),
+        egid=os.getegid(),
+        system=_system_layout(),
+        etc=tuple(etc),
+        proc_entries=_proc_entries(),
+        landlock_abi=landlock_abi(),
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _proc_entries() -> frozenset[str]:
+    try:
+        return frozenset(os.listdir("/proc"))
+    except OSError:
+        return frozenset()
+
+
+@functools.lru_cache(maxsize=1)
+def landlock_abi() -> int:
+    from .linux import native
+
+    return native.landlock_abi()
+
+
+# ---------------------------------------------------------------------------
+# Landlock access rights (include/uapi/linux/landlock.h)
+
+LL_EXECUTE = 1 << 0
+LL_WRITE_FILE = 1 << 1
+LL_READ_FILE = 1 << 2
+LL_READ_DIR = 1 << 3
+LL_REMOVE_DIR = 1 << 4
+LL_REMOVE_FILE = 1 << 5
+LL_MAKE_CHAR = 1 << 6
+LL_MAKE_DIR = 1 << 7
+LL_MAKE_REG = 1 << 8
+LL_MAKE_SOCK = 1 << 9
+LL_MAKE_FIFO = 1 << 10
+LL_MAKE_BLOCK = 1 << 11
+LL_MAKE_SYM = 1 << 12
+LL_REFER = 1 << 13  # ABI 2
+LL_TRUNCATE = 1 << 14  # ABI 3
+LL_IOCTL_DEV = 1 << 15  # ABI 5
+LL_NET_BIND_TCP = 1 << 0  # ABI 4
+LL_NET_CONNECT_TCP = 1 << 1
+LL_SCOPE_ABSTRACT_UNIX = 1 << 0  # ABI 6
+LL_SCOPE_SIGNAL = 1 << 1
+
+
+def landlock_fs_rights(abi: int) -> int:
+    """Every filesystem right the ABI knows (the kernel documentation's degradation table)."""
+    rights = (1 << 13) - 1  # ABI 1: EXECUTE .. MAKE_SYM
+    if abi >= 2:
+        rights |= LL_REFER
+    if abi >= 3:
+        rights |= LL_TRUNCATE
+    if abi >= 5:
+        rights |= LL_IOCTL_DEV
+    return rights
+
+
+def landlock_plan(
+    abi: int,
+    *,
+    read_only_trees: Sequence[str],
+    writable_trees: Sequence[str],
+    device_files: Sequence[str],
+    exec_allow: Sequence[str] | None,
+    network: str,
+    scope: bool = True,
+) -> LandlockPlan:
+    handled = landlock_fs_rights(abi)
+    read = LL_READ_FILE | LL_READ_DIR
+    write = handled & ~(LL_EXECUTE | LL_READ_FILE | LL_READ_DIR | LL_MAKE_CHAR | LL_MAKE_BLOCK | LL_IOCTL_DEV)
+    exec_everywhere = exec_allow is None
+    rules: list[tuple[str, int, bool]] = [("/", LL_READ_DIR, False)]
+    for p in read_only_trees:
+        rules.append((p, read | (LL_EXECUTE if exec_everywhere else 0), True))
+    for p in writable_trees:
+        rules.append((p, read | write | (LL_EXECUTE if exec_everywhere else 0), True))
+    for p in device_files:
+        rules.append((p, (LL_READ_FILE | LL_WRITE_FILE | LL_TRUNCATE | LL_IOCTL_DEV) & handled, True))
+    for p in exec_allow or ():
+        rules.append((p, LL_EXECUTE | read, True))
+    handled_net = 0
+    if abi >= 4 and network == "none":
+        # Own netns with only lo: no TCP bind/connect at all.
+        handled_net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP
+    scoped = (LL_SCOPE_ABSTRACT_UNIX | LL_SCOPE_SIGNAL) if (abi >= 6 and scope) else 0
+    return LandlockPlan(abi, handled, handled_net, scoped, tuple(rules))
+
+
+# ---------------------------------------------------------------------------
+# request
+
+
+@dataclass(frozen=True)
+class Request:
+    argv: tuple[str, ...]
+    project: Path
+    cwd: Path
+    env: Mapping[str, str]
+    lower_layers: tuple[Path, ...] = ()  # snapshots (and masks), top first; the project is added last
+    upper: Path | None = None
+    work: Path | None = None
+    root: bool = False
+    user: int | None = None
+    read_only: bool = False
+    network: str = "none"
+    hostname: str = "stockade"
+    keep_fds: tuple[int, ...] = ()
+    masked: tuple[tuple[str, bool], ...] = ()  # (host path inside a visible tree, is_dir)
+    mask_empty_file: str | None = None  # host path of an empty file (mask_mode "empty")
+    grants: tuple[tuple[str, bool], ...] = ()  # (host path, writable)
+    exec_allow: tuple[str, ...] | None = None
+    etc_extra: tuple[str, ...] = ()
+    landlock: bool = True
+    seccomp_name: str | None = None
+    seccomp_bpf: bytes = b""
+    rlimits: tuple[tuple[int, int, int], ...] = ()
+    degraded: tuple[str, ...] = ()
+    stage_dir: str = "/tmp"
+
+
+def resolve_project(project: str | os.PathLike[str]) -> Path:
+    p = Path(project)
+    try:
+        real = p.resolve(strict=True)
+    except FileNotFoundError:
+        raise UsageError(f"project {str(p)!r} does not exist; pass --project DIR with an existing directory") from None
+    except OSError as e:
+        raise UsageError(f"project {str(p)!r} cannot be resolved: {e.strerror}") from None
+    if not real.is_dir():
+        raise UsageError(f"project {str(p)!r} is not a directory; pass --project DIR")
+    if real == Path("/"):
+        raise UsageError("the project cannot be / ; pass --project DIR with a project directory")
+    return real
+
+
+def resolve_cwd(project: Path, cwd: str | os.PathLike[str] | None) -> Path:
+    """The working directory inside: the caller's own when it is inside the project."""
+    if cwd is None:
+        try:
+            here = Path(os.getcwd()).resolve()
+        except OSError:
+            return project
+        return here if here == project or project in here.parents else project
+    c = Path(cwd)
+    if not c.is_absolute():
+        c = project / c
+    try:
+        c = c.resolve(strict=True)
+    except OSError:
+        raise UsageError(f"--cwd {str(cwd)!r} does not exist inside the project {project}") from None
+    if c != project and project not in c.parents:
+        raise UsageError(f"--cwd {str(cwd)!r} is outside the project {project}; pick a directory inside it")
+    if not c.is_dir():
+        raise UsageError(f"--cwd {str(cwd)!r} is not a directory")
+    return c
+
+
+def _identity(req: Request, facts: HostFacts) -> tuple[int, int, int, int, str, str]:
+    """(outside uid, outside gid, inside uid, inside gid, user name, home)."""
+    if facts.euid != 0:
+        out_uid, out_gid = facts.euid, facts.egid
+        if req.user is not None and req.user != out_uid:
+            raise UsageError("--user needs real root; an unprivileged caller always runs as itself (use --root to appear as uid 0)")
+    elif req.user is not None:
+        out_uid = req.user
+        try:
+            out_gid = pwd.getpwuid(req.user).pw_gid
+        except KeyError:
+            out_gid = req.user
+    else:
+        st = os.stat(req.project)
+        out_uid, out_gid = st.st_uid, st.st_gid
+    in_uid, in_gid = (0, 0) if req.root else (out_uid, out_gid)
+    if in_uid == 0:
+        name, home = "root", "/root"
+    else:
+        try:
+            pw = pwd.getpwuid(out_uid)
+            name, home = pw.pw_name, pw.pw_dir
+        except KeyError:
+            name, home = "sandbox", "/home/sandbox"
+    if not home.startswith("/") or home in ("/", "/nonexistent") or home.startswith(("/proc", "/dev", "/sys", "/usr", "/etc")):
+        home = "/home/" + name
+    return out_uid, out_gid, in_uid, in_gid, name, home
+
+
+def _passwd(uid: int, gid: int, name: str, home: str) -> tuple[bytes, bytes]:
+    users = {0: f"root:x:0:0:root:/root:/bin/sh", 65534: "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin"}
+    users[uid] = f"{name}:x:{uid}:{gid}:{name}:{home}:/bin/sh"
+    groups = {0: "root:x:0:", 65534: "nogroup:x:65534:"}
+    if gid not in groups:
+        groups[gid] = f"{name}:x:{gid}:"
+    return (
+        ("\n".join(users[k] for k in sorted(users)) + "\n").encode(),
+        ("\n".join(groups[k] for k in sorted(groups)) + "\n").encode(),
+    )
+
+
+def _overlay_lowers(req: Request) -> tuple[str, ...]:
+    return (*(str(p) for p in req.lower_layers), str(req.project))
+
+
+def build(req: Request, facts: HostFacts | None = None) -> Plan:
+    """Turn a request into a Plan. Pure apart from the cached host facts."""
+    if not req.argv:
+        raise UsageError("no command given; usage: stockade run [OPTIONS] -- CMD [ARGS...]")
+    facts = facts or host_facts(req.etc_extra)
+    out_uid, out_gid, in_uid, in_gid, name, home = _identity(req, facts)
+    privileged = facts.euid == 0
+    project = str(req.project)
+    ops: list[MountOp] = []
+    hidden: list[str] = []
+    notes: list[str] = []
+
+    # system dirs: read-only, merged-usr symlinks reproduced
+    ro_trees: list[str] = []
+    for path, link in facts.system:
+        if link is not None:
+            ops.append(MountOp("symlink", path, data=link, why="merged /usr"))
+        else:
+            ops.append(MountOp("bind", path, source=path, flags=frozenset({"ro", "rec"}), why="system, read-only"))
+            ro_trees.append(path)
+
+    # /etc: curated; passwd/group synthesized for the sandbox user
+    passwd, group = _passwd(in_uid, in_gid, name, home)
+    ops.append(MountOp("file", "/etc/passwd", data=passwd, mode=0o644, why="synthesized"))
+    ops.append(MountOp("file", "/etc/group", data=group, mode=0o644, why="synthesized"))
+    ops.append(MountOp("file", "/etc/hostname", data=(req.hostname + "\n").encode(), mode=0o644))
+    hosts = f"127.0.0.1\tlocalhost {req.hostname}\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+    ops.append(MountOp("file", "/etc/hosts", data=hosts.encode(), mode=0o644))
+    etc_names = [e[0] for e in facts.etc]
+    if req.network == "host":
+        e = _etc_entry("resolv.conf")
+        if e:
+            etc_names.append("resolv.conf")
+            facts = HostFacts(facts.euid, facts.egid, facts.system, (*facts.etc, e), facts.proc_entries, facts.landlock_abi)
+    for ename, kind, data in facts.etc:
+        target = "/etc/" + ename
+        if kind == "file":
+            ops.append(MountOp("file", target, data=data, mode=0o644))
+        elif kind == "symlink":
+            ops.append(MountOp("symlink", target, data=data))
+        else:
+            flags = {"ro", "rec", "optional"} | ({"file"} if kind == "bindfile" else set())
+            ops.append(MountOp("bind", target, source=target, flags=frozenset(flags)))
+    hidden.append("/etc (except " + ", ".join(sorted({"passwd", "group", "hosts", "hostname", *etc_names})) + ")")
+    ro_trees.append("/etc")
+
+    # /dev: minimal, a new devpts
+    ops.append(MountOp("tmpfs", "/dev", data="mode=0755", why="minimal /dev"))
+    for d in DEVICES:
+        ops.append(MountOp("bind", "/dev/" + d, source="/dev/" + d, flags=frozenset({"dev", "file", "optional"})))
+    ops.append(MountOp("devpts", "/dev/pts", data="newinstance,ptmxmode=0666,mode=0620"))
+    ops.append(MountOp("symlink", "/dev/ptmx", data="pts/ptmx"))
+    ops.append(MountOp("tmpfs", "/dev/shm", data="mode=1777"))
+    for n, t in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"), ("core", "/proc/kcore")):
+        if n != "core":
+            ops.append(MountOp("symlink", "/dev/" + n, data=t))
+
+    # /proc: new procfs; kernel tunables read-only, leaky files masked
+    ops.append(MountOp("proc", "/proc", why="new procfs for the sandbox's PID namespace"))
+    for e in PROC_READONLY:
+        if e in facts.proc_entries:
+            ops.append(MountOp("bind", "/proc/" + e, source="/proc/" + e, source_in_sandbox=True, flags=frozenset({"ro", "rec"}), why="read-only"))
+    for e in PROC_MASKED:
+        if e in facts.proc_entries:
+            ops.append(MountOp("bind", "/proc/" + e, source="/dev/null", source_in_sandbox=True, flags=frozenset({"ro", "file"}), why="masked"))
+    for e in PROC_MASKED_DIRS:
+        if e in facts.proc_entries:
+            ops.append(MountOp("tmpfs", "/proc/" + e, data="mode=0555,size=0", flags=frozenset({"ro"}), why="masked"))
+    hidden.append("/sys")
+
+    # private /tmp, empty $HOME, the project and grants (parents before children)
+    tree_ops: list[MountOp] = []
+    tree_ops.append(MountOp("tmpfs", "/tmp", data="mode=1777", why="private /tmp"))
+    proj = Path(project)
+    home_p = Path(home)
+    writable = ["/tmp", "/dev/shm"]
+    if home_p == proj or home_p in proj.parents or proj in home_p.parents:
+        notes.append(f"$HOME {home} overlaps the project: no separate home tmpfs")
+    else:
+        tree_ops.append(MountOp("tmpfs", home, data=f"mode=0700,uid={in_uid},gid={in_gid}", why="empty $HOME"))
+        writable.append(home)
+    if req.read_only:
+        tree_ops.append(MountOp("bind", project, source=project, flags=frozenset({"ro", "rec"}), why="project, read-only"))
+        ro_trees.append(project)
+    else:
+        if req.upper is None or req.work is None:
+            raise UsageError("internal: an overlay run needs a session (upper and work dirs)")
+        tree_ops.append(
+            MountOp("overlay", project, lower=_overlay_lowers(req), upper=str(req.upper), work=str(req.work), why="project, copy-on-write")
+        )
+        writable.append(project)
+    for gpath, gw in req.grants:
+        tree_ops.append(MountOp("bind", gpath, source=gpath, flags=frozenset({"rec"} if gw else {"ro", "rec"}), why="granted " + ("read-write" if gw else "read-only")))
+        (writable if gw else ro_trees).append(gpath)
+    tree_ops.sort(key=lambda m: m.target.rstrip("/").count("/"))  # stable: parents first
+    ops.extend(tree_ops)
+
+    # secrets inside visible trees
+    for mpath, is_dir in req.masked:
+        if is_dir:
+            ops.append(MountOp("tmpfs", mpath, data="mode=0555,size=0", flags=frozenset({"ro"}), why="secret, masked"))
+        else:
+            src = req.mask_empty_file or "/dev/null"
+            ops.append(MountOp("bind", mpath, source=src, source_in_sandbox=req.mask_empty_file is None, flags=frozenset({"ro", "file"}), why="secret, masked"))
+
+    ops.append(MountOp("remount-ro", "/", why="the root tmpfs itself is read-only"))
+
+    ll: LandlockPlan | None = None
+    if req.landlock:
+        ll = landlock_plan(
+            facts.landlock_abi,
+            read_only_trees=[*ro_trees, "/proc", "/dev"],
+            writable_trees=writable,
+            device_files=["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx", "/dev/pts"],
+            exec_allow=req.exec_allow,
+            network=req.network,
+        )
+
+    # cwd: same absolute path inside
+    cwd = str(req.cwd)
+
+    namespaces = tuple(n for n in NAMESPACES if not (n == "net" and req.network == "host"))
+    env = dict(req.env)
+    env["HOME"] = home
+    env.setdefault("USER", name)
+    env.setdefault("LOGNAME", name)
+    env["PWD"] = cwd
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    return Plan(
+        argv=tuple(req.argv),
+        env=tuple(sorted(env.items())),
+        cwd=cwd,
+        project=project,
+        uid=in_uid,
+        gid=in_gid,
+        user_name=name,
+        home=home,
+        uid_map=IdMap(in_uid, out_uid),
+        gid_map=IdMap(in_gid, out_gid),
+        deny_setgroups=not privileged,
+        drop_groups=privileged,
+        namespaces=namespaces,
+        hostname=req.hostname,
+        mounts=tuple(ops),
+        rlimits=req.rlimits,
+        landlock=ll,
+        seccomp_name=req.seccomp_name,
+        seccomp_bpf=req.seccomp_bpf,
+        keep_fds=req.keep_fds,
+        network=req.network,
+        read_only=req.read_only,
+        hidden=tuple(hidden) + ("other homes and projects", "parent directories of the project"),
+        degraded=req.degraded,
+        notes=tuple(notes),
+    )
