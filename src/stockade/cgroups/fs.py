@@ -18,6 +18,11 @@ from collections.abc import Callable, Iterable
 
 from stockade.errors import SandboxError
 
+#: How long teardown waits for killed tasks to leave, and rmdir retries EBUSY.
+#: Module-level so tests (and embedders) can shorten them.
+KILL_DEADLINE_S = 5.0
+RMDIR_DEADLINE_S = 2.0
+
 
 class CgroupFS:
     """Real cgroupfs access."""
@@ -160,12 +165,14 @@ def rmdir_retry(
     fs: CgroupFS,
     path: str,
     *,
-    deadline_s: float = 2.0,
+    deadline_s: float | None = None,
     on_busy: Callable[[], None] | None = None,
 ) -> None:
     """rmdir ``path`` (missing = done), retrying while tasks drain (EBUSY).
 
     ``on_busy`` is called once, halfway through the retries (e.g. kill again)."""
+    if deadline_s is None:
+        deadline_s = RMDIR_DEADLINE_S
     delay = 0.0005
     start = time.monotonic()
     kicked = False
@@ -193,12 +200,14 @@ def kill_members(
     list_pids: Callable[[], Iterable[int]],
     still_member: Callable[[int], bool],
     *,
-    deadline_s: float = 5.0,
+    deadline_s: float | None = None,
 ) -> bool:
     """SIGKILL every member until none is left (re-listing: new forks get killed too).
 
     Returns True when the cgroup is empty, False if tasks were still listed at the
     deadline (e.g. stuck in uninterruptible sleep)."""
+    if deadline_s is None:
+        deadline_s = KILL_DEADLINE_S
     start = time.monotonic()
     delay = 0.0005
     while True:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from stockade.cgroups.base import CPU_PERIOD_US, CgroupStats, Limits, enforcement_common
+from stockade.cgroups import fs as _fs
 from stockade.cgroups.fs import (
     CgroupFS,
     cgroup_error,
@@ -188,11 +189,11 @@ class V1RunCgroup:
         try:
             # Frozen tasks cannot fork or exit: one pass signals all of them, and
             # the pidfd check in signal_pid rules out PID reuse either way.
-            kill_members(self.fs, self.pids, self._is_member, deadline_s=0.0 if frozen else 5.0)
+            kill_members(self.fs, self.pids, self._is_member, deadline_s=0.0 if frozen else None)
         finally:
             if freezer is not None and frozen:
                 self._set_freezer(freezer, "THAWED", 1.0)
-        if not kill_members(self.fs, self.pids, self._is_member, deadline_s=5.0):
+        if not kill_members(self.fs, self.pids, self._is_member):
             raise SandboxError(
                 "kill the run's processes",
                 path=self.dirs[0][1],

@@ -19,6 +19,7 @@ from stockade.cgroups.base import (
     Limits,
     enforcement_common,
 )
+from stockade.cgroups import fs as _fs
 from stockade.cgroups.fs import (
     CgroupFS,
     cgroup_error,
@@ -172,7 +173,7 @@ class V2RunCgroup:
                 self.fs.write(kill_file, "1")
             except OSError as e:
                 raise cgroup_error("write 1 to cgroup.kill", kill_file, e) from e
-            self._wait_empty(5.0)
+            self._wait_empty(_fs.KILL_DEADLINE_S)
             return
         # Before 5.14: freeze (no new forks, no exits), kill each member, thaw.
         freeze = self._f("cgroup.freeze")
@@ -184,11 +185,11 @@ class V2RunCgroup:
             except OSError:
                 frozen = False
         try:
-            kill_members(self.fs, self.pids, self._is_member, deadline_s=0.0 if frozen else 5.0)
+            kill_members(self.fs, self.pids, self._is_member, deadline_s=0.0 if frozen else None)
         finally:
             if frozen:
                 self.fs.write(freeze, "0")
-        if not kill_members(self.fs, self.pids, self._is_member, deadline_s=5.0):
+        if not kill_members(self.fs, self.pids, self._is_member):
             raise SandboxError(
                 "kill the run's processes",
                 path=self.path,
