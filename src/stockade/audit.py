@@ -1,0 +1,276 @@
+"""Audit log: one JSONL stream per session (``<session>/events.jsonl``).
+
+Each line is one event::
+
+    {"schema_version": 1, "timestamp": "2026-01-28T10:30:05.123Z", "session": "0128-a1b2c3",
+     "run": 3, "operation": "read", "target": ".env", "result": "blocked",
+     "policy": "sensitive-file-pattern", "reason": "matches .env (default)"}
+
+Paths, never file contents.  Every string is scanned for secret-looking values
+(token formats, ``KEY=value`` / ``--password x`` pairs with secret-looking names,
+URL passwords) which are replaced by ``[REDACTED:<kind>]``; strings are capped at
+``MAX_FIELD`` characters, lists at ``MAX_ITEMS`` items and a line at ``MAX_LINE``
+bytes.  Lines are appended with one ``write`` on an ``O_APPEND`` descriptor so
+concurrent writers do not interleave.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .policy import Effective, Masked
+
+SCHEMA_VERSION = 1
+MAX_FIELD = 2048
+MAX_ITEMS = 256
+MAX_LINE = 65536
+MAX_DEPTH = 4
+RESULTS = ("allowed", "blocked", "ok", "failed", "error", "started", "info")
+BLOCKED_RESULTS = frozenset({"blocked"})
+
+_SECRET_NAME_GLOBS = (
+    "*KEY", "*SECRET*", "*TOKEN*", "*PASSWORD*", "*PASSWD*", "*CREDENTIAL*", "*AUTH*", "AWS_*", "GITHUB_*",
+)
+_ASSIGN = re.compile(r"^(-{0,2})([A-Za-z_][A-Za-z0-9_.-]*)([=:])(.+)$", re.S)
+_FLAG = re.compile(r"^-{1,2}([A-Za-z][A-Za-z0-9_-]*)$")
+_HEADER = re.compile(r"(?i)\b(authorization|proxy-authorization|x-api-key|cookie)\s*:\s*\S.*")
+
+
+class _SessionLike(Protocol):
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def events_path(self) -> Path: ...
+
+
+def secret_name(name: str) -> bool:
+    """Does a variable or flag name look like it holds a secret?"""
+    up = name.upper().replace("-", "_").lstrip("_")
+    return any(fnmatch.fnmatchcase(up, g) for g in _SECRET_NAME_GLOBS) and up not in {"KEY", "AUTHOR", "AUTHORS"}
+
+
+def redact_text(s: str) -> str:
+    """Replace token-looking substrings of ``s``."""
+    from .policy.env import TOKEN_PATTERNS
+
+    for label, rx in TOKEN_PATTERNS:
+        if label == "url-password":
+            s = rx.sub(lambda m: re.sub(r":[^/\s:@]+@$", ":[REDACTED]@", m.group(0)), s)
+        else:
+            s = rx.sub(f"[REDACTED:{label}]", s)
+    return _HEADER.sub(lambda m: f"{m.group(1)}: [REDACTED]", s)
+
+
+def redact_argv(argv: Iterable[str]) -> list[str]:
+    """Redact values of secret-looking ``NAME=value``, ``--name=value`` and ``--name value``."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append("[REDACTED]")
+            hide_next = False
+            continue
+        m = _ASSIGN.match(arg)
+        if m and secret_name(m.group(2)):
+            out.append(f"{m.group(1)}{m.group(2)}{m.group(3)}[REDACTED]")
+            continue
+        f = _FLAG.match(arg)
+        if f and secret_name(f.group(1)):
+            hide_next = True
+        out.append(redact_text(arg))
+    return out
+
+
+def cap(value: Any, depth: int = 0) -> Any:
+    """Redact and length-cap a JSON-able value."""
+    if isinstance(value, str):
+        v = redact_text(value)
+        if len(v) > MAX_FIELD:
+            v = v[: MAX_FIELD - 20] + f"...[+{len(v) - MAX_FIELD + 20} chars]"
+        return v
+    if isinstance(value, bool | int | float) or value is None:
+        return value
+    if isinstance(value, Path):
+        return cap(str(value), depth)
+    if depth >= MAX_DEPTH:
+        return cap(repr(value), depth)
+    if isinstance(value, Mapping):
+        items = list(value.items())
+        out = {str(k)[:128]: cap(v, depth + 1) for k, v in items[:MAX_ITEMS]}
+        if len(items) > MAX_ITEMS:
+            out["_truncated"] = len(items) - MAX_ITEMS
+        return out
+    if isinstance(value, list | tuple | set | frozenset):
+        seq = list(value)
+        capped = [cap(v, depth + 1) for v in seq[:MAX_ITEMS]]
+        if len(seq) > MAX_ITEMS:
+            capped.append(f"...[+{len(seq) - MAX_ITEMS} items]")
+        return capped
+    return cap(str(value), depth)
+
+
+def _now() -> str:
+    t = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+
+
+class AuditLog:
+    """Appends events to a session's ``events.jsonl``."""
+
+    def __init__(self, session: _SessionLike) -> None:
+        self.session_id = session.id
+        self.path = Path(session.events_path)
+
+    def event(
+        self,
+        operation: str,
+        target: str,
+        result: str,
+        *,
+        run: int | None = None,
+        policy: str | None = None,
+        reason: str | None = None,
+        **extra: Any,
+    ) -> None:
+        rec: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "timestamp": _now(),
+            "session": self.session_id,
+            "run": run,
+            "operation": cap(operation),
+            "target": cap(target),
+            "result": cap(result),
+            "policy": cap(policy),
+            "reason": cap(reason),
+        }
+        for k, v in extra.items():
+            if k in rec:
+                raise ValueError(f"audit: extra field {k!r} collides with a standard field")
+            if k == "argv" and isinstance(v, list | tuple):
+                v = redact_argv(str(a) for a in v)
+            elif k == "env" and isinstance(v, Mapping):
+                v = {n: ("[REDACTED]" if secret_name(str(n)) else val) for n, val in v.items()}
+            rec[k] = cap(v)
+        line = json.dumps(rec, ensure_ascii=False, separators=(",", ":"))
+        data = line.encode("utf-8")
+        if len(data) + 1 > MAX_LINE:
+            for k in sorted(extra, key=lambda k: -len(json.dumps(rec.get(k)))):
+                rec[k] = "[truncated]"
+                data = json.dumps(rec, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+                if len(data) + 1 <= MAX_LINE:
+                    break
+            else:
+                rec["target"] = str(rec["target"])[:256]
+                rec["reason"] = str(rec["reason"] or "")[:256]
+                data = json.dumps(rec, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data + b"\n")
+        finally:
+            os.close(fd)
+
+    # ---- the standard policy events -------------------------------------------------
+    def session_start(self, eff: Effective, *, project: str) -> None:
+        self.event("session-start", project, "ok", policy=eff.digest, reason="policy digest",
+                   files=[f"{n}:{f}" for n, f in eff.files])
+
+    def run_start(self, run: int, argv: list[str], cwd: str, eff: Effective) -> None:
+        self.event("run", cwd, "started", run=run, policy=eff.digest, argv=argv,
+                   read_only=eff.read_only)
+
+    def masked(self, run: int | None, masked: Iterable[Masked], *, relative_to: str | None = None) -> None:
+        for m in masked:
+            target = str(m.path)
+            if relative_to and (target == relative_to or target.startswith(relative_to.rstrip("/") + "/")):
+                target = "./" + os.path.relpath(target, relative_to)
+            self.event("read", target, "blocked", run=run, policy="sensitive-file-pattern",
+                       reason=f"masked: matches {m.rule} ({m.origin or m.source})", is_dir=m.is_dir)
+
+    def env_removed(self, run: int | None, names: Iterable[str]) -> None:
+        for n in names:
+            self.event("env", n, "blocked", run=run, policy="env-filter", reason="variable removed (name only logged)")
+
+    def command_refused(self, run: int | None, argv: list[str], reason: str) -> None:
+        self.event("exec", " ".join(redact_argv(argv)), "blocked", run=run, policy="commands.deny", reason=reason)
+
+    def read_only(self, run: int | None, project: str) -> None:
+        self.event("write", project, "blocked", run=run, policy="read-only",
+                   reason="project mounted read-only: every write fails with EROFS")
+
+    def outcome(self, run: int, result: str, **details: Any) -> None:
+        self.event("outcome", f"run {run}", result, run=run, **details)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_events(path: Path) -> Iterator[dict[str, Any]]:
+    """Events of a stream; a torn last line (writer interrupted) is skipped."""
+    try:
+        f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the with below
+    except FileNotFoundError:
+        return
+    with f:
+        for line in f:
+            if not line.endswith("\n"):
+                return
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                yield rec
+
+
+def is_blocked(rec: Mapping[str, Any]) -> bool:
+    return rec.get("result") in BLOCKED_RESULTS
+
+
+def format_event(rec: Mapping[str, Any]) -> str:
+    ts = str(rec.get("timestamp", ""))
+    run = rec.get("run")
+    parts = [ts, f"run {run}" if run is not None else "-", str(rec.get("operation", "")),
+             str(rec.get("target", "")), str(rec.get("result", "")).upper()]
+    if rec.get("policy"):
+        parts.append(f"[{rec['policy']}]")
+    line = "  ".join(parts)
+    if rec.get("reason"):
+        line += f"  {rec['reason']}"
+    if rec.get("argv"):
+        line += "  argv=" + json.dumps(rec["argv"])
+    return line
+
+
+def follow(path: Path, *, poll: float = 0.2, stop: Any = None) -> Iterator[dict[str, Any]]:
+    """Yield events as they are appended (``tail -f``); starts at the beginning."""
+    buf = b""
+    pos = 0
+    while stop is None or not stop():
+        try:
+            with open(path, "rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+        except FileNotFoundError:
+            chunk = b""
+        if chunk:
+            pos += len(chunk)
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for raw in lines:
+                try:
+                    rec = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict):
+                    yield rec
+        else:
+            time.sleep(poll)

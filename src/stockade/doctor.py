@@ -1,0 +1,564 @@
+"""`stockade doctor`: probe each kernel feature the sandbox relies on.
+
+Each probe reports ``ok``, ``degraded`` or ``missing`` (``info`` for facts that
+decide nothing) with a fix.  Probes that only depend on the boot and the caller
+are cached in ``<state>/doctor.json`` (keyed by boot id, kernel release, uid and
+state dir); the self-test sandbox always runs live.  The exit status is 0 only
+when everything the default policy needs is present.
+
+Live probes fork a child that unshares a user and mount namespace (no Python
+threads are started, and the child only makes syscalls before ``os._exit``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+CACHE_VERSION = 3
+REQUIRED = ("userns", "overlay", "landlock", "seccomp", "self-test")
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+MS_RDONLY = 1
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+LANDLOCK_CREATE_RULESET_VERSION = 1
+SYS_LANDLOCK_CREATE_RULESET = 444  # same number on every architecture
+SYS_SECCOMP = {"x86_64": 317, "aarch64": 277, "riscv64": 277, "ppc64le": 358, "s390x": 348}
+PR_GET_SECCOMP = 21
+SECCOMP_GET_ACTION_AVAIL = 2
+SECCOMP_RET_KILL_PROCESS = 0x80000000
+SECCOMP_RET_ERRNO = 0x00050000
+
+APPARMOR_SYSCTL = "kernel/apparmor_restrict_unprivileged_userns"
+
+
+@dataclass
+class Probe:
+    name: str
+    status: str  # ok | degraded | missing | info
+    detail: str
+    fix: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def required(self) -> bool:
+        return self.name in REQUIRED
+
+
+@dataclass
+class Report:
+    probes: list[Probe]
+    cached: bool = False
+
+    @property
+    def exit_status(self) -> int:
+        return 1 if any(p.required and p.status == "missing" for p in self.probes) else 0
+
+    def get(self, name: str) -> Probe | None:
+        return next((p for p in self.probes if p.name == name), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.exit_status == 0,
+            "cached": self.cached,
+            "probes": [{**asdict(p), "required": p.required} for p in self.probes],
+        }
+
+    def format(self) -> str:
+        out = []
+        for p in self.probes:
+            out.append(f"{p.status.upper():<9} {p.name:<12} {p.detail}")
+            if p.fix and p.status != "ok":
+                out.append(f"{'':<22}fix: {p.fix}")
+        out.append("")
+        if self.exit_status == 0:
+            out.append("stockade can run with its default policy on this machine.")
+        else:
+            missing = [p.name for p in self.probes if p.required and p.status == "missing"]
+            out.append("stockade cannot run with its default policy: missing " + ", ".join(missing) + ".")
+        return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def sysctls(proc: Path = Path("/proc")) -> dict[str, str | None]:
+    names = (
+        "kernel/unprivileged_userns_clone",
+        "user/max_user_namespaces",
+        APPARMOR_SYSCTL,
+        "kernel/osrelease",
+        "kernel/random/boot_id",
+    )
+    return {n: _read(proc / "sys" / n) for n in names}
+
+
+def _child_result(fn: Any) -> dict[str, Any]:
+    """Run ``fn()`` in a forked child; it returns a JSON-able dict via a pipe."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: syscalls only, then _exit
+        try:
+            os.close(r)
+            try:
+                res = fn()
+            except OSError as e:
+                res = {"ok": False, "errno": e.errno, "error": f"{e.strerror}", "step": getattr(e, "step", "")}
+            except BaseException as e:  # report anything, never return into the parent's code
+                res = {"ok": False, "errno": 0, "error": repr(e), "step": ""}
+            os.write(w, json.dumps(res).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while True:
+        b = os.read(r, 65536)
+        if not b:
+            break
+        chunks.append(b)
+    os.close(r)
+    os.waitpid(pid, 0)
+    try:
+        out: dict[str, Any] = json.loads(b"".join(chunks) or b"{}")
+    except ValueError:
+        out = {"ok": False, "error": "probe child died", "errno": 0, "step": ""}
+    return out
+
+
+class _StepError(OSError):
+    step: str
+
+
+def _check(rc: int, step: str) -> None:
+    if rc != 0:
+        e = ctypes.get_errno()
+        err = _StepError(e, os.strerror(e))
+        err.step = step
+        raise err
+
+
+def _enter_userns() -> None:
+    """unshare(NEWUSER|NEWNS), map the caller's ids to themselves... as root inside."""
+    libc = _libc()
+    uid, gid = os.getuid(), os.getgid()
+    _check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
+    try:
+        with open("/proc/self/setgroups", "w") as f:
+            f.write("deny")
+    except FileNotFoundError:
+        pass
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"0 {uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"0 {gid} 1")
+    _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount(/, MS_PRIVATE)")
+
+
+# --------------------------------------------------------------------------- probes
+
+
+def analyze_userns(sc: dict[str, str | None], live: dict[str, Any], uid: int) -> Probe:
+    """Name the cause of a user-namespace failure from the sysctls (pure; unit-tested)."""
+    data = {"sysctls": {k: v for k, v in sc.items() if "userns" in k or "max_user" in k}, "live": live}
+    max_ns = sc.get("user/max_user_namespaces")
+    deb = sc.get("kernel/unprivileged_userns_clone")
+    aa = sc.get(APPARMOR_SYSCTL)
+    causes: list[tuple[str, str]] = []
+    if max_ns == "0":
+        causes.append(("user.max_user_namespaces = 0",
+                       "sudo sysctl -w user.max_user_namespaces=15000 (persist it in /etc/sysctl.d/)"))
+    if deb == "0" and uid != 0:
+        causes.append(("kernel.unprivileged_userns_clone = 0 (Debian)",
+                       "sudo sysctl -w kernel.unprivileged_userns_clone=1"))
+    if aa == "1" and uid != 0:
+        causes.append(("AppArmor restricts unprivileged user namespaces "
+                       "(kernel.apparmor_restrict_unprivileged_userns = 1)",
+                       "install the profile printed by `stockade doctor --apparmor` "
+                       "(or: sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0)"))
+    if live.get("ok"):
+        detail = "user namespaces work (unshare + id map + mount)"
+        if aa == "1" and uid != 0:
+            detail += "; an AppArmor profile allows them for this interpreter"
+        return Probe("userns", "ok", detail, None, data)
+    step = live.get("step") or "unshare"
+    err = live.get("error") or "failed"
+    if causes:
+        detail = f"{step}: {err}; cause: " + "; ".join(c for c, _ in causes)
+        return Probe("userns", "missing", detail, " ; ".join(f for _, f in causes), data)
+    if os.path.exists("/.dockerenv") or sc.get("container"):
+        fix = "run the container with --security-opt seccomp=unconfined (Docker's default profile blocks unshare) or use --privileged"
+    else:
+        fix = "check `unshare -Urm true`; a seccomp filter or LSM of a parent container may block user namespaces"
+    return Probe("userns", "missing", f"{step}: {err}", fix, data)
+
+
+def probe_userns(proc: Path = Path("/proc")) -> list[Probe]:
+    sc = sysctls(proc)
+
+    def child() -> dict[str, Any]:
+        _enter_userns()
+        d = tempfile.mkdtemp(prefix="stockade-doctor-")
+        try:
+            _check(_libc().mount(b"tmpfs", d.encode(), b"tmpfs", 0, b"size=16k"), f"mount tmpfs on {d}")
+            _libc().umount2(d.encode(), 0)
+        finally:
+            os.rmdir(d)
+        return {"ok": True}
+
+    live = _child_result(child)
+    probes = [analyze_userns(sc, live, os.getuid())]
+    if os.getuid() == 0:
+        unpriv = unprivileged_userns()
+        if unpriv is not None:
+            probes.append(unpriv)
+    return probes
+
+
+def unprivileged_userns() -> Probe | None:
+    """As root: can an unprivileged user (nobody) create a user namespace? Info only."""
+    setpriv = shutil.which("setpriv")
+    unshare = shutil.which("unshare")
+    if not setpriv or not unshare:
+        return None
+    import subprocess
+
+    try:
+        p = subprocess.run(
+            [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", unshare, "-Urm", "true"],
+            capture_output=True, text=True, timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    sc = sysctls()
+    if p.returncode == 0:
+        return Probe("userns-user", "info", "unprivileged users can create user namespaces")
+    cause = analyze_userns(sc, {"ok": False, "step": "unshare -Urm", "error": p.stderr.strip()[:200]}, 65534)
+    return Probe("userns-user", "info", "unprivileged users cannot: " + cause.detail, cause.fix)
+
+
+def probe_overlay(state: Path) -> Probe:
+    """Overlay mounted inside a user namespace, upper on the state dir's filesystem."""
+    try:
+        state.mkdir(parents=True, exist_ok=True, mode=0o700)
+        base = Path(tempfile.mkdtemp(prefix=".doctor-overlay-", dir=state))
+    except OSError as e:
+        return Probe("overlay", "missing", f"cannot create a probe dir in {state}: {e.strerror}",
+                     "set STOCKADE_STATE_DIR to a writable directory")
+    fstype = _fstype(state)
+    try:
+        for d in ("lower", "upper", "work", "merged"):
+            (base / d).mkdir()
+        (base / "lower" / "a").write_text("a")
+        (base / "lower" / "b").write_text("b")
+
+        def child() -> dict[str, Any]:
+            _enter_userns()
+            libc = _libc()
+            opts = f"lowerdir={base}/lower,upperdir={base}/upper,workdir={base}/work"
+            used = ""
+            for extra in (",userxattr", ""):
+                if libc.mount(b"overlay", f"{base}/merged".encode(), b"overlay", 0, (opts + extra).encode()) == 0:
+                    used = extra.lstrip(",") or "default"
+                    break
+            else:
+                _check(-1, "mount overlay")
+            (base / "merged" / "c").write_text("c")
+            whiteout = True
+            try:
+                os.unlink(base / "merged" / "a")
+            except OSError:
+                whiteout = False
+            libc.umount2(f"{base}/merged".encode(), 0)
+            return {"ok": True, "options": used, "whiteout": whiteout}
+
+        res = _child_result(child)
+        upper_ok = (base / "upper" / "c").is_file()
+        wh = base / "upper" / "a"
+        whiteout = bool(res.get("whiteout")) and os.path.lexists(wh)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    data = {"fstype": fstype, **res}
+    if not res.get("ok"):
+        fix = ("put the state dir on ext4, xfs, btrfs or tmpfs (STOCKADE_STATE_DIR=...)"
+               if fstype in {"overlay", "nfs", "nfs4", "fuse", "cifs", "zfs"}
+               else "kernel 5.11+ mounts overlay in user namespaces; check `dmesg` for overlayfs errors")
+        return Probe("overlay", "missing",
+                     f"{res.get('step') or 'mount overlay'} on {fstype} ({state}): {res.get('error')}", fix, data)
+    if not upper_ok:
+        return Probe("overlay", "missing", "overlay mounted but writes did not reach the upper dir", None, data)
+    if not whiteout:
+        return Probe("overlay", "degraded",
+                     f"overlay works on {fstype} but deleting a lower file failed (no whiteouts)",
+                     "use a newer kernel (5.11+) or an ext4/xfs state dir", data)
+    return Probe("overlay", "ok", f"overlay in a user namespace works on {fstype} ({state}; options: {res.get('options')})",
+                 None, data)
+
+
+def _fstype(path: Path) -> str:
+    best, fstype = "", "unknown"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                mp = parts[4].replace("\\040", " ")
+                sep = parts.index("-")
+                p = str(path.resolve())
+                if (p == mp or p.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best):
+                    best, fstype = mp, parts[sep + 1]
+    except (OSError, ValueError, IndexError):
+        pass
+    return fstype
+
+
+def landlock_abi() -> tuple[int, int]:
+    """(ABI version or -1, errno)."""
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    rc = libc.syscall(ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0),
+                      ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    return (int(rc), 0) if rc >= 0 else (-1, ctypes.get_errno())
+
+
+def analyze_landlock(abi: int, err: int, lsm: str | None) -> Probe:
+    data = {"abi": abi, "lsm": lsm}
+    if abi < 1:
+        import errno as E
+
+        if err == E.EOPNOTSUPP:
+            why = "Landlock is built in but not enabled"
+            fix = "add landlock to the lsm= boot parameter (e.g. lsm=landlock,lockdown,yama,apparmor,bpf)"
+        else:
+            why = "the kernel has no Landlock (needs 5.13+ with CONFIG_SECURITY_LANDLOCK)"
+            fix = "use a kernel with Landlock, or accept the named degraded mode `--allow-degraded landlock`"
+        return Probe("landlock", "missing", why, fix, data)
+    feats = ["fs"]
+    if abi >= 2:
+        feats.append("refer")
+    if abi >= 3:
+        feats.append("truncate")
+    if abi >= 4:
+        feats.append("tcp")
+    if abi >= 5:
+        feats.append("ioctl-dev")
+    if abi >= 6:
+        feats.append("scopes")
+    if abi < 3:
+        return Probe("landlock", "degraded", f"ABI {abi} ({', '.join(feats)}): truncate is not restricted",
+                     "a 6.2+ kernel gives ABI 3", data)
+    return Probe("landlock", "ok", f"ABI {abi} ({', '.join(feats)})", None, data)
+
+
+def probe_landlock() -> Probe:
+    abi, err = landlock_abi()
+    return analyze_landlock(abi, err, _read(Path("/sys/kernel/security/lsm")))
+
+
+def probe_seccomp() -> Probe:
+    libc = _libc()
+    mode = libc.prctl(PR_GET_SECCOMP, 0, 0, 0, 0)
+    data: dict[str, Any] = {"mode": mode}
+    nr = SYS_SECCOMP.get(platform.machine())
+    avail = None
+    if nr is not None:
+        action = ctypes.c_uint32(SECCOMP_RET_KILL_PROCESS)
+        libc.syscall.restype = ctypes.c_long
+        avail = libc.syscall(ctypes.c_long(nr), ctypes.c_uint(SECCOMP_GET_ACTION_AVAIL), ctypes.c_uint(0),
+                             ctypes.byref(action)) == 0
+        data["kill_process"] = avail
+    lib = ctypes.util.find_library("seccomp")
+    data["libseccomp"] = lib
+    if mode < 0:
+        return Probe("seccomp", "missing", "the kernel has no seccomp (CONFIG_SECCOMP)",
+                     "use a kernel built with CONFIG_SECCOMP_FILTER", data)
+    if avail is False:
+        return Probe("seccomp", "missing", "seccomp filters are unavailable (SECCOMP_GET_ACTION_AVAIL failed)",
+                     "use a kernel built with CONFIG_SECCOMP_FILTER", data)
+    if lib is None:
+        return Probe("seccomp", "missing", "libseccomp.so.2 not found (profiles are compiled with it)",
+                     "sudo apt-get install libseccomp2 (dnf install libseccomp)", data)
+    note = " (this process already runs under a filter)" if mode == 2 else ""
+    return Probe("seccomp", "ok", f"filters available, {lib}{note}", None, data)
+
+
+def probe_cgroups() -> Probe:
+    import importlib
+
+    try:
+        det: Any = importlib.import_module("stockade.cgroups.detect")
+    except ImportError:
+        return Probe("cgroups", "degraded", "cgroup detection is not installed; limits use rlimits only")
+    try:
+        d = det.detection()
+    except Exception as e:  # a forced, unusable backend is an error worth showing, not a crash
+        return Probe("cgroups", "missing", str(e), "unset STOCKADE_CGROUP or fix the delegation")
+    kind = getattr(d.manager, "kind", "unknown")
+    try:
+        desc = d.manager.describe()
+    except Exception:  # describe is informational
+        desc = {}
+    data = {"kind": kind, "reasons": list(d.reasons), "describe": {k: str(v) for k, v in desc.items()}}
+    if kind == "none":
+        return Probe("cgroups", "degraded",
+                     "no delegated cgroup: memory/pids/CPU limits fall back to rlimits (" + "; ".join(d.reasons)[:300] + ")",
+                     "run under `systemd-run --user --scope -p Delegate=yes stockade ...` or enable cgroup v2 delegation",
+                     data)
+    return Probe("cgroups", "ok", f"backend {kind}", None, data)
+
+
+def probe_capabilities() -> Probe:
+    try:
+        import prctl  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        status = _read(Path("/proc/self/status")) or ""
+        caps = {ln.split(":")[0]: ln.split(":")[1].strip() for ln in status.splitlines() if ln.startswith("Cap")}
+        return Probe("capabilities", "info", f"effective {caps.get('CapEff', '?')} (python-prctl not installed)",
+                     data={"caps": caps})
+    eff = _prctl_caps(prctl, prctl.cap_effective)
+    bnd = _prctl_caps(prctl, prctl.capbset)
+    nnp = bool(prctl.get_no_new_privs())
+    detail = f"uid {os.getuid()}, {len(eff)} effective capabilities, {len(bnd)} in the bounding set"
+    if nnp:
+        detail += ", no_new_privs already set"
+    return Probe("capabilities", "info", detail, data={"effective": eff, "bounding": len(bnd), "no_new_privs": nnp})
+
+
+def _prctl_caps(prctl: Any, capset: Any) -> list[str]:
+    out = []
+    for full in prctl.ALL_CAP_NAMES:
+        name = str(full).lower().removeprefix("cap_")
+        try:
+            if getattr(capset, name) is True:
+                out.append(name)
+        except (OSError, AttributeError, TypeError, ValueError):
+            continue
+    return out
+
+
+def probe_apparmor(proc: Path = Path("/proc")) -> Probe:
+    aa = _read(proc / "sys" / APPARMOR_SYSCTL)
+    enabled = _read(Path("/sys/module/apparmor/parameters/enabled"))
+    data = {"restrict_unprivileged_userns": aa, "enabled": enabled}
+    if aa == "1":
+        return Probe("apparmor", "info", "restricts unprivileged user namespaces",
+                     "stockade doctor --apparmor > /etc/apparmor.d/stockade && sudo apparmor_parser -r /etc/apparmor.d/stockade",
+                     data)
+    return Probe("apparmor", "info", "enabled" if enabled == "Y" else "not enabled or no userns restriction", None, data)
+
+
+def run_self_test(timeout: float = 30.0) -> Probe:
+    """A short real sandbox: `true` through stockade.api.run. Always live."""
+    try:
+        from . import api
+    except ImportError as e:
+        return Probe("self-test", "missing", f"the runtime is not available: {e}", "reinstall stockade")
+    run = getattr(api, "run", None)
+    if run is None:
+        return Probe("self-test", "missing", "stockade.api.run is not available", "reinstall stockade")
+    from .session import store
+
+    base = Path(tempfile.mkdtemp(prefix="stockade-doctor-"))
+    os.chmod(base, 0o755)
+    name = f"doctor-{os.getpid()}-{int(time.time())}"
+    t0 = time.monotonic()
+    try:
+        res = run(["true"], project=str(base), session=name, capture_output=True, timeout=timeout)
+        ms = (time.monotonic() - t0) * 1000
+        if res.returncode != 0:
+            err = (res.stderr or b"")[-300:]
+            return Probe("self-test", "missing", f"`true` exited {res.returncode} in the sandbox: {err!r}",
+                         "run `stockade run -- true` to see the failing step", {"ms": round(ms, 1)})
+        return Probe("self-test", "ok", f"`true` ran sandboxed in {ms:.0f} ms",
+                     None, {"ms": round(ms, 1), "degraded": list(getattr(res, "degraded", ()) or ())})
+    except Exception as e:  # report the failing step; doctor must not crash
+        remedy = getattr(e, "remedy", None)
+        return Probe("self-test", "missing", f"{type(e).__name__}: {e}", remedy or "see the message above")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(store.sessions_dir() / name, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _cache_key(state: Path) -> dict[str, Any]:
+    sc = sysctls()
+    return {"version": CACHE_VERSION, "boot_id": sc.get("kernel/random/boot_id"),
+            "release": os.uname().release, "uid": os.getuid(), "state": str(state),
+            "sysctls": {k: v for k, v in sc.items() if k != "kernel/random/boot_id"}}
+
+
+def cached_probes(state: Path, *, refresh: bool = False) -> tuple[list[Probe], bool]:
+    path = state / "doctor.json"
+    key = _cache_key(state)
+    if not refresh:
+        try:
+            doc = json.loads(path.read_text())
+            if doc.get("key") == key:
+                return [Probe(**p) for p in doc["probes"]], True
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    probes = [*probe_userns(), probe_overlay(state), probe_landlock(), probe_seccomp(), probe_cgroups(),
+              probe_apparmor(), probe_capabilities()]
+    try:
+        state.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".doctor.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "probes": [asdict(p) for p in probes]}, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return probes, False
+
+
+def run(*, refresh: bool = False, self_test: bool = True) -> Report:
+    """Every probe (cached unless ``refresh``) plus the live self-test."""
+    from .session.store import state_dir
+
+    probes, cached = cached_probes(state_dir(), refresh=refresh)
+    if self_test:
+        probes.append(run_self_test())
+    return Report(probes, cached)
+
+
+def apparmor_profile(python: str | None = None) -> str:
+    """An AppArmor profile letting the interpreter that runs stockade create user namespaces."""
+    exe = os.path.realpath(python or sys.executable)
+    return f"""# AppArmor profile for stockade (Ubuntu 23.10+ restricts unprivileged user namespaces).
+# It allows user namespaces for every program run by this interpreter:
+#   {exe}
+# To narrow it, run stockade from a venv whose python is a copy (python -m venv --copies).
+# Install:
+#   sudo install -m 644 /dev/stdin /etc/apparmor.d/stockade <<'EOF' ... EOF  (or save this output there)
+#   sudo apparmor_parser -r /etc/apparmor.d/stockade
+abi <abi/4.0>,
+include <tunables/global>
+
+profile stockade {exe} flags=(unconfined) {{
+  userns,
+
+  # Site-specific additions and overrides.
+  include if exists <local/stockade>
+}}
+"""
