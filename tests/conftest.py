@@ -1,0 +1,200 @@
+"""Shared fixtures: privilege modes (root and an unprivileged uid), projects, state dirs.
+
+`as_user` runs stockade's CLI or a Python snippet either as the current (root)
+user or dropped to uid 65534 with setpriv. /root is mode 0700 on our hosts, so
+the unprivileged side uses a system Python of the same version with PYTHONPATH
+pointing at the source tree and the venv's site-packages.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src"
+MUST_WORK = os.environ.get("STOCKADE_MUST_WORK") == "1"
+NOBODY = 65534
+
+
+def need(condition: bool, reason: str) -> None:
+    """Skip when a kernel/host feature is missing, but fail under STOCKADE_MUST_WORK=1."""
+    if condition:
+        return
+    if MUST_WORK:
+        pytest.fail(f"required feature missing (STOCKADE_MUST_WORK=1): {reason}")
+    pytest.skip(reason)
+
+
+def _unpriv_python() -> str | None:
+    """An interpreter uid 65534 can execute, with the same ABI as ours."""
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for cand in (sys.executable, os.path.realpath(sys.executable), f"/usr/bin/{ver}", f"/usr/local/bin/{ver}"):
+        if not os.path.exists(cand):
+            continue
+        r = subprocess.run(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", cand, "-c", "pass"],
+            capture_output=True,
+        )
+        if r.returncode == 0:
+            return cand
+    return None
+
+
+_UNPRIV_PY: str | None | bool = False
+
+
+def unpriv_python() -> str | None:
+    global _UNPRIV_PY
+    if _UNPRIV_PY is False:
+        _UNPRIV_PY = _unpriv_python() if os.geteuid() == 0 else None
+    return _UNPRIV_PY  # type: ignore[return-value]
+
+
+def world_tmpdir(prefix: str) -> Path:
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    d.chmod(0o755)
+    return d
+
+
+@dataclass
+class User:
+    """Runs stockade as one identity: 'root' (the caller) or 'unpriv' (uid 65534)."""
+
+    name: str
+    uid: int
+    gid: int
+    home: Path
+    state: Path
+    python: str
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        site = sysconfig.get_paths()["purelib"]
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(self.home),
+            "STOCKADE_STATE_DIR": str(self.state),
+            "XDG_CONFIG_HOME": str(self.home / ".config"),
+            "PYTHONPATH": f"{SRC}:{site}",
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        if MUST_WORK:
+            env["STOCKADE_MUST_WORK"] = "1"
+        if extra:
+            env.update(extra)
+        return env
+
+    def prefix(self) -> list[str]:
+        if self.name == "root":
+            return []
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"]
+
+    def cli(
+        self,
+        args: Sequence[str],
+        *,
+        cwd: str | os.PathLike[str] | None = None,
+        input: bytes | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 120,
+        **kw: object,
+    ) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [*self.prefix(), self.python, "-m", "stockade", *args],
+            cwd=cwd,
+            input=input,
+            env=self.env(env),
+            capture_output=True,
+            timeout=timeout,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    def py(self, code: str, *, cwd: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [*self.prefix(), self.python, "-c", code],
+            cwd=cwd,
+            env=self.env(env),
+            capture_output=True,
+            timeout=timeout,
+        )
+
+    def own(self, path: Path) -> None:
+        if self.name != "root":
+            for p in [path, *path.rglob("*")]:
+                os.lchown(p, self.uid, self.gid)
+
+
+@pytest.fixture(params=["root", "unpriv"])
+def user(request: pytest.FixtureRequest) -> Iterator[User]:
+    base = world_tmpdir("stockade-user-")
+    home = base / "home"
+    home.mkdir()
+    state = home / "state"
+    if request.param == "root":
+        need(os.geteuid() == 0, "the 'root' mode needs the tests to run as root")
+        u = User("root", 0, 0, home, state, sys.executable)
+    else:
+        need(os.geteuid() == 0, "dropping to an unprivileged uid needs the tests to run as root")
+        py = unpriv_python()
+        need(py is not None, "no Python interpreter executable by uid 65534 with this ABI")
+        assert py is not None
+        u = User("unpriv", NOBODY, NOBODY, home, state, py)
+        os.chown(home, NOBODY, NOBODY)
+    try:
+        yield u
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def project(user: User) -> Iterator[Path]:
+    """A small project owned by the user under test, in a world-traversable dir."""
+    base = world_tmpdir("stockade-proj-")
+    p = base / "proj"
+    (p / "src").mkdir(parents=True)
+    (p / "README.md").write_text("# demo\n")
+    (p / "src" / "main.py").write_text("print('hello')\n")
+    (p / "data.bin").write_bytes(bytes(range(256)))
+    user.own(base)
+    try:
+        yield p
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def state_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An in-process state dir for API tests run as the current user."""
+    d = world_tmpdir("stockade-state-")
+    monkeypatch.setenv("STOCKADE_STATE_DIR", str(d))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def tree_snapshot(root: Path) -> dict[str, tuple[int, bytes | str]]:
+    """Every entry under root with its mode and content (or link target), for byte-identical checks."""
+    out: dict[str, tuple[int, bytes | str]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            st = p.lstat()
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = (st.st_mode, os.readlink(p))
+            elif p.is_file():
+                out[rel] = (st.st_mode, p.read_bytes())
+            else:
+                out[rel] = (st.st_mode, "")
+    return out
