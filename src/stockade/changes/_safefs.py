@@ -1,0 +1,260 @@
+"""Safe path resolution beneath a root directory.
+
+Everything apply, discard, export and the scanner do to a project (or to a layer
+the sandbox controlled) goes through a :class:`Root`: a directory fd plus
+``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)``.
+When the kernel lacks openat2 (before 5.6) a per-component ``O_NOFOLLOW``
+walk gives the same guarantee. A symlink anywhere on the way, a ``..``
+component, or an absolute path is refused (``ELOOP``/``EXDEV``), so content
+written by untrusted code can never make us act outside the root.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+from collections.abc import Iterator
+
+_SYS_OPENAT2 = 437  # same number on every architecture with the generic table
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [
+        ("flags", ctypes.c_uint64),
+        ("mode", ctypes.c_uint64),
+        ("resolve", ctypes.c_uint64),
+    ]
+
+
+_libc: ctypes.CDLL | None = None
+_have_openat2: bool | None = None
+
+
+def _libc_handle() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
+    """The raw openat2(2) syscall; raises OSError (ENOSYS when the kernel lacks it)."""
+    libc = _libc_handle()
+    how = _OpenHow(flags, mode, resolve)
+    libc.syscall.restype = ctypes.c_long
+    fd = libc.syscall(
+        ctypes.c_long(_SYS_OPENAT2),
+        ctypes.c_int(dirfd),
+        ctypes.c_char_p(os.fsencode(path)),
+        ctypes.byref(how),
+        ctypes.c_size_t(ctypes.sizeof(how)),
+    )
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), path)
+    return int(fd)
+
+
+def has_openat2() -> bool:
+    global _have_openat2
+    if _have_openat2 is None:
+        try:
+            fd = openat2(-100, "/", _DIR_FLAGS, 0, RESOLVE_NO_SYMLINKS)
+        except OSError as e:
+            _have_openat2 = e.errno != errno.ENOSYS and e.errno != errno.EPERM
+        else:
+            os.close(fd)
+            _have_openat2 = True
+    return _have_openat2
+
+
+def force_fallback(value: bool) -> None:
+    """Tests: exercise the per-component O_NOFOLLOW walk even where openat2 exists."""
+    global _have_openat2
+    _have_openat2 = not value if value else None
+
+
+def split_rel(rel: str) -> list[str]:
+    """Split a relative path; refuse absolute paths, ``..`` and empty components."""
+    if rel in ("", "."):
+        return []
+    if rel.startswith("/"):
+        raise OSError(errno.EXDEV, "absolute path", rel)
+    parts = rel.split("/")
+    for p in parts:
+        if p in ("", ".", ".."):
+            raise OSError(errno.EXDEV, "path component escapes", rel)
+    return parts
+
+
+class Root:
+    """A directory opened once; every path below it is resolved without symlinks.
+
+    Parent directory fds are cached (an fd pins the directory itself, so later
+    renames of the path cannot redirect us). Use as a context manager.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, create: bool = False) -> None:
+        self.path = os.fspath(path)
+        if create:
+            os.makedirs(self.path, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._dirs: dict[str, int] = {"": self.fd}
+
+    def close(self) -> None:
+        for fd in self._dirs.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._dirs = {}
+
+    def __enter__(self) -> Root:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def forget(self, rel: str = "") -> None:
+        """Drop cached fds at and below ``rel`` (after removing or replacing a directory)."""
+        if rel == "":
+            keep = {"": self.fd}
+            for k, fd in self._dirs.items():
+                if k:
+                    os.close(fd)
+            self._dirs = keep
+            return
+        pre = rel + "/"
+        for k in [k for k in self._dirs if k == rel or k.startswith(pre)]:
+            os.close(self._dirs.pop(k))
+
+    def dirfd(self, rel: str) -> int:
+        """An fd for directory ``rel`` (cached); OSError(ELOOP/ENOTDIR/ENOENT/EXDEV) otherwise."""
+        fd = self._dirs.get(rel)
+        if fd is not None:
+            return fd
+        parts = split_rel(rel)
+        if has_openat2():
+            fd = openat2(
+                self.fd,
+                rel,
+                _DIR_FLAGS,
+                0,
+                RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+            )
+        else:
+            parent = "/".join(parts[:-1])
+            pfd = self.dirfd(parent)
+            fd = os.open(parts[-1], _DIR_FLAGS, dir_fd=pfd)
+        self._dirs[rel] = fd
+        return fd
+
+    def parent(self, rel: str) -> tuple[int, str]:
+        """(fd of the parent directory, final component) of ``rel``."""
+        parts = split_rel(rel)
+        if not parts:
+            raise OSError(errno.EINVAL, "the root itself", rel)
+        return self.dirfd("/".join(parts[:-1])), parts[-1]
+
+    def lstat(self, rel: str) -> os.stat_result | None:
+        """lstat of ``rel`` or None when it (or a non-directory/symlink ancestor) is absent."""
+        try:
+            if rel == "":
+                return os.fstat(self.fd)
+            pfd, name = self.parent(rel)
+            return os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
+                return None
+            raise
+
+    def open_read(self, rel: str) -> int:
+        """O_RDONLY fd of regular file ``rel`` (never through a symlink)."""
+        pfd, name = self.parent(rel)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=pfd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file", rel)
+        return fd
+
+    def read_bytes(self, rel: str, limit: int | None = None) -> bytes:
+        fd = self.open_read(rel)
+        try:
+            if limit is not None:
+                return os.read(fd, limit)
+            chunks = []
+            while True:
+                b = os.read(fd, 1 << 20)
+                if not b:
+                    break
+                chunks.append(b)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def readlink(self, rel: str) -> str:
+        pfd, name = self.parent(rel)
+        return os.readlink(name, dir_fd=pfd)
+
+    def listdir(self, rel: str) -> list[str]:
+        return os.listdir(self.dirfd(rel))
+
+    def scandir(self, rel: str) -> Iterator[os.DirEntry[str]]:
+        fd = os.dup(self.dirfd(rel))
+        try:
+            with os.scandir(fd) as it:
+                yield from it
+        finally:
+            os.close(fd)
+
+
+def files_equal(a: Root, arel: str, b: Root, brel: str, size: int) -> bool:
+    """Byte comparison of two regular files of the same (already checked) size."""
+    fa = a.open_read(arel)
+    try:
+        fb = b.open_read(brel)
+        try:
+            left = size
+            while True:
+                x = os.read(fa, 1 << 18)
+                y = os.read(fb, 1 << 18)
+                if x != y:
+                    return False
+                if not x:
+                    return left == 0
+                left -= len(x)
+        finally:
+            os.close(fb)
+    finally:
+        os.close(fa)
+
+
+def is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def rmtree_at(dirfd: int, name: str) -> None:
+    """Remove ``name`` below ``dirfd`` (any type) without following symlinks."""
+    try:
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dirfd)
+        return
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+    try:
+        for child in os.listdir(fd):
+            rmtree_at(fd, child)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dirfd)

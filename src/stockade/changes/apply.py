@@ -1,0 +1,1080 @@
+"""Apply a change set to the project, with a journal; recovery; rollback; discard.
+
+Apply acts as the user on content untrusted code wrote, so:
+
+* every project path is resolved beneath the project root with
+  ``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`` (``_safefs.Root``); a symlink
+  on the way or a parent that is not a directory is refused;
+* layer content is read the same way (no symlink in the layer is followed);
+* files are written to a temporary file in the target directory and renamed
+  into place; symlinks are created as symlinks (``symlinkat``) and renamed;
+* before anything in the project changes, a journal with every operation and a
+  backup of everything replaced or deleted is written (backups are hard links
+  when the state dir shares the project's filesystem, else copies);
+* progress is appended to the journal before each operation; after a crash the
+  next stockade command (``recover_pending``) undoes a partial apply (every
+  file ends wholly old) or finishes one that had committed;
+* ``rollback`` restores exactly what an apply replaced (the original inodes
+  when backups are hard links: bytes and modes identical).
+
+Journal layout: ``<state>/applies/<id>/{plan.json, progress, backups/N, removed/N-L}``
+and ``<state>/applies/pending/<id>`` while an apply or rollback is in flight.
+
+Conflicts: a target whose ctime is later than the session's creation
+(``created_ns``) was changed on the host since the sandbox could have seen it,
+unless this session's own apply/rollback left it that way (we record inode and
+ctime of every target we write in ``<session>/changes-applied.json``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import secrets
+import shutil
+import signal
+import stat
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import SessionNotFound, UsageError
+from ..session import store
+from ..session.store import Session
+from ._safefs import Root, rmtree_at
+from .layers import expose
+from .model import Change, ChangeSet, Kind, is_explicit, normalize_pathspec
+
+# ---- host-code-execution vectors held back unless named explicitly ------------------
+
+HELD_BACK_PATTERNS: tuple[str, ...] = (
+    ".git",  # the repository itself: hooks, config, index, packed refs...
+    ".gitmodules",
+    ".envrc",
+    ".direnv",
+    ".vscode/tasks.json",
+    ".vscode/settings.json",
+    ".vscode/launch.json",
+    ".idea/workspace.xml",
+    ".idea/runConfigurations",
+    ".devcontainer",
+    ".pre-commit-config.yaml",
+    ".husky",
+    "lefthook.yml",
+    ".lefthook.yml",
+    ".npmrc",
+    ".yarnrc",
+    ".yarnrc.yml",
+)
+# basenames held back wherever they are (the project may be a home directory)
+HELD_BACK_NAMES: frozenset[str] = frozenset(
+    {
+        ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".profile",
+        ".zshrc", ".zshenv", ".zprofile", ".zlogin", ".zlogout", ".cshrc", ".tcshrc",
+        ".kshrc", ".mkshrc", ".inputrc", ".envrc", "sitecustomize.py", "usercustomize.py",
+    }
+)
+
+
+def held_back_reason(path: str) -> str | None:
+    for p in HELD_BACK_PATTERNS:
+        if path == p or path.startswith(p + "/"):
+            return p
+    base = path.rsplit("/", 1)[-1]
+    if base in HELD_BACK_NAMES:
+        return base
+    if base.endswith(".pth"):
+        return "*.pth (runs at every Python start)"
+    return None
+
+
+# ---- results ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    apply_id: str | None
+    applied: tuple[str, ...]
+    held_back: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
+    dry_run: bool = False
+    operations: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "apply_id": self.apply_id,
+            "applied": list(self.applied),
+            "held_back": list(self.held_back),
+            "refused": list(self.refused),
+            "dry_run": self.dry_run,
+        }
+
+
+# ---- crash hook (tests) ---------------------------------------------------------------
+
+_ticks = 0
+
+
+def _tick() -> None:
+    """``STOCKADE_TEST_CRASH_AFTER=N``: die by SIGKILL after N journaled operations."""
+    global _ticks
+    limit = os.environ.get("STOCKADE_TEST_CRASH_AFTER")
+    if not limit:
+        return
+    _ticks += 1
+    if _ticks >= int(limit):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- paths of the journal ---------------------------------------------------------------
+
+
+def applies_dir() -> Path:
+    return store.state_dir() / "applies"
+
+
+def pending_dir() -> Path:
+    return applies_dir() / "pending"
+
+
+@contextlib.contextmanager
+def _global_lock() -> Iterator[None]:
+    d = applies_dir()
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _syncfs(fd: int) -> None:
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syncfs(ctypes.c_int(fd))
+    except (OSError, AttributeError):  # pragma: no cover
+        os.sync()
+
+
+# ---- the plan -----------------------------------------------------------------------------
+# op: {"op": "unlink"|"rmdir"|"mkdir"|"write"|"symlink"|"chmod", "path": str, ...}
+#   unlink: "otype": "file"|"symlink"|"other", "omode", ("link" for symlinks)
+#   rmdir:  "omode"
+#   mkdir:  (creates 0700; a later chmod op sets the final mode)
+#   write:  "layer", "mode", "old": None|{"otype","omode","link"?}
+#   symlink:"target", "old": as write
+#   chmod:  "omode", "mode"
+
+
+def _old_of(st: os.stat_result | None, host: Root, rel: str) -> dict[str, Any] | None:
+    if st is None:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return {"otype": "symlink", "omode": st.st_mode, "link": host.readlink(rel)}
+    if stat.S_ISREG(st.st_mode):
+        return {"otype": "file", "omode": st.st_mode}
+    if stat.S_ISDIR(st.st_mode):
+        return {"otype": "dir", "omode": st.st_mode}
+    return {"otype": "other", "omode": st.st_mode}
+
+
+def _depth_desc(p: str) -> bytes:
+    return os.fsencode(p)
+
+
+class _Planner:
+    def __init__(self, cs: ChangeSet, selected: Sequence[Change], host: Root) -> None:
+        self.cs = cs
+        self.host = host
+        self.selected = list(selected)
+        self.deletes: list[dict[str, Any]] = []
+        self.mkdirs: list[dict[str, Any]] = []
+        self.writes: list[dict[str, Any]] = []
+        self.chmods: list[dict[str, Any]] = []
+        self.removed_paths: set[str] = set()  # project paths the plan removes
+        self.created_dirs: set[str] = set()
+        self.dropped: set[str] = set()  # selected changes that cannot be applied (kept)
+
+    def _check_parent(self, rel: str) -> None:
+        """Every ancestor must be a real directory now, or one the plan creates."""
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            anc = "/".join(parts[:i])
+            if anc in self.created_dirs:
+                continue
+            st = self.host.lstat(anc)
+            if st is None:
+                raise UsageError(f"cannot apply {rel}: its directory {anc} no longer exists on the host")
+            if not stat.S_ISDIR(st.st_mode):
+                what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+                raise UsageError(f"cannot apply {rel}: {anc} is {what} on the host")
+
+    def _host_now(self, c: Change) -> os.stat_result | None:
+        st = self.host.lstat(c.path)
+        old_t = None if st is None else stat.S_IFMT(st.st_mode)
+        exp_t = None if c.old_mode is None else stat.S_IFMT(c.old_mode)
+        if old_t != exp_t:
+            raise UsageError(f"cannot apply {c.path}: it changed on the host while planning; retry")
+        return st
+
+    def build(self) -> list[dict[str, Any]]:
+        sel = sorted(self.selected, key=lambda c: os.fsencode(c.path))
+        # removals first (a type change removes the old entry, then creates the new one)
+        for c in sel:
+            st = self._host_now(c)
+            if st is None:
+                continue
+            new_is_dir = c.new_mode is not None and stat.S_ISDIR(c.new_mode)
+            if c.kind is Kind.MODIFIED:
+                continue
+            if c.kind is Kind.ADDED:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if new_is_dir:
+                    continue
+                self.deletes.append({"op": "rmdir", "path": c.path, "omode": st.st_mode})
+            else:
+                old = _old_of(st, self.host, c.path)
+                assert old is not None
+                self.deletes.append({"op": "unlink", "path": c.path, **old})
+            self.removed_paths.add(c.path)
+        # a directory can only go when everything in it goes
+        for d in [op for op in self.deletes if op["op"] == "rmdir"]:
+            try:
+                names = self.host.listdir(d["path"])
+            except OSError as e:
+                raise UsageError(f"cannot apply {d['path']}: {os.strerror(e.errno or 0)}") from None
+            left = [n for n in names if f"{d['path']}/{n}" not in self.removed_paths]
+            if left:
+                dc = self.cs.get(d["path"])
+                if dc is not None and dc.kind is Kind.TYPECHANGE:
+                    raise UsageError(
+                        f"cannot replace directory {d['path']}: {len(left)} entries in it are not "
+                        f"part of this apply (e.g. {d['path']}/{left[0]})"
+                    )
+                self.deletes.remove(d)  # keep the directory; its other contents stay
+                self.removed_paths.discard(d["path"])
+                self.dropped.add(d["path"])
+        self.deletes.sort(key=lambda op: _depth_desc(op["path"]), reverse=True)
+        for c in sel:
+            nm = c.new_mode
+            if nm is None:
+                continue
+            if stat.S_ISDIR(nm):
+                hst = self.host.lstat(c.path)
+                exists_as_dir = hst is not None and stat.S_ISDIR(hst.st_mode) and c.path not in self.removed_paths
+                if not exists_as_dir:
+                    self._check_parent(c.path)
+                    self.mkdirs.append({"op": "mkdir", "path": c.path})
+                    self.created_dirs.add(c.path)
+                    self.chmods.append({"op": "chmod", "path": c.path, "omode": stat.S_IFDIR | 0o700, "mode": nm})
+                elif stat.S_IMODE(nm) != stat.S_IMODE(hst.st_mode if hst else 0):
+                    assert hst is not None
+                    self.chmods.append({"op": "chmod", "path": c.path, "omode": hst.st_mode, "mode": nm})
+        for c in sel:
+            nm = c.new_mode
+            if nm is None or stat.S_ISDIR(nm):
+                continue
+            self._check_parent(c.path)
+            hst = None if c.path in self.removed_paths else self.host.lstat(c.path)
+            old = _old_of(hst, self.host, c.path)
+            if old is not None and old["otype"] == "dir":
+                raise UsageError(f"cannot apply {c.path}: it is a directory on the host")
+            if stat.S_ISLNK(nm):
+                assert c.source is not None
+                target = _layer_readlink(self.cs.session, c)
+                self.writes.append({"op": "symlink", "path": c.path, "target": target, "old": old,
+                                    "layer": c.layer})
+            else:
+                self.writes.append({"op": "write", "path": c.path, "layer": c.layer,
+                                    "mode": nm, "old": old, "size": c.size})
+        self.chmods.sort(key=lambda op: _depth_desc(op["path"]), reverse=True)
+        return [*self.deletes, *self.mkdirs, *self.writes, *self.chmods]
+
+
+def _layer_readlink(session: Session, c: Change) -> str:
+    with Root(session.lower_stack()[c.layer]) as r:
+        return r.readlink(c.path)
+
+
+# ---- executing ops ------------------------------------------------------------------------
+
+
+class _Exec:
+    def __init__(self, apply_id: str, adir: Path, project: Path, stack: list[Path]) -> None:
+        self.id = apply_id
+        self.adir = adir
+        self.backups = adir / "backups"
+        self.host = Root(project)
+        self.stack = stack
+        self.layers: dict[int, Root] = {}
+
+    def close(self) -> None:
+        self.host.close()
+        for r in self.layers.values():
+            r.close()
+
+    def layer(self, i: int) -> Root:
+        r = self.layers.get(i)
+        if r is None:
+            r = self.layers[i] = Root(self.stack[i])
+        return r
+
+    def tmpname(self, n: int) -> str:
+        return f".stockade-{self.id}-{n}.tmp"
+
+    # -- backups
+    def backup(self, n: int, op: dict[str, Any]) -> None:
+        old = op.get("old") if op["op"] in ("write", "symlink") else op
+        if not old or old.get("otype") != "file":
+            return
+        pfd, name = self.host.parent(op["path"])
+        dst = str(self.backups / str(n))
+        try:
+            os.link(name, dst, src_dir_fd=pfd, follow_symlinks=False)
+            op["backup"] = "link"
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES):
+                raise
+            src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+            try:
+                with open(dst, "wb") as f:
+                    while True:
+                        b = os.read(src, 1 << 20)
+                        if not b:
+                            break
+                        f.write(b)
+                    os.fchmod(f.fileno(), stat.S_IMODE(old["omode"]))
+            finally:
+                os.close(src)
+            op["backup"] = "copy"
+
+    # -- forward
+    def do(self, n: int, op: dict[str, Any]) -> None:
+        kind = op["op"]
+        path = op["path"]
+        pfd, name = self.host.parent(path)
+        if kind == "unlink":
+            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                raise UsageError(f"cannot apply {path}: it became a directory on the host")
+            os.unlink(name, dir_fd=pfd)
+        elif kind == "rmdir":
+            self.host.forget(path)
+            os.rmdir(name, dir_fd=pfd)
+        elif kind == "mkdir":
+            os.mkdir(name, 0o700, dir_fd=pfd)
+        elif kind == "chmod":
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+            try:
+                os.fchmod(fd, stat.S_IMODE(op["mode"]))
+            finally:
+                os.close(fd)
+        elif kind == "write":
+            tmp = self.tmpname(n)
+            src = self.layer(op["layer"]).open_read(path)
+            try:
+                out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              0o600, dir_fd=pfd)
+                try:
+                    while True:
+                        b = os.read(src, 1 << 20)
+                        if not b:
+                            break
+                        while b:
+                            w = os.write(out, b)
+                            b = b[w:]
+                    os.fchmod(out, stat.S_IMODE(op["mode"]))
+                finally:
+                    os.close(out)
+            finally:
+                os.close(src)
+            self._check_target(pfd, name, path)
+            os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+        elif kind == "symlink":
+            tmp = self.tmpname(n)
+            os.symlink(op["target"], tmp, dir_fd=pfd)
+            self._check_target(pfd, name, path)
+            os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+        else:  # pragma: no cover
+            raise AssertionError(kind)
+
+    def _check_target(self, pfd: int, name: str, path: str) -> None:
+        try:
+            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"cannot apply {path}: it became a directory on the host")
+
+    # -- backward (idempotent; used by crash recovery and by rollback)
+    def undo(self, n: int, op: dict[str, Any]) -> None:
+        kind = op["op"]
+        path = op["path"]
+        try:
+            pfd, name = self.host.parent(path)
+        except OSError:
+            return  # its directory is gone: nothing of ours is there
+        try:
+            cur: os.stat_result | None = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            cur = None
+        if kind in ("write", "symlink"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.tmpname(n), dir_fd=pfd)
+            old = op.get("old")
+            if old is None:
+                if cur is not None and not stat.S_ISDIR(cur.st_mode):
+                    os.unlink(name, dir_fd=pfd)
+            else:
+                self._restore(n, op, old, pfd, name, cur)
+        elif kind == "unlink":
+            if cur is None:
+                self._restore(n, op, op, pfd, name, None)
+        elif kind == "rmdir":
+            if cur is None:
+                os.mkdir(name, 0o700, dir_fd=pfd)
+                self._chmod_dir(pfd, name, op["omode"])
+        elif kind == "mkdir":
+            if cur is not None and stat.S_ISDIR(cur.st_mode):
+                self.host.forget(path)
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=pfd)
+        elif kind == "chmod" and cur is not None and stat.S_ISDIR(cur.st_mode):
+            self._chmod_dir(pfd, name, op["omode"])
+
+    def _chmod_dir(self, pfd: int, name: str, mode: int) -> None:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+        try:
+            os.fchmod(fd, stat.S_IMODE(mode))
+        finally:
+            os.close(fd)
+
+    def _restore(self, n: int, op: dict[str, Any], old: dict[str, Any], pfd: int, name: str,
+                 cur: os.stat_result | None) -> None:
+        tmp = self.tmpname(n)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=pfd)
+        if old["otype"] == "symlink":
+            os.symlink(old["link"], tmp, dir_fd=pfd)
+        elif old["otype"] == "file":
+            b = self.backups / str(n)
+            if op.get("backup") == "link":
+                os.link(b, tmp, dst_dir_fd=pfd)
+            else:
+                with open(b, "rb") as f:
+                    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                  0o600, dir_fd=pfd)
+                    try:
+                        shutil.copyfileobj(f, _FdWriter(out))
+                        os.fchmod(out, stat.S_IMODE(old["omode"]))
+                    finally:
+                        os.close(out)
+        else:
+            return  # nothing we could have replaced
+        if cur is not None and stat.S_ISDIR(cur.st_mode):
+            os.unlink(tmp, dir_fd=pfd)
+            return
+        os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+
+
+class _FdWriter:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, b: bytes) -> int:
+        view = memoryview(b)
+        while view:
+            w = os.write(self.fd, view)
+            view = view[w:]
+        return len(b)
+
+
+# ---- progress log ----------------------------------------------------------------------------
+
+
+class _Progress:
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def note(self, line: str, sync: bool = False) -> None:
+        os.write(self.fd, (line + "\n").encode())
+        if sync:
+            os.fsync(self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _read_progress(adir: Path) -> tuple[str, int, set[int]]:
+    """(last state, highest begun op index, layer moves done)."""
+    state = "preparing"
+    begun = -1
+    moved: set[int] = set()
+    try:
+        text = (adir / "progress").read_text()
+    except FileNotFoundError:
+        return state, begun, moved
+    for line in text.splitlines():
+        if line.startswith("b "):
+            begun = max(begun, int(line[2:]))
+        elif line.startswith("m "):
+            moved.add(int(line[2:]))
+        elif line.startswith("s "):
+            state = line[2:]
+    return state, begun, moved
+
+
+# ---- applied-state record (conflict detection across this session's own applies) -------------
+
+
+def _applied_record_path(session: Session) -> Path:
+    return session.dir / "changes-applied.json"
+
+
+def _load_applied(session: Session) -> dict[str, list[int]]:
+    try:
+        with open(_applied_record_path(session), encoding="utf-8") as f:
+            data: dict[str, list[int]] = json.load(f)
+            return data
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def _record_applied(session: Session, host: Root, paths: list[str]) -> None:
+    rec = _load_applied(session)
+    for p in paths:
+        st = host.lstat(p)
+        if st is None:
+            rec.pop(p, None)
+        else:
+            rec[p] = [st.st_ino, st.st_ctime_ns]
+    store.write_json_atomic(_applied_record_path(session), rec)
+
+
+def _conflicts(session: Session, host: Root, ops: list[dict[str, Any]]) -> list[str]:
+    created = int(session.meta().get("created_ns", 0))
+    rec = _load_applied(session)
+    out: list[str] = []
+    for op in ops:
+        if op["op"] == "mkdir":
+            continue
+        if op["op"] in ("write", "symlink") and op.get("old") is None:
+            continue
+        st = host.lstat(op["path"])
+        if st is None:
+            continue
+        if st.st_ctime_ns > created and rec.get(op["path"]) != [st.st_ino, st.st_ctime_ns]:
+            out.append(op["path"])
+    return out
+
+
+# ---- layer cleanup after apply / discard -------------------------------------------------------
+
+
+def _layer_cleanup_items(stack: list[Path], changes: Sequence[Change]) -> list[list[Any]]:
+    """[path, layer index, is_dir_change, reveal] for each change leaving the layers."""
+    items: list[list[Any]] = []
+    for c in changes:
+        dir_change = c.new_mode is not None and stat.S_ISDIR(c.new_mode)
+        for li in range(len(stack)):
+            items.append([c.path, li, dir_change, c.new_mode is not None])
+    return items
+
+
+def _move_out(stack: list[Path], project: Root, path: str, li: int, dir_change: bool,
+              dest: Path | None, reveal: bool) -> bool:
+    """Remove ``path``'s entry from layer ``li`` (to ``dest`` when given). True if moved.
+
+    ``reveal``: make sure the layer no longer hides what is below it at ``path``
+    (needed whenever the merged view must show the project's entry afterwards).
+    """
+    layer = stack[li]
+    try:
+        lr = Root(layer)
+    except OSError:
+        return False
+    try:
+        if reveal and not dir_change:
+            expose(stack, li, project, path)
+            lr.forget()
+        st = lr.lstat(path)
+        if st is None:
+            return False
+        if dir_change and stat.S_ISDIR(st.st_mode):
+            return False  # directories stay (their other contents may not have left)
+        pfd, name = lr.parent(path)
+        if dest is not None:
+            os.rename(name, dest, src_dir_fd=pfd)
+        else:
+            rmtree_at(pfd, name)
+        return True
+    finally:
+        lr.close()
+
+
+def _tidy_dirs(stack: list[Path], project: Root, changes: Sequence[Change]) -> None:
+    """Directories a discard emptied: drop them from the layers, restore modes."""
+    for c in sorted(changes, key=lambda c: os.fsencode(c.path), reverse=True):
+        if c.new_mode is None or not stat.S_ISDIR(c.new_mode):
+            continue
+        hst = project.lstat(c.path)
+        for li in range(len(stack)):
+            d = os.path.join(stack[li], c.path)
+            try:
+                st = os.lstat(d)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            if hst is not None and stat.S_ISDIR(hst.st_mode):
+                if stat.S_IMODE(st.st_mode) != stat.S_IMODE(hst.st_mode):
+                    os.chmod(d, stat.S_IMODE(hst.st_mode))
+            else:
+                try:
+                    expose(stack, li, project, c.path)
+                    os.rmdir(d)
+                except OSError:
+                    pass
+
+
+# ---- public: apply ------------------------------------------------------------------------------
+
+
+def _new_apply_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def _select(cs: ChangeSet, paths: Sequence[str] | None, exclude: Sequence[str] | None,
+            only: Sequence[Change] | None) -> tuple[list[Change], list[str], list[str]]:
+    """(to apply, held back, refused)."""
+    if only is not None:
+        chosen = list(only)
+        specs = [c.path for c in chosen]
+    else:
+        chosen = list(cs.select(list(paths) if paths else None, list(exclude) if exclude else None))
+        specs = [normalize_pathspec(s, cs.project) for s in paths] if paths else []
+    held: list[str] = []
+    refused: list[str] = []
+    out: list[Change] = []
+    for c in chosen:
+        if c.kind is Kind.REFUSED:
+            refused.append(c.path)
+            continue
+        if held_back_reason(c.path) and not any(is_explicit(s, c.path) for s in specs):
+            held.append(c.path)
+            continue
+        out.append(c)
+    # a change needs its new parent directories: pull in directory changes above it
+    have = {c.path for c in out}
+    by_path = {c.path: c for c in cs.changes}
+    for c in list(out):
+        parts = c.path.split("/")
+        for i in range(1, len(parts)):
+            anc = "/".join(parts[:i])
+            a = by_path.get(anc)
+            if a is None or anc in have or a.new_mode is None or not stat.S_ISDIR(a.new_mode):
+                continue
+            if a.old_mode is not None and stat.S_ISDIR(a.old_mode):
+                continue  # a mode change of an existing directory is not needed
+            out.append(a)
+            have.add(anc)
+    out.sort(key=lambda c: os.fsencode(c.path))
+    return out, held, refused
+
+
+def apply_changes(
+    cs: ChangeSet,
+    paths: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    force: bool = False,
+    dry_run: bool = False,
+    only: Sequence[Change] | None = None,
+) -> ApplyResult:
+    session = cs.session
+    recover_pending()
+    chosen, held, refused = _select(cs, paths, exclude, only)
+    if not chosen:
+        why = ""
+        if held:
+            why = (f"; {len(held)} held back as host-code-execution vectors ({', '.join(held[:3])}"
+                   f"{'...' if len(held) > 3 else ''}): name them explicitly to apply them")
+        elif refused:
+            why = f"; {len(refused)} refused (fifos, sockets, devices)"
+        raise UsageError(f"nothing to apply in session {session.id}{why}")
+    with session.lock(wait=False), _global_lock():
+        # re-scan under the lock so the plan matches the layers exactly
+        from .scan import scan
+
+        fresh = scan(session, classify=False)
+        current = {c.path: c for c in fresh.changes}
+        chosen = [current[c.path] for c in chosen if c.path in current]
+        if not chosen:
+            raise UsageError(f"nothing to apply in session {session.id}")
+        project = cs.project
+        with Root(project) as host:
+            planner = _Planner(fresh, chosen, host)
+            ops = planner.build()
+            conflicts = _conflicts(session, host, ops)
+            if conflicts and not force:
+                shown = ", ".join(conflicts[:5]) + (" ..." if len(conflicts) > 5 else "")
+                raise UsageError(
+                    f"{len(conflicts)} conflict(s): changed on the host since session {session.id} "
+                    f"started: {shown}; review with `stockade diff {session.id}`, or pass --force"
+                )
+        chosen = [c for c in chosen if c.path not in planner.dropped]
+        desc = tuple(f"{op['op']} {op['path']}" for op in ops)
+        applied = tuple(c.path for c in chosen)
+        if dry_run:
+            return ApplyResult(None, applied, tuple(held), tuple(refused), True, desc)
+        apply_id = _new_apply_id()
+        _run_apply(apply_id, session, project, chosen, ops)
+        return ApplyResult(apply_id, applied, tuple(held), tuple(refused), False, desc)
+
+
+def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Change],
+               ops: list[dict[str, Any]]) -> None:
+    adir = applies_dir() / apply_id
+    (adir / "backups").mkdir(parents=True, mode=0o700)
+    (adir / "removed").mkdir(mode=0o700)
+    pending_dir().mkdir(parents=True, exist_ok=True, mode=0o700)
+    stack = session.lower_stack()
+    moves = _layer_cleanup_items(stack, chosen)
+    plan: dict[str, Any] = {
+        "schema_version": 1,
+        "id": apply_id,
+        "session": session.id,
+        "session_dir": str(session.dir),
+        "project": str(project),
+        "created": time.time_ns(),
+        "stack": [str(p) for p in stack],
+        "paths": [c.path for c in chosen],
+        "ops": ops,
+        "moves": moves,
+    }
+    (pending_dir() / apply_id).touch()
+    prog = _Progress(adir / "progress")
+    ex = _Exec(apply_id, adir, project, stack)
+    try:
+        prog.note("s preparing")
+        _tick()
+        for n, op in enumerate(ops):
+            ex.backup(n, op)
+            _tick()
+        _write_json(adir / "plan.json", plan)
+        _fsync_path(adir / "backups")
+        prog.note("s prepared", sync=True)
+        _tick()
+        for n, op in enumerate(ops):
+            prog.note(f"b {n}")
+            _tick()
+            try:
+                ex.do(n, op)
+            except Exception:
+                _undo_all(ex, ops, n)
+                prog.note("s undone", sync=True)
+                _record_applied(session, ex.host, [op["path"] for op in ops])
+                (pending_dir() / apply_id).unlink()
+                raise
+            _tick()
+        _syncfs(ex.host.fd)
+        prog.note("s committed", sync=True)
+        _tick()
+        targets = [op["path"] for op in ops]
+        _write_json(adir / "result.json", _target_states(ex.host, targets))
+        _record_applied(session, ex.host, targets)
+        _finish_moves(adir, stack, ex.host, moves, set(), prog)
+        prog.note("s done", sync=True)
+        (pending_dir() / apply_id).unlink()
+        _log_event(session, {"event": "apply", "apply_id": apply_id, "paths": len(chosen)})
+    finally:
+        ex.close()
+        prog.close()
+
+
+def _finish_moves(adir: Path, stack: list[Path], host: Root, moves: list[list[Any]],
+                  done: set[int], prog: _Progress) -> None:
+    for k, (p, li, dchange, reveal) in enumerate(moves):
+        if k in done:
+            continue
+        dest = adir / "removed" / f"{k}"
+        if not dest.exists() and not dest.is_symlink():
+            _move_out(stack, host, p, li, bool(dchange), dest, bool(reveal))
+        prog.note(f"m {k}")
+        _tick()
+
+
+def _undo_all(ex: _Exec, ops: list[dict[str, Any]], last: int) -> None:
+    for n in range(min(last, len(ops) - 1), -1, -1):
+        ex.undo(n, ops[n])
+
+
+def _log_event(session: Session, ev: dict[str, Any]) -> None:
+    ev = {"ts": time.time(), **ev}
+    try:
+        with open(session.events_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(ev, separators=(",", ":")) + "\n")
+    except OSError:
+        pass
+
+
+# ---- recovery ----------------------------------------------------------------------------------
+
+
+def _load_plan(adir: Path) -> dict[str, Any] | None:
+    try:
+        with open(adir / "plan.json", encoding="utf-8") as f:
+            data: dict[str, Any] = json.load(f)
+            return data
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def recover_pending() -> list[str]:
+    """Finish or undo applies/rollbacks a crash interrupted. Cheap when nothing is pending."""
+    try:
+        names = os.listdir(pending_dir())
+    except FileNotFoundError:
+        return []
+    if not names:
+        return []
+    messages: list[str] = []
+    with _global_lock():
+        for apply_id in sorted(os.listdir(pending_dir())):
+            messages.append(_recover_one(apply_id))
+    return messages
+
+
+def _recover_one(apply_id: str) -> str:
+    adir = applies_dir() / apply_id
+    marker = pending_dir() / apply_id
+    state, begun, moved = _read_progress(adir)
+    plan = _load_plan(adir)
+    if plan is None or state == "preparing":
+        # nothing in the project was touched yet
+        shutil.rmtree(adir, ignore_errors=True)
+        marker.unlink(missing_ok=True)
+        return f"apply {apply_id}: interrupted before it changed anything; discarded"
+    stack = [Path(p) for p in plan["stack"]]
+    ex = _Exec(apply_id, adir, Path(plan["project"]), stack)
+    prog = _Progress(adir / "progress")
+    try:
+        if state == "prepared":
+            _undo_all(ex, plan["ops"], begun)
+            prog.note("s undone", sync=True)
+            sdir = Path(plan["session_dir"])
+            if sdir.is_dir():
+                _record_applied(Session(plan["session"], sdir), ex.host, [op["path"] for op in plan["ops"]])
+            msg = f"apply {apply_id}: interrupted; undone (the project is as before it)"
+        elif state == "committed":
+            _finish_moves(adir, stack, ex.host, plan["moves"], moved, prog)
+            prog.note("s done", sync=True)
+            msg = f"apply {apply_id}: interrupted after it committed; finished"
+        elif state == "rolling-back":
+            _rollback_ops(ex, plan, adir, prog)
+            msg = f"rollback of apply {apply_id}: interrupted; finished"
+        else:
+            msg = f"apply {apply_id}: already {state}"
+    finally:
+        ex.close()
+        prog.close()
+    marker.unlink(missing_ok=True)
+    return msg
+
+
+# ---- rollback -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ApplyRecord:
+    id: str
+    session: str
+    project: str
+    created_ns: int
+    state: str
+    paths: tuple[str, ...]
+
+
+def list_applies(session_id: str | None = None) -> list[ApplyRecord]:
+    out: list[ApplyRecord] = []
+    try:
+        names = sorted(os.listdir(applies_dir()))
+    except FileNotFoundError:
+        return out
+    for n in names:
+        if n in ("pending", "lock") or n.startswith("."):
+            continue
+        adir = applies_dir() / n
+        plan = _load_plan(adir)
+        if plan is None:
+            continue
+        if session_id is not None and plan["session"] != session_id:
+            continue
+        state, _, _ = _read_progress(adir)
+        out.append(ApplyRecord(n, plan["session"], plan["project"], int(plan["created"]), state,
+                               tuple(plan["paths"])))
+    return out
+
+
+def _rollback_ops(ex: _Exec, plan: dict[str, Any], adir: Path, prog: _Progress) -> None:
+    ops = plan["ops"]
+    _undo_all(ex, ops, len(ops) - 1)
+    prog.note("s undone-project", sync=True)
+    _tick()
+    # put the applied entries back into the session's layers (when the session still exists)
+    stack = [Path(p) for p in plan["stack"]]
+    sdir = Path(plan["session_dir"])
+    for k, (p, li, _d, _r) in enumerate(plan["moves"]):
+        src = adir / "removed" / str(k)
+        if not (src.exists() or src.is_symlink()):
+            continue
+        if sdir.is_dir() and li < len(stack) and stack[li].is_dir():
+            try:
+                with Root(stack[li]) as lr:
+                    pfd, name = lr.parent(p)
+                    if lr.lstat(p) is None:
+                        os.rename(src, name, dst_dir_fd=pfd)
+                        continue
+            except OSError:
+                pass
+        _rm(src)
+        _tick()
+    shutil.rmtree(adir / "backups", ignore_errors=True)
+    prog.note("s rolled-back", sync=True)
+    if sdir.is_dir():
+        with contextlib.suppress(OSError, SessionNotFound):
+            s = Session(plan["session"], sdir)
+            _record_applied(s, ex.host, [op["path"] for op in ops])
+            _log_event(s, {"event": "rollback", "apply_id": plan["id"]})
+
+
+def _rm(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def _target_states(host: Root, paths: list[str]) -> dict[str, list[int] | None]:
+    out: dict[str, list[int] | None] = {}
+    for p in paths:
+        st = host.lstat(p)
+        out[p] = None if st is None else [st.st_ino, st.st_ctime_ns]
+    return out
+
+
+def _verify_applied(ex: _Exec, adir: Path) -> list[str]:
+    """Targets that no longer hold what the apply left there (changed on the host since)."""
+    try:
+        result: dict[str, list[int] | None] = json.loads((adir / "result.json").read_text())
+    except (OSError, ValueError):
+        return []
+    now = _target_states(ex.host, list(result))
+    return sorted(p for p, v in result.items() if now[p] != v)
+
+
+def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord:
+    """Undo a finished apply: restore exactly what it replaced, put the entries back in the session."""
+    recover_pending()
+    applies = list_applies()
+    if apply_id is None:
+        live = [a for a in applies if a.state == "done"]
+        if not live:
+            raise UsageError("no apply to roll back; list them with `stockade status`")
+        rec = max(live, key=lambda a: a.created_ns)
+    else:
+        found = [a for a in applies if a.id == apply_id]
+        if not found:
+            raise UsageError(f"no apply named {apply_id!r}; list them with `stockade status`")
+        rec = found[0]
+    if rec.state == "rolled-back":
+        raise UsageError(f"apply {rec.id} was already rolled back")
+    if rec.state != "done":
+        raise UsageError(f"apply {rec.id} did not complete ({rec.state}); nothing to roll back")
+    adir = applies_dir() / rec.id
+    plan = _load_plan(adir)
+    assert plan is not None
+    stack = [Path(p) for p in plan["stack"]]
+    sdir = Path(plan["session_dir"])
+    lock_cm: contextlib.AbstractContextManager[None]
+    if sdir.is_dir():
+        lock_cm = Session(plan["session"], sdir).lock(wait=False)
+    else:
+        lock_cm = contextlib.nullcontext()
+    with lock_cm, _global_lock():
+        ex = _Exec(rec.id, adir, Path(plan["project"]), stack)
+        try:
+            bad = _verify_applied(ex, adir)
+            if bad and not force:
+                shown = ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
+                raise UsageError(
+                    f"cannot roll back apply {rec.id}: {len(bad)} path(s) changed since it: {shown}; "
+                    "pass --force to overwrite them"
+                )
+            newer = [a for a in applies if a.project == rec.project and a.created_ns > rec.created_ns
+                     and a.state == "done" and set(a.paths) & set(rec.paths)]
+            if newer and not force:
+                raise UsageError(
+                    f"cannot roll back apply {rec.id}: later apply {newer[0].id} changed the same "
+                    f"paths; roll that back first, or pass --force"
+                )
+            (pending_dir()).mkdir(parents=True, exist_ok=True)
+            (pending_dir() / rec.id).touch()
+            prog = _Progress(adir / "progress")
+            try:
+                prog.note("s rolling-back", sync=True)
+                _tick()
+                _rollback_ops(ex, plan, adir, prog)
+            finally:
+                prog.close()
+            (pending_dir() / rec.id).unlink(missing_ok=True)
+        finally:
+            ex.close()
+    return ApplyRecord(rec.id, rec.session, rec.project, rec.created_ns, "rolled-back", rec.paths)
+
+
+# ---- discard -----------------------------------------------------------------------------------------
+
+
+def discard_changes(cs: ChangeSet, paths: Sequence[str] | None = None,
+                    only: Sequence[Change] | None = None) -> list[str]:
+    """Drop changes from the session (the project is not touched). Returns the paths dropped."""
+    session = cs.session
+    chosen = list(only) if only is not None else list(cs.select(list(paths) if paths else None))
+    if not chosen:
+        raise UsageError(f"nothing to discard in session {session.id}")
+    with session.lock(wait=False):
+        stack = session.lower_stack()
+        with Root(cs.project) as host:
+            for c in sorted(chosen, key=lambda c: os.fsencode(c.path), reverse=True):
+                dchange = c.new_mode is not None and stat.S_ISDIR(c.new_mode)
+                for li in range(len(stack)):
+                    _move_out(stack, host, c.path, li, dchange, None, True)
+            _tidy_dirs(stack, host, chosen)
+    _log_event(session, {"event": "discard", "paths": len(chosen)})
+    return [c.path for c in chosen]
