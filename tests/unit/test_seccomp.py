@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 
 from stockade.errors import PolicyError
-
-seccomp = pytest.importorskip("stockade.linux.seccomp")
+from stockade.linux import seccomp
 
 try:
     seccomp.libseccomp_version()
@@ -303,7 +302,10 @@ def test_rule_errno_defaults_to_eperm_and_other_actions(tmp_path: Path) -> None:
         ),
     )
     bpf = seccomp.compile_profile(p).bpf
-    ev = lambda n: seccomp.evaluate(bpf, seccomp.syscall_number(n))  # noqa: E731
+
+    def ev(n: str) -> int:
+        return seccomp.evaluate(bpf, seccomp.syscall_number(n))
+
     assert ev("getpid") == eperm()
     assert ev("getppid") == KILL_PROCESS
     assert ev("gettid") == seccomp.SECCOMP_RET_TRAP

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-seccomp = pytest.importorskip("stockade.linux.seccomp")
+from stockade.linux import seccomp
 
 MUST = os.environ.get("STOCKADE_MUST_WORK") == "1"
 
@@ -115,7 +115,7 @@ def helpers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         c = d / f"{name}.c"
         c.write_text(src)
         exe = d / name
-        subprocess.run([gcc, "-O1", "-o", str(exe), str(c)], check=True)
+        subprocess.run([str(gcc), "-O1", "-o", str(exe), str(c)], check=True)
         out[name] = exe
     return out
 
