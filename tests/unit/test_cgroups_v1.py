@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ def test_create_writes_limits_in_each_hierarchy(tmp_path: Path) -> None:
 
 
 def test_only_needed_hierarchies_are_used(tmp_path: Path) -> None:
-    fs, m, roots = build(tmp_path)
+    _fs, m, _roots = build(tmp_path)
     run = m.create("r", Limits(memory=64 * MiB))  # no pids, no cpus limit
     used = {c for h, _p in run.dirs for c in h.controllers}
     assert used == {"memory", "cpuacct", "freezer"}
@@ -87,7 +88,7 @@ def test_comounted_cpu_cpuacct_made_once(tmp_path: Path) -> None:
 
 
 def test_no_memsw_sets_swappiness_zero(tmp_path: Path) -> None:
-    fs, m, roots = build(tmp_path)
+    fs, m, _roots = build(tmp_path)
     fs.missing_files.add("memory.memsw.limit_in_bytes")  # swapaccount=0
     run = m.create("r", Limits(memory=64 * MiB))
     assert [os.path.basename(p) for p, _ in fs.writes] == ["memory.limit_in_bytes", "memory.swappiness"]
@@ -115,7 +116,7 @@ def test_kill_freezes_then_kills_then_thaws(tmp_path: Path) -> None:
         run.attach(pid)
     fs.writes.clear()
     run.kill()
-    freezer = [p for h, p in run.dirs if "freezer" in h.controllers][0]
+    freezer = next(p for h, p in run.dirs if "freezer" in h.controllers)
     state = os.path.join(freezer, "freezer.state")
     assert fs.writes[0] == (state, "FROZEN")
     assert fs.writes[-1] == (state, "THAWED")
@@ -130,22 +131,17 @@ def test_kill_without_freezer_still_kills_everything(tmp_path: Path) -> None:
     run = m.create("r", Limits(pids=10))
     run.attach(5)
     # a task forks while being killed: the next listing catches the child
-    spawned = []
-
-    def fork_once(path: str, data: str) -> None:
-        pass
-
-    fs.on_write = fork_once
+    spawned: list[int] = []
     orig = fs.signal_pid
 
-    def signal_and_fork(pid: int, sig: int, member: object) -> bool:
+    def signal_and_fork(pid: int, sig: int, member: Callable[[int], bool]) -> bool:
         ok = orig(pid, sig, lambda p: True)
         if not spawned:
             spawned.append(6)
             fs.add_proc(run.dirs[0][1], 6)
         return ok
 
-    fs.signal_pid = signal_and_fork  # type: ignore[method-assign]
+    fs.signal_pid = signal_and_fork  # type: ignore[method-assign,assignment]
     run.kill()
     assert {p for p, _ in fs.signals} == {5, 6}
     assert run.pids() == []

@@ -1,13 +1,12 @@
 """Resource limits: cgroup v2 / v1 / hybrid / none backends, rlimits, outcomes.
 
 Public surface (see ``base.py``): ``Limits``, ``CgroupStats``, ``Outcome``,
-``classify``, ``rlimits_for``, ``Manager``, ``RunCgroup``, and ``detect()``.
-Backend modules are imported lazily so that importing this package stays cheap.
+``classify``, ``rlimits_for``, ``Manager``, ``RunCgroup``; the backend is chosen by
+``stockade.cgroups.detect.detect()`` (imported on demand: backends stay off the
+import path of code that only needs the data types).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
 
 from stockade.cgroups.base import (
     CgroupStats,
@@ -21,9 +20,6 @@ from stockade.cgroups.base import (
     rlimits_for,
 )
 
-if TYPE_CHECKING:  # pragma: no cover
-    from stockade.cgroups.detect import detect as detect
-
 __all__ = [
     "CgroupStats",
     "Limits",
@@ -33,14 +29,5 @@ __all__ = [
     "check_enforceable",
     "classify",
     "degraded_limits",
-    "detect",
     "rlimits_for",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "detect":
-        from stockade.cgroups.detect import detect
-
-        return detect
-    raise AttributeError(name)

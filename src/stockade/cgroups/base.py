@@ -341,7 +341,7 @@ def check_enforceable(
 
 
 def rlimits_for(
-    limits: Limits, manager: Manager, *, nproc_safe: bool = False
+    limits: Limits, manager: Manager, *, nproc_safe: bool | None = None
 ) -> list[tuple[int, int, int]]:
     """(resource.RLIMIT_*, soft, hard) for the child to set; RLIMIT_CORE=0 always.
 

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from stockade.cgroups.base import CPU_PERIOD_US, CgroupStats, Limits, enforcement_common
-from stockade.cgroups import fs as _fs
 from stockade.cgroups.fs import (
     CgroupFS,
     cgroup_error,

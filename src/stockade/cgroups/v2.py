@@ -13,13 +13,13 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from stockade.cgroups import fs as _fs
 from stockade.cgroups.base import (
     CPU_PERIOD_US,
     CgroupStats,
     Limits,
     enforcement_common,
 )
-from stockade.cgroups import fs as _fs
 from stockade.cgroups.fs import (
     CgroupFS,
     cgroup_error,
