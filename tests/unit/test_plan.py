@@ -1,0 +1,139 @@
+"""Plan building, no privileges: mounts in order, identities, Landlock degradation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stockade import plan as P
+from stockade.errors import UsageError
+
+
+def facts(euid: int = 1000, abi: int = 7) -> P.HostFacts:
+    return P.HostFacts(
+        euid=euid,
+        egid=euid,
+        system=(("/usr", None), ("/bin", "usr/bin"), ("/lib64", "usr/lib64")),
+        etc=(("nsswitch.conf", "file", b"passwd: files\n"), ("localtime", "symlink", "/usr/share/zoneinfo/UTC"), ("ssl", "dir", "")),
+        proc_entries=frozenset({"sys", "sysrq-trigger", "kcore", "acpi", "1", "self"}),
+        landlock_abi=abi,
+    )
+
+
+def req(tmp_path: Path, **kw: object) -> P.Request:
+    proj = tmp_path / "home" / "u" / "proj"
+    proj.mkdir(parents=True, exist_ok=True)
+    base: dict[str, object] = dict(
+        argv=("make",), project=proj, cwd=proj, env={"PATH": "/usr/bin"},
+        upper=tmp_path / "s" / "upper", work=tmp_path / "s" / "work",
+    )
+    base.update(kw)
+    return P.Request(**base)  # type: ignore[arg-type]
+
+
+def test_mount_order_and_views(tmp_path: Path) -> None:
+    plan = P.build(req(tmp_path), facts())
+    targets = [m.target for m in plan.mounts]
+    kinds = {m.target: m.kind for m in plan.mounts}
+    assert kinds["/usr"] == "bind" and "ro" in next(m for m in plan.mounts if m.target == "/usr").flags
+    assert kinds["/bin"] == "symlink"
+    assert kinds["/proc"] == "proc" and kinds["/dev/pts"] == "devpts" and kinds["/tmp"] == "tmpfs"
+    proj = str(tmp_path / "home/u/proj")
+    assert kinds[proj] == "overlay"
+    ov = next(m for m in plan.mounts if m.kind == "overlay")
+    assert ov.lower == (proj,) and ov.upper == str(tmp_path / "s/upper")
+    # /dev before the /proc masks that bind /dev/null; /proc before its read-only binds
+    assert targets.index("/dev") < targets.index("/proc/kcore")
+    assert targets.index("/proc") < targets.index("/proc/sys")
+    assert plan.mounts[-1].kind == "remount-ro" and plan.mounts[-1].target == "/"
+    assert "/sys" in plan.hidden
+    assert not any(t.startswith("/sys") for t in targets)
+    assert plan.cwd == proj
+
+
+def test_project_under_tmp_and_home_is_mounted_after_them(tmp_path: Path) -> None:
+    r = req(tmp_path)
+    plan = P.build(r, facts())
+    order = [m.target for m in plan.mounts]
+    assert order.index("/tmp") < order.index(str(r.project))
+
+
+def test_identity_unprivileged_and_root(tmp_path: Path) -> None:
+    plan = P.build(req(tmp_path), facts(euid=1000))
+    assert (plan.uid, plan.uid_map.line(), plan.deny_setgroups) == (1000, "1000 1000 1\n", True)
+    plan = P.build(req(tmp_path, root=True), facts(euid=1000))
+    assert (plan.uid, plan.uid_map.line()) == (0, "0 1000 1\n")
+    # real root runs as the project's owner by default, or --user
+    plan = P.build(req(tmp_path, user=4242), facts(euid=0))
+    assert (plan.uid, plan.uid_map.line(), plan.drop_groups, plan.deny_setgroups) == (4242, "4242 4242 1\n", True, False)
+    with pytest.raises(UsageError):
+        P.build(req(tmp_path, user=4242), facts(euid=1000))
+
+
+def test_passwd_is_synthesized(tmp_path: Path) -> None:
+    plan = P.build(req(tmp_path), facts(euid=1000))
+    passwd = next(m for m in plan.mounts if m.target == "/etc/passwd")
+    assert isinstance(passwd.data, bytes) and b":1000:1000:" in passwd.data
+    assert b"root:x:0:0" in passwd.data
+
+
+def test_read_only_mode_binds_project_ro(tmp_path: Path) -> None:
+    plan = P.build(req(tmp_path, read_only=True, upper=None, work=None), facts())
+    m = next(m for m in plan.mounts if m.target == str(tmp_path / "home/u/proj"))
+    assert m.kind == "bind" and "ro" in m.flags
+    assert not any(m.kind == "overlay" for m in plan.mounts)
+
+
+@pytest.mark.parametrize(("abi", "fs", "net", "scoped"), [(1, (1 << 13) - 1, 0, 0), (2, (1 << 14) - 1, 0, 0), (3, (1 << 15) - 1, 0, 0), (4, (1 << 15) - 1, 3, 0), (5, (1 << 16) - 1, 3, 0), (6, (1 << 16) - 1, 3, 3), (7, (1 << 16) - 1, 3, 3)])
+def test_landlock_rights_degrade_by_abi(tmp_path: Path, abi: int, fs: int, net: int, scoped: int) -> None:
+    plan = P.build(req(tmp_path), facts(abi=abi))
+    assert plan.landlock is not None
+    assert (plan.landlock.handled_fs, plan.landlock.handled_net, plan.landlock.scoped) == (fs, net, scoped)
+    proj = str(tmp_path / "home/u/proj")
+    rules = {p: a for p, a, _ in plan.landlock.rules}
+    assert rules[proj] & P.LL_WRITE_FILE and rules["/tmp"] & P.LL_MAKE_REG
+    assert not rules["/usr"] & P.LL_WRITE_FILE
+    for p, a, _ in plan.landlock.rules:
+        assert a & ~fs == 0 or p.startswith("/dev"), (p, hex(a))
+
+
+def test_exec_allow_limits_execute(tmp_path: Path) -> None:
+    plan = P.build(req(tmp_path, exec_allow=("/usr/bin",)), facts())
+    assert plan.landlock is not None
+    execs = [p for p, a, _ in plan.landlock.rules if a & P.LL_EXECUTE]
+    assert execs == ["/usr/bin"]
+
+
+def test_masks_and_grants(tmp_path: Path) -> None:
+    proj = tmp_path / "home/u/proj"
+    plan = P.build(req(tmp_path, masked=((str(proj / ".env"), False), (str(proj / ".ssh"), True)), grants=(("/opt/tools", False),)), facts())
+    by = {m.target: m for m in plan.mounts}
+    assert by[str(proj / ".env")].kind == "bind" and "ro" in by[str(proj / ".env")].flags
+    assert by[str(proj / ".ssh")].kind == "tmpfs"
+    assert by["/opt/tools"].kind == "bind" and "ro" in by["/opt/tools"].flags
+    order = [m.target for m in plan.mounts]
+    assert order.index(str(proj)) < order.index(str(proj / ".env"))
+
+
+def test_describe_is_printable(tmp_path: Path) -> None:
+    text = P.build(req(tmp_path), facts()).describe()
+    assert "namespaces:  user mount pid net ipc uts cgroup" in text
+    assert "overlay" in text and "landlock:    ABI 7" in text
+
+
+def test_resolve_cwd(tmp_path: Path) -> None:
+    proj = tmp_path / "p"
+    (proj / "sub").mkdir(parents=True)
+    assert P.resolve_cwd(proj, "sub") == proj / "sub"
+    with pytest.raises(UsageError):
+        P.resolve_cwd(proj, "/")
+    with pytest.raises(UsageError):
+        P.resolve_cwd(proj, "missing")
+    with pytest.raises(UsageError):
+        P.resolve_project(tmp_path / "missing")
+
+
+def test_no_command(tmp_path: Path) -> None:
+    with pytest.raises(UsageError):
+        P.build(req(tmp_path, argv=()), facts())
