@@ -186,6 +186,9 @@ class Scanner:
         finally:
             for r in layer_roots.values():
                 r.close()
+        masked = mask_paths(self.session)
+        if masked:
+            self.out = [_masked(c) if _under(c.path, masked) else c for c in self.out]
         self.out.sort(key=lambda c: os.fsencode(c.path))
         return ChangeSet(self.session, self.project, tuple(self.out))
 
@@ -247,6 +250,31 @@ class Scanner:
             if self.classify and not binary:
                 binary = _is_binary(host, p)
             self.out.append(Change(p, Kind.MODIFIED, hmode, nmode, size, binary, src, e.layer))
+
+
+def mask_paths(session: Session) -> set[str]:
+    """Paths the runtime's mask layers (``<session>/masks/*``) hide from the sandbox."""
+    out: set[str] = set()
+    root = session.dir / "masks"
+    try:
+        layers = [d for d in os.scandir(root) if d.is_dir(follow_symlinks=False) and not d.name.startswith(".")]
+    except FileNotFoundError:
+        return out
+    for layer in layers:
+        for dirpath, _dirs, files in os.walk(layer.path):
+            for n in files:
+                out.add(os.path.relpath(os.path.join(dirpath, n), layer.path))
+    return out
+
+
+def _under(path: str, roots: set[str]) -> bool:
+    parts = path.split("/")
+    return any("/".join(parts[:i]) in roots for i in range(1, len(parts) + 1))
+
+
+def _masked(c: Change) -> Change:
+    return Change(c.path, Kind.REFUSED, c.old_mode, c.new_mode, c.size, c.binary, c.source, c.layer,
+                  "masked secret path: never diffed or applied")
 
 
 def scan(session: Session, *, classify: bool = True) -> ChangeSet:

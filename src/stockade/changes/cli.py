@@ -1,0 +1,494 @@
+"""CLI verbs for change sets: list status diff apply rollback discard clean export snapshot fork recover."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..session.store import Session
+    from .model import ChangeSet
+
+
+# ---- the line printed after every run ----------------------------------------------------
+
+
+def summary_line(session: Session) -> str | None:
+    """``stockade: session S — 3 added, 1 modified, 2 deleted; review: stockade diff S``."""
+    from .scan import layer_has_entries, scan
+
+    if not layer_has_entries(session):
+        return None
+    counts = scan(session, classify=False).counts()
+    if counts.total == 0:
+        return None
+    return f"stockade: session {session.id} — {counts.phrase()}; review: stockade diff {session.id}"
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _out(b: bytes | str) -> None:
+    if isinstance(b, str):
+        b = b.encode("utf-8", "surrogateescape")
+    sys.stdout.buffer.write(b)
+    sys.stdout.flush()
+
+
+def _err(s: str) -> None:
+    sys.stderr.write(s + "\n")
+
+
+def _use_color(mode: str) -> bool:
+    if mode == "always":
+        return True
+    if mode == "never":
+        return False
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+
+def _session_and_rest(args: argparse.Namespace, positional: list[str]) -> tuple[Session, list[str]]:
+    """``[S] [REST...]``: the first word is a session when one has that name."""
+    from ..errors import SessionNotFound, UsageError
+    from ..session import store
+
+    explicit = getattr(args, "session", None)
+    if explicit:
+        return store.resolve(explicit), positional
+    if positional:
+        first = positional[0]
+        try:
+            store.validate_name(first)
+            return store.open_session(first), positional[1:]
+        except (UsageError, SessionNotFound):
+            pass
+    return store.resolve(None), positional
+
+
+def _changes(session: Session, classify: bool = True) -> ChangeSet:
+    from .scan import scan
+
+    return scan(session, classify=classify)
+
+
+def _quote(path: str) -> str:
+    from .diff import quote_path
+
+    return quote_path(b"", os.fsencode(path)).decode("utf-8", "backslashreplace")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "K", "M", "G"):
+        if n < 1024:
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}T"
+
+
+def _age(seconds: float) -> str:
+    s = max(0, int(seconds))
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 172800:
+        return f"{s // 3600}h"
+    return f"{s // 86400}d"
+
+
+def _du(path: str) -> int:
+    total = 0
+    seen: set[tuple[int, int]] = set()
+    for dirpath, dirs, files in os.walk(path):
+        for n in dirs + files:
+            try:
+                st = os.lstat(os.path.join(dirpath, n))
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += st.st_blocks * 512
+    return total
+
+
+# ---- handlers ----------------------------------------------------------------------------------
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from ..errors import StockadeError
+    from ..session import store
+
+    rows: list[dict[str, Any]] = []
+    now = time.time()
+    for s in store.list_sessions():
+        try:
+            meta = s.meta()
+            counts = _changes(s, classify=False).counts()
+            c: dict[str, Any] = {"added": counts.added, "modified": counts.modified,
+                                 "deleted": counts.deleted}
+        except StockadeError as e:
+            meta, c = s.meta() if s.meta_path.exists() else {}, {"error": e.one_line()}
+        except OSError as e:
+            meta, c = {}, {"error": str(e)}
+        rows.append({
+            "session": s.id,
+            "project": meta.get("project"),
+            "age_s": round(now - int(meta.get("created_ns", 0)) / 1e9, 1),
+            "runs": len(s.runs()),
+            "changes": c,
+            "disk_bytes": _du(str(s.dir)),
+        })
+    if args.json:
+        _out(json.dumps(rows, indent=1) + "\n")
+        return 0
+    if not rows:
+        _err("stockade: no sessions")
+        return 0
+    _out(f"{'SESSION':<16} {'AGE':>5} {'RUNS':>4} {'CHANGES':<14} {'DISK':>7}  PROJECT\n")
+    for r in rows:
+        c = r["changes"]
+        ch = "error" if "error" in c else f"+{c['added']} ~{c['modified']} -{c['deleted']}"
+        _out(f"{r['session']:<16} {_age(r['age_s']):>5} {r['runs']:>4} {ch:<14} {_human(r['disk_bytes']):>7}  {r['project']}\n")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .apply import list_applies
+
+    session, rest = _session_and_rest(args, args.args)
+    cs = _changes(session)
+    changes = cs.select(rest or None)
+    runs = session.runs()
+    applies = list_applies(session.id)
+    if args.json:
+        data = cs.to_json()
+        data["changes"] = [c.to_json() for c in changes]
+        data["runs"] = runs
+        data["applies"] = [{"id": a.id, "state": a.state, "paths": len(a.paths)} for a in applies]
+        _out(json.dumps(data, indent=1, default=str) + "\n")
+        return 0
+    if args.name_status:
+        for c in changes:
+            _out(f"{c.letter}\t{_quote(c.path)}\n")
+        return 0
+    _out(f"session {session.id}  project {cs.project}\n")
+    if runs:
+        _out("runs:\n")
+        for r in runs:
+            argv = r.get("argv") or r.get("args") or []
+            cmd = " ".join(argv) if isinstance(argv, list) else str(argv)
+            status = r.get("outcome") or r.get("status") or ""
+            code = r.get("exit_status", r.get("returncode", ""))
+            _out(f"  {r.get('run', '?'):>3}  exit {code!s:<4} {status:<20} {cmd}\n")
+    if changes:
+        _out(f"changes ({cs.counts().phrase()}):\n")
+        for c in changes:
+            extra = f"  ({c.reason})" if c.reason else ""
+            if c.kind.value == "typechange":
+                extra = f"  ({c.old_type} -> {c.new_type})"
+            elif c.is_dir:
+                extra = extra or "  (directory)"
+            _out(f"  {c.letter} {_quote(c.path)}{extra}\n")
+    else:
+        _out("no changes\n")
+    if applies:
+        _out("applies:\n")
+        for a in applies:
+            _out(f"  {a.id}  {a.state:<12} {len(a.paths)} paths\n")
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    session, rest = _session_and_rest(args, args.args)
+    cs = _changes(session)
+    sel = cs.select(rest or None)
+    if args.json:
+        _out(json.dumps({"session": session.id, "changes": [c.to_json() for c in sel]}, indent=1) + "\n")
+        return 0
+    if args.stat:
+        from .diff import render_stat
+
+        _out(render_stat(cs, sel))
+        return 0
+    from .diff import render_diff
+
+    _out(render_diff(cs, sel, color=_use_color(args.color)))
+    return 0
+
+
+def _interactive(cs: ChangeSet, paths: list[str] | None, exclude: list[str] | None) -> list[Any] | None:
+    from .diff import render_diff
+
+    chosen = []
+    todo = [c for c in cs.select(paths, exclude) if c.kind.value != "refused"]
+    all_rest = False
+    for i, c in enumerate(todo):
+        if all_rest:
+            chosen.append(c)
+            continue
+        while True:
+            sys.stderr.write(f"({i + 1}/{len(todo)}) apply {c.kind.value} {_quote(c.path)} [y,n,d,a,q,?]? ")
+            sys.stderr.flush()
+            ans = sys.stdin.readline()
+            if not ans:
+                ans = "q"
+            ans = ans.strip().lower()[:1]
+            if ans == "y":
+                chosen.append(c)
+                break
+            if ans == "n":
+                break
+            if ans == "a":
+                chosen.append(c)
+                all_rest = True
+                break
+            if ans == "q":
+                return chosen
+            if ans == "d":
+                _out(render_diff(cs, [c], color=_use_color("auto")) or b"(no textual diff: directory)\n")
+                continue
+            sys.stderr.write("y - apply this path\nn - skip it\nd - show its diff\na - apply this and all the rest\nq - stop; apply what was chosen\n")
+    return chosen
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+    from .apply import apply_changes
+
+    session, rest = _session_and_rest(args, args.args)
+    cs = _changes(session)
+    only = None
+    if args.interactive:
+        only = _interactive(cs, rest or None, args.exclude or None)
+        if not only:
+            raise UsageError("nothing chosen to apply")
+    res = apply_changes(cs, paths=rest or None, exclude=args.exclude or None, force=args.force,
+                        dry_run=args.dry_run, only=only)
+    if args.json:
+        _out(json.dumps(res.to_json(), indent=1) + "\n")
+    elif res.dry_run:
+        for op in res.operations:
+            _out(f"would {op}\n")
+        _err(f"stockade: dry run: {len(res.applied)} path(s) would be applied; nothing changed")
+    else:
+        _err(f"stockade: applied {len(res.applied)} path(s) from session {session.id} "
+             f"(apply {res.apply_id}); undo with: stockade rollback {res.apply_id}")
+    if res.held_back:
+        _err(f"stockade: held back {len(res.held_back)} host-code-execution path(s); name them "
+             f"explicitly to apply: {', '.join(_quote(p) for p in res.held_back)}")
+    if res.refused:
+        _err(f"stockade: refused {len(res.refused)} path(s) (fifos, sockets, devices, masked secrets): "
+             f"{', '.join(_quote(p) for p in res.refused)}")
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from .apply import rollback
+
+    rec = rollback(args.apply_id, force=args.force)
+    _err(f"stockade: rolled back apply {rec.id} ({len(rec.paths)} path(s)); "
+         f"the changes are back in session {rec.session}")
+    return 0
+
+
+def cmd_discard(args: argparse.Namespace) -> int:
+    session, rest = _session_and_rest(args, args.args)
+    cs = _changes(session, classify=False)
+    if not cs.changes:
+        from ..errors import UsageError
+
+        raise UsageError(f"nothing to discard in session {session.id}")
+    dropped = cs.discard(rest or None)
+    _err(f"stockade: discarded {len(dropped)} change(s) from session {session.id}")
+    return 0
+
+
+def _rmtree(path: str) -> None:
+    import shutil
+    import stat as _stat
+
+    def onerror(func: Callable[..., Any], p: str, exc: Any) -> None:
+        try:
+            parent = os.path.dirname(p)
+            os.chmod(parent, _stat.S_IRWXU)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, _stat.S_IRWXU)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=onerror)
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+    from ..session import store
+
+    if args.all and args.session_name:
+        raise UsageError("give a session or --all, not both")
+    sessions = store.list_sessions() if args.all else [store.resolve(args.session_name)]
+    removed = []
+    for s in sessions:
+        with s.lock(wait=False):
+            trash = s.dir.with_name(f".clean-{s.id}-{os.getpid()}")
+            os.rename(s.dir, trash)
+        _rmtree(str(trash))
+        removed.append(s.id)
+    _err(f"stockade: removed {len(removed)} session(s)" + (f": {', '.join(removed)}" if removed else ""))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+    from .export import export
+
+    if len(args.args) == 2:
+        session, rest = _session_and_rest(args, args.args[:1])
+        if rest:
+            raise UsageError(f"no session named {args.args[0]!r}")
+        dest = args.args[1]
+    elif len(args.args) == 1:
+        session, _ = _session_and_rest(args, [])
+        dest = args.args[0]
+    else:
+        raise UsageError("usage: stockade export [SESSION] DIR")
+    status = export(_changes(session), dest)
+    _err(f"stockade: exported session {session.id} ({len(status['changes'])} change(s)) to {dest}")
+    return 0
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+    from ..session import store
+    from . import snapshot
+
+    session = store.resolve(args.session)
+    if args.action == "list":
+        snaps = snapshot.list_snapshots(session)
+        if args.json:
+            _out(json.dumps([{"name": s.name, "index": s.index, "created": s.created} for s in snaps],
+                            indent=1) + "\n")
+            return 0
+        for s in snaps:
+            _out(f"{s.index:>3}  {s.name:<24} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(s.created))}\n")
+        if not snaps:
+            _err(f"stockade: session {session.id} has no snapshots")
+        return 0
+    if not args.name:
+        raise UsageError(f"snapshot {args.action} needs a NAME")
+    if args.action == "create":
+        t0 = time.perf_counter()
+        snap = snapshot.create(session, args.name)
+        ms = (time.perf_counter() - t0) * 1000
+        _err(f"stockade: snapshot {snap.name} of session {session.id} created ({ms:.1f} ms)")
+    elif args.action == "restore":
+        dropped = snapshot.restore(session, args.name)
+        _err(f"stockade: session {session.id} restored to snapshot {args.name}"
+             + (f" (dropped {', '.join(dropped)})" if dropped else ""))
+    elif args.action == "delete":
+        snapshot.delete(session, args.name)
+        _err(f"stockade: snapshot {args.name} deleted (its changes stay in session {session.id})")
+    return 0
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+    from . import snapshot
+
+    if len(args.args) == 2:
+        session, rest = _session_and_rest(args, args.args[:1])
+        if rest:
+            raise UsageError(f"no session named {args.args[0]!r}")
+        new = args.args[1]
+    elif len(args.args) == 1:
+        session, _ = _session_and_rest(args, [])
+        new = args.args[0]
+    else:
+        raise UsageError("usage: stockade fork [SESSION] NEW")
+    s = snapshot.fork(session, new)
+    _err(f"stockade: session {s.id} forked from {session.id}")
+    return 0
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    from .apply import recover_pending
+
+    msgs = recover_pending()
+    for m in msgs:
+        _err(f"stockade: {m}")
+    if not msgs:
+        _err("stockade: nothing to recover")
+    return 0
+
+
+# ---- registration -----------------------------------------------------------------------------------
+
+
+def register(subparsers: Any) -> None:
+    def add(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = subparsers.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    def session_opt(p: argparse.ArgumentParser) -> None:
+        p.add_argument("-s", "--session", help="the session (default: the latest)")
+
+    p = add("list", "sessions with project, age, runs, change counts, disk use", cmd_list)
+    p.add_argument("--json", action="store_true")
+
+    p = add("status", "a session's changes and runs", cmd_status)
+    session_opt(p)
+    p.add_argument("args", nargs="*", metavar="[SESSION] [PATHSPEC]")
+    p.add_argument("--name-status", action="store_true", help="one 'X<TAB>path' line per change")
+    p.add_argument("--json", action="store_true")
+
+    p = add("diff", "git-style diff of a session's changes (git apply accepts it)", cmd_diff)
+    session_opt(p)
+    p.add_argument("args", nargs="*", metavar="[SESSION] [PATHSPEC]")
+    p.add_argument("--stat", action="store_true", help="a diffstat instead of the patch")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+
+    p = add("apply", "apply a session's changes (all or part) to the project", cmd_apply)
+    session_opt(p)
+    p.add_argument("args", nargs="*", metavar="[SESSION] [PATHSPEC]")
+    p.add_argument("--exclude", action="append", metavar="PATHSPEC", default=[])
+    p.add_argument("--dry-run", "-n", action="store_true", help="show what would be done")
+    p.add_argument("--interactive", "-i", action="store_true", help="ask per path (y/n/d/a/q)")
+    p.add_argument("--force", action="store_true", help="overwrite paths changed on the host since the session started")
+    p.add_argument("--json", action="store_true")
+
+    p = add("rollback", "undo an apply, restoring exactly what it replaced", cmd_rollback)
+    p.add_argument("apply_id", nargs="?", metavar="APPLY-ID", help="default: the latest apply")
+    p.add_argument("--force", action="store_true", help="even if the applied paths changed since")
+
+    p = add("discard", "drop changes from a session (the project is untouched)", cmd_discard)
+    session_opt(p)
+    p.add_argument("args", nargs="*", metavar="[SESSION] [PATHSPEC]")
+
+    p = add("clean", "remove a session (or --all) and its state", cmd_clean)
+    p.add_argument("session_name", nargs="?", metavar="SESSION")
+    p.add_argument("--all", action="store_true")
+
+    p = add("export", "write a CI artifact bundle (status.json, logs, changes.patch, files/)", cmd_export)
+    session_opt(p)
+    p.add_argument("args", nargs="+", metavar="[SESSION] DIR")
+
+    p = add("snapshot", "freeze, list, restore or delete snapshots of a session", cmd_snapshot)
+    p.add_argument("action", choices=("create", "list", "restore", "delete"))
+    p.add_argument("name", nargs="?", metavar="NAME")
+    session_opt(p)
+    p.add_argument("--json", action="store_true")
+
+    p = add("fork", "start a new session on the same frozen layers", cmd_fork)
+    session_opt(p)
+    p.add_argument("args", nargs="+", metavar="[SESSION] NEW")
+
+    add("recover", "finish or undo applies a crash interrupted", cmd_recover)
