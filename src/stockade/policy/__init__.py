@@ -495,15 +495,15 @@ class Effective:
             return Decision(p, False, "absent", None,
                             "/etc is hidden except the runtime's curated entries (passwd, hosts, ssl/certs, ...) and etc.extra",
                             beaten)
+        if is_under(str(self.project), p):
+            return Decision(p, False, "absent", None,
+                            "not visible: a parent of the project (only the project itself is mounted)", beaten)
         if is_under(p, "/tmp"):
             return Decision(p, False, "absent", None, "/tmp is a private, empty tmpfs inside the sandbox", beaten)
         if is_under(p, self.home):
             return Decision(p, False, "absent", None,
                             f"not visible: {self.home} is an empty tmpfs inside the sandbox; only the project and grants are visible",
                             beaten)
-        if is_under(str(self.project), p):
-            return Decision(p, False, "absent", None,
-                            "not visible: a parent of the project (only the project itself is mounted)", beaten)
         return Decision(p, False, "absent", None, "not visible: outside the project and every grant", beaten)
 
     def to_json(self) -> dict[str, Any]:
@@ -533,6 +533,6 @@ def load(project: Path, session_dir: Path | None, cli: CliPolicy | None = None, 
         d = eff.project_deny
         raise PolicyError(
             f"the project {project} is inside {d.path}, denied by {d.origin}; "
-            f"allow {project} explicitly in the same or a later layer"
+            f"remove that deny, or allow {d.path} itself in a later layer (deny wins over allows of paths inside it)"
         )
     return eff

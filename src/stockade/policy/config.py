@@ -382,11 +382,8 @@ def read_json(layer: str, file: Path) -> Source | None:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        key = ""
-        line_text = text.splitlines()[e.lineno - 1] if 0 < e.lineno <= len(text.splitlines()) else ""
-        m = re.search(r'"([^"]+)"\s*:', line_text)
-        if m:
-            key = m.group(1)
+        keys = re.findall(r'"([^"\\]+)"\s*:', text[: e.pos])  # the last key before the error
+        key = keys[-1] if keys else ""
         raise PolicyError(
             f"{file}:{e.lineno}: malformed JSON{' near key ' + key if key else ''}: {e.msg} (column {e.colno})"
         ) from None

@@ -142,7 +142,8 @@ def resolve_paths(entries: Iterable[PathEntry]) -> PathResolution:
                 f"allow {path} ({a.origin}) has no effect: it is inside {d.path}, denied by {d.origin} "
                 f"(deny wins; allow {d.path} itself in the same or a later layer to lift it)"
             )
-            res.void.append((a, d))
+            voided = {id(x) for x, _ in res.void}
+            res.void.extend((e, d) for e in by_path[path] if e.access != "deny" and id(e) not in voided)
             del res.allows[path]
     return res
 
