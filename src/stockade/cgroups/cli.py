@@ -29,7 +29,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     for name in LIMIT_NAMES:
         group.add_argument(
             FLAG_FOR[name],
-            dest=f"limit_{name}",
+            dest=name,
             metavar=name.split("_")[-1].upper() if name != "max_file_size" else "SIZE",
             default=None,
             help=_HELP[name],
@@ -38,7 +38,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
 
 def requested_limits(args: argparse.Namespace) -> set[str]:
     """Names of the limits given explicitly on the command line."""
-    return {n for n in LIMIT_NAMES if getattr(args, f"limit_{n}", None) is not None}
+    return {n for n in LIMIT_NAMES if getattr(args, n, None) is not None}
 
 
 def limits_from_args(args: argparse.Namespace, base: Limits | None = None) -> Limits:
@@ -47,7 +47,7 @@ def limits_from_args(args: argparse.Namespace, base: Limits | None = None) -> Li
 
     changes: dict[str, int | float | None] = {}
     for name in LIMIT_NAMES:
-        raw = getattr(args, f"limit_{name}", None)
+        raw = getattr(args, name, None)
         if raw is not None:
             changes[name] = parse_limit(name, raw, source="flag")
     out = base if base is not None else Limits.defaults()
