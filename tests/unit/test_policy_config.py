@@ -165,7 +165,7 @@ def test_later_layer_setting_wins(env: dict[str, Path]) -> None:
 
 def test_session_schema_version_from_the_future(env: dict[str, Path]) -> None:
     (env["sess"] / "policy.json").write_text('{"schema_version": 99}')
-    with pytest.raises(PolicyError, match="policy.json:1: schema_version: version 99 is newer"):
+    with pytest.raises(PolicyError, match=r"policy\.json:1: schema_version: version 99 is newer"):
         policy.load(env["proj"], env["sess"], CliPolicy())
 
 

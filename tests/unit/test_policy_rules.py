@@ -93,7 +93,7 @@ def test_default_denies_home_secrets_and_state(env: dict[str, Path], tmp_path: P
 
 def test_project_inside_denied_tree_is_refused(env: dict[str, Path]) -> None:
     env["global"].write_text(f'[[paths]]\npath = "{env["home"] / "src"}"\naccess = "deny"\n')
-    with pytest.raises(policy.PolicyError, match="is inside .*denied by global"):
+    with pytest.raises(policy.PolicyError, match=r"is inside .*denied by global"):
         policy.load(env["proj"], None, CliPolicy())
     assert policy.load(env["proj"], None, CliPolicy(), strict=False).project_deny is not None
     # deny wins: allowing the project itself does not lift the deny of its parent...

@@ -1,0 +1,142 @@
+"""Audit log: schema, redaction, caps, torn lines, concurrent appends, formatting."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stockade import audit
+
+
+@dataclass(frozen=True)
+class FakeSession:
+    id: str
+    dir: Path
+
+    @property
+    def events_path(self) -> Path:
+        return self.dir / "events.jsonl"
+
+
+@pytest.fixture()
+def log(tmp_path: Path) -> audit.AuditLog:
+    return audit.AuditLog(FakeSession("0101-abcdef", tmp_path))
+
+
+def _events(log: audit.AuditLog) -> list[dict[str, object]]:
+    return list(audit.read_events(log.path))
+
+
+def test_schema(log: audit.AuditLog) -> None:
+    log.event("read", "./.env", "blocked", run=3, policy="sensitive-file-pattern", reason="matches .env", is_dir=False)
+    (rec,) = _events(log)
+    assert rec["schema_version"] == 1 and rec["session"] == "0101-abcdef" and rec["run"] == 3
+    assert rec["operation"] == "read" and rec["target"] == "./.env" and rec["result"] == "blocked"
+    assert rec["policy"] == "sensitive-file-pattern" and rec["reason"] == "matches .env" and rec["is_dir"] is False
+    assert str(rec["timestamp"]).endswith("Z") and "T" in str(rec["timestamp"])
+    assert (log.path.stat().st_mode & 0o777) == 0o600
+
+
+def test_extra_cannot_override_standard_fields(log: audit.AuditLog) -> None:
+    with pytest.raises(ValueError, match="collides"):
+        log.event("x", "y", "ok", session="forged")
+
+
+def test_redaction(log: audit.AuditLog) -> None:
+    tok = "ghp_" + "Q" * 36
+    log.event("run", "/p", "started", run=1,
+              argv=["curl", "-H", "Authorization: Bearer abc.def", "--token", "s3cr3t", "--password=pw1",
+                    f"GITHUB_TOKEN={tok}", "https://user:hunter2@host/x", "plain", "--api-key", "k", "--keyboard", "--key", "file.pem"],
+              env={"API_TOKEN": "v", "PATH": "/bin"}, reason=f"saw {tok}")
+    raw = log.path.read_text()
+    for secret in (tok, "s3cr3t", "pw1", "hunter2", "abc.def", '"k"'):
+        assert secret not in raw
+    (rec,) = _events(log)
+    argv = rec["argv"]
+    assert isinstance(argv, list)
+    assert argv[0] == "curl" and argv[4] == "[REDACTED]" and argv[5] == "--password=[REDACTED]"
+    assert argv[6] == "GITHUB_TOKEN=[REDACTED]" and argv[7] == "https://user:[REDACTED]@host/x"
+    assert argv[8] == "plain" and argv[10] == "[REDACTED]" and argv[11] == "--keyboard"
+    assert argv[12:] == ["--key", "file.pem"]  # a bare --key names a file, not a secret
+    assert rec["env"] == {"API_TOKEN": "[REDACTED]", "PATH": "/bin"}
+    assert rec["reason"] == "saw [REDACTED:github-token]"
+
+
+def test_caps(log: audit.AuditLog) -> None:
+    log.event("run", "x" * 10_000, "ok", argv=["a"] * 1000, blob={"k": "v" * 100_000})
+    (rec,) = _events(log)
+    assert len(str(rec["target"])) <= audit.MAX_FIELD
+    assert isinstance(rec["argv"], list) and len(rec["argv"]) == audit.MAX_ITEMS + 1
+    assert all(len(line) <= audit.MAX_LINE for line in log.path.read_bytes().splitlines())
+
+
+def test_line_cap_truncates_extras(log: audit.AuditLog) -> None:
+    log.event("run", "t", "ok", **{f"f{i}": ["y" * 2000] * 100 for i in range(3)})
+    (rec,) = _events(log)
+    assert len(log.path.read_bytes()) <= audit.MAX_LINE
+    assert "[truncated]" in rec.values()
+
+
+def test_torn_last_line_is_skipped(log: audit.AuditLog) -> None:
+    log.event("a", "t", "ok")
+    with open(log.path, "a") as f:
+        f.write('{"schema_version": 1, "operation": "b"')
+    assert [r["operation"] for r in _events(log)] == ["a"]
+
+
+def _writer(d: str, n: int) -> None:
+    lg = audit.AuditLog(FakeSession("s", Path(d)))
+    for i in range(200):
+        lg.event("op", f"w{n}-{i}", "ok", pad="z" * 3000)
+
+
+def test_concurrent_appends_do_not_interleave(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), n)) for n in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    assert len(lines) == 800
+    assert len({json.loads(x)["target"] for x in lines}) == 800
+
+
+def test_blocked_filter_and_format(log: audit.AuditLog) -> None:
+    log.event("env", "GITHUB_TOKEN", "blocked", run=1, policy="env-filter", reason="removed")
+    log.event("run", "/p", "started", run=1, argv=["ls"])
+    recs = _events(log)
+    assert [audit.is_blocked(r) for r in recs] == [True, False]
+    line = audit.format_event(recs[0])
+    assert "run 1" in line and "GITHUB_TOKEN" in line and "BLOCKED" in line and "[env-filter]" in line
+
+
+def test_follow_yields_appended_events(log: audit.AuditLog) -> None:
+    log.event("a", "t", "ok")
+    seen: list[str] = []
+
+    def stop() -> bool:
+        if len(seen) == 1:
+            log.event("b", "t", "ok")
+        return len(seen) >= 2
+
+    for rec in audit.follow(log.path, poll=0.01, stop=stop):
+        seen.append(str(rec["operation"]))
+    assert seen == ["a", "b"]
+
+
+def test_policy_helpers(log: audit.AuditLog, tmp_path: Path) -> None:
+    from stockade.policy import Masked
+
+    log.masked(2, [Masked(tmp_path / "p" / ".env", False, ".env", "default", "default")], relative_to=str(tmp_path / "p"))
+    log.env_removed(2, ["AWS_SECRET_ACCESS_KEY"])
+    log.command_refused(2, ["git", "push", "--token", "t0ken"], "denied by workspace")
+    log.read_only(2, "/p")
+    recs = _events(log)
+    assert [r["target"] for r in recs[:2]] == ["./.env", "AWS_SECRET_ACCESS_KEY"]
+    assert all(r["result"] == "blocked" for r in recs)
+    assert "t0ken" not in log.path.read_text()
