@@ -40,6 +40,11 @@ class Builder:
             self.put(self.project, rel, data)
         self.session: Session = store.create(self.project.resolve())
 
+    def new_session(self) -> Session:
+        """A fresh session (after the test changed the project itself)."""
+        self.session = store.create(self.project.resolve())
+        return self.session
+
     # generic writers
     @staticmethod
     def put(root: Path, rel: str, data: bytes | str, mode: int | None = None) -> Path:

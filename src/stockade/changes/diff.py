@@ -126,6 +126,19 @@ def _emit(out: list[bytes], sign: bytes, line: bytes) -> None:
         out.append(sign + line + b"\n\\ No newline at end of file\n")
 
 
+_FUNC_START = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_$")
+
+
+def _funcname(lines: list[bytes], start: int) -> bytes:
+    """git's default hunk-header context: the nearest earlier line starting with [A-Za-z_$]."""
+    for k in range(start - 1, -1, -1):
+        line = lines[k]
+        if line and line[0] in _FUNC_START:
+            text = line[:80].rstrip(b" \t\n\r\v\f")
+            return b" " + text
+    return b""
+
+
 def unified_hunks(a: bytes, b: bytes, context: int = 3) -> tuple[list[bytes], int, int]:
     """Unified hunks for a -> b, plus (insertions, deletions)."""
     al = a.splitlines(keepends=True)
@@ -135,7 +148,8 @@ def unified_hunks(a: bytes, b: bytes, context: int = 3) -> tuple[list[bytes], in
     sm = difflib.SequenceMatcher(None, al, bl, autojunk=False)
     for group in sm.get_grouped_opcodes(context):
         i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
-        out.append(b"@@ -" + _range(i1, i2 - i1) + b" +" + _range(j1, j2 - j1) + b" @@\n")
+        out.append(b"@@ -" + _range(i1, i2 - i1) + b" +" + _range(j1, j2 - j1) + b" @@"
+                   + _funcname(al, i1) + b"\n")
         for tag, x1, x2, y1, y2 in group:
             if tag == "equal":
                 for line in al[x1:x2]:
