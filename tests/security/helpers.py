@@ -65,16 +65,21 @@ def compile_c(src: str, dest: Path, *flags: str) -> Path:
 
 
 def sandbox(
-    user: User, project: Path, argv: list[str], *extra: str, timeout: float = 120, **kw: object
+    user: User,
+    project: Path,
+    argv: list[str],
+    *extra: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[bytes]:
     """`stockade run [extra] -- argv` in the project, as the user under test."""
-    return user.cli(["run", *extra, "--", *argv], cwd=project, timeout=timeout, **kw)
+    return user.cli(["run", *extra, "--", *argv], cwd=project, timeout=timeout, env=env)
 
 
 def sandbox_py(
-    user: User, project: Path, code: str, *extra: str, **kw: object
+    user: User, project: Path, code: str, *extra: str, timeout: float = 120
 ) -> subprocess.CompletedProcess[bytes]:
-    return sandbox(user, project, ["/usr/bin/python3", "-I", "-c", code], *extra, **kw)
+    return sandbox(user, project, ["/usr/bin/python3", "-I", "-c", code], *extra, timeout=timeout)
 
 
 # Python prelude for attacks that need raw syscalls (ctypes, no third-party code).
