@@ -109,8 +109,11 @@ void sk_init_child(const struct sk_plan *p, int rep)
         sigaddset(&waitset, forwarded[i]);
     /* Every signal is still blocked (since clone); we take them with sigwaitinfo. */
 
-    /* fork without glibc's atfork handlers, which belong to the parent process. */
-    long pid = syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
+    /* vfork: we are a copy of the caller's (possibly large) address space, and
+     * copying its page tables again would cost milliseconds. The command child
+     * only makes async-signal-safe calls until execve or _exit. glibc's vfork
+     * runs no atfork handlers. */
+    pid_t pid = vfork();
     if (pid == 0)
         command_child(p, rep);
     if (pid < 0) {
