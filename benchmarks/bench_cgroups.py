@@ -52,6 +52,14 @@ def _children() -> list[int]:
     return out
 
 
+def ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def p90(xs: list[float]) -> float:
+    return sorted(xs)[int(len(xs) * 0.9)] * 1e3
+
+
 def main() -> None:
     det.reset()
     m = det.detect()
@@ -88,8 +96,6 @@ def main() -> None:
         attach.append(t2 - t1)
         teardown.append(t4 - t3)
     total = [a + b + c for a, b, c in zip(create, attach, teardown, strict=True)]
-    ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
-    p90 = lambda xs: sorted(xs)[int(len(xs) * 0.9)] * 1e3  # noqa: E731
     print(f"create (mkdir + limit writes{' + open dir fd' if m.kind == 'v2' else ''}): median {ms(create):.3f} ms  p90 {p90(create):.3f} ms")
     if m.kind != "v2":
         print(f"attach (v1 task migration, kernel): median {ms(attach):.3f} ms  p90 {p90(attach):.3f} ms")
