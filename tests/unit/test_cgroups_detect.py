@@ -220,3 +220,17 @@ def test_none_manager_enforcement_is_honest() -> None:
     run.attach(1)
     run.kill()
     run.remove()
+
+
+def test_sweep_stale_removes_only_empty_dirs_of_dead_creators(tmp_path: Path) -> None:
+    fs, view, root = v2_host(tmp_path)
+    m = det.detect_from(view, fs).manager
+    dead = 2**22 + 12345  # above pid_max: certainly not running
+    assert not os.path.exists(f"/proc/{dead}")
+    for name in (f"stockade-a-{dead}-abcdef", f"stockade-b-{dead}-123456", f"stockade-c-{os.getpid()}-aaaaaa", "unrelated"):
+        fs.make_cgroup(os.path.join(root, name))
+    fs.add_proc(os.path.join(root, f"stockade-b-{dead}-123456"), 99)  # still has a task
+    removed = det.sweep_stale(m, fs)
+    assert removed == [os.path.join(root, f"stockade-a-{dead}-abcdef")]
+    left = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    assert left == [f"stockade-b-{dead}-123456", f"stockade-c-{os.getpid()}-aaaaaa", "unrelated"]
