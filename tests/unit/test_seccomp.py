@@ -480,3 +480,17 @@ def test_cli_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     p = write_profile(tmp_path, minimal([{"names": ["nosuchcall"], "action": "SCMP_ACT_ALLOW"}]))
     with pytest.raises(PolicyError, match="nosuchcall"):
         _cli(["profiles", "--check", p])
+
+
+@pytest.mark.parametrize("name", seccomp.BUILTIN_PROFILES)
+def test_hot_syscalls_take_the_kernel_fast_path(name: str) -> None:
+    """The kernel's action cache skips the BPF run for syscalls allowed whatever the
+    arguments; the prologue and the composed deny program must not defeat it."""
+    bpf = seccomp.compile_profile(name).bpf
+    hot = ["read", "write", "openat", "newfstatat", "statx", "getdents64", "close", "mmap",
+           "munmap", "futex", "brk", "lseek", "fcntl", "execve", "wait4", "pread64", "rt_sigaction"]  # fmt: skip
+    slow = [n for n in hot if not seccomp.kernel_const_allow(bpf, seccomp.syscall_number(n))]
+    assert not slow, slow
+    # argument-inspected calls cannot be cached: they run the filter
+    assert not seccomp.kernel_const_allow(bpf, seccomp.syscall_number("ioctl"))
+    assert not seccomp.kernel_const_allow(bpf, seccomp.syscall_number("clone"))

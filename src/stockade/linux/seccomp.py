@@ -59,6 +59,7 @@ __all__ = [
     "cache_dir",
     "compile_profile",
     "evaluate",
+    "kernel_const_allow",
     "libseccomp_version",
     "list_profiles",
     "profile_path",
@@ -798,6 +799,54 @@ def evaluate(
         else:  # pragma: no cover - all 8 classes handled
             raise ValueError(f"BPF: unknown class {code:#x}")
     raise ValueError("BPF: program did not return")
+
+
+def kernel_const_allow(bpf: bytes, nr: int, *, arch: int | None = None) -> bool:
+    """Whether the kernel's seccomp action cache (Linux >= 5.11) will allow ``nr``
+    without running the filter: mirrors ``seccomp_is_const_allow()`` in
+    kernel/seccomp.c, which emulates the program with only ``nr`` and ``arch``
+    known and gives up on any argument load."""
+    if arch is None:
+        arch = _libseccomp().native
+    prog = [_INSN.unpack_from(bpf, i) for i in range(0, len(bpf), _INSN.size)]
+    reg = 0
+    pc = 0
+    while 0 <= pc < len(prog):
+        code, jt, jf, k = prog[pc]
+        if code == _BPF_LD | _BPF_W | _BPF_ABS:
+            if k == 0:
+                reg = nr & 0xFFFFFFFF
+            elif k == 4:
+                reg = arch
+            else:
+                return False
+        elif code == _BPF_RET | _BPF_K:
+            return k == SECCOMP_RET_ALLOW
+        elif code == _BPF_JMP | _BPF_JA:
+            pc += k
+        elif code in (
+            _BPF_JMP | _BPF_JEQ | _BPF_K,
+            _BPF_JMP | _BPF_JGE | _BPF_K,
+            _BPF_JMP | _BPF_JGT | _BPF_K,
+            _BPF_JMP | _BPF_JSET | _BPF_K,
+        ):
+            op = code & 0xF0
+            res = (
+                reg == k
+                if op == _BPF_JEQ
+                else reg >= k
+                if op == _BPF_JGE
+                else reg > k
+                if op == _BPF_JGT
+                else bool(reg & k)
+            )
+            pc += jt if res else jf
+        elif code == _BPF_ALU | 0x50 | _BPF_K:  # BPF_AND
+            reg &= k
+        else:
+            return False
+        pc += 1
+    return False
 
 
 # ---- profiles on disk and the cache ------------------------------------------------
