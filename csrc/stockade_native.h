@@ -88,7 +88,9 @@ struct sk_plan {
     int stdio[3];                     /* fds dup'ed onto 0, 1, 2 (-1: inherit) */
     const int *keep_fds;              /* passed through at the same number */
     size_t n_keep_fds;
-    int pty;                          /* stdio is a pty slave: make it the controlling tty */
+    int pty;                          /* make stdin (a pty) the command's controlling tty */
+    int console_sock;                 /* >= 0: open a pty in the sandbox's devpts, use it as
+                                         stdio and send its master over this socket */
 
     int drop_caps;
     int no_new_privs;

@@ -50,7 +50,7 @@ def _unpriv_python() -> str | None:
     return None
 
 
-_UNPRIV_PY: str | None | bool = False
+_UNPRIV_PY: str | bool | None = False
 
 
 def unpriv_python() -> str | None:

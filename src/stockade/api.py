@@ -155,6 +155,7 @@ def _run_in_session(
     no_wait: bool = False,
     quiet: bool = True,
     forward_signals: bool = False,
+    pty: bool = False,
     _tee_to: tuple[int, int] | None = None,
     **opts: Any,
 ) -> RunResult:
@@ -173,6 +174,7 @@ def _run_in_session(
             text_mode=text_mode, encoding=encoding, errors=errors, timeout=prep.timeout, check=check,
             cg_manager=prep.cg_manager, limits=prep.limits, tee_to=_tee_to, quiet=quiet, notes=[],
             raise_timeout=raise_timeout and prep.timeout == timeout, forward_signals=forward_signals,
+            pty=pty,
         )
 
 
@@ -239,7 +241,6 @@ def _prepare(
 
     wd = planmod.resolve_cwd(project, cwd)
     degraded: list[str] = []
-    notes: list[str] = []
 
     # environment
     pol = _load_policy(project, sess, policy, env)
@@ -440,6 +441,7 @@ def _execute(
     notes: list[str],
     raise_timeout: bool,
     forward_signals: bool,
+    pty: bool = False,
 ) -> RunResult:
     from .linux import native
 
@@ -453,10 +455,10 @@ def _execute(
         "status": "running",
         "degraded": list(plan.degraded),
     }
-    store.write_json_atomic(run_dir / "run.json", record)
     _audit(sess, "run", " ".join(argv), "allowed", run=run_no, cwd=plan.cwd)
 
     to_close: list[int] = []
+    out_r = err_r = -1
     # stdin
     stdin_fd = 0
     feed: bytes | None = None
@@ -472,13 +474,27 @@ def _execute(
     elif stdin is not None:
         stdin_fd = stdin if isinstance(stdin, int) else stdin.fileno()
 
-    # stdout/stderr: always through pipes, so the session keeps a copy
-    out_r, out_w = os.pipe()
-    if stderr == STDOUT:
-        err_r, err_w = -1, out_w
+    # stdout/stderr: always through pipes (or a pty), so the session keeps a copy
+    relay_in = -1
+    console = (-1, -1)
+    if pty:
+        # The sandbox opens a pty in its own devpts and hands us the master: it only
+        # ever sees that pty, never the user's terminal.
+        import socket
+
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        console = (a.detach(), b.detach())
+        to_close.extend(console)
+        out_r = out_w = err_r = err_w = -1
+        relay_in = 0
+        stderr = STDOUT
     else:
-        err_r, err_w = os.pipe()
-    to_close.extend([out_w] + ([err_w] if err_w != out_w else []))
+        out_r, out_w = os.pipe()
+        if stderr == STDOUT:
+            err_r, err_w = -1, out_w
+        else:
+            err_r, err_w = os.pipe()
+        to_close.extend([out_w] + ([err_w] if err_w != out_w else []))
     capture_out = stdout == PIPE
     capture_err = stderr == PIPE
     dest_out = None if capture_out else _std_target(stdout, tee_to[0] if tee_to else 1)
@@ -491,18 +507,28 @@ def _execute(
     try:
         if cg_manager is not None and limits is not None:
             cg = cg_manager.create(f"stockade-{sess.id}-{run_no}-{os.getpid()}", limits)
-        lowered = native.Lowered(plan, (stdin_fd, out_w, err_w), cg.clone_into_fd() if cg else None, pty=False)
+        lowered = native.Lowered(plan, (stdin_fd, out_w, err_w), cg.clone_into_fd() if cg else None, pty=pty, console_sock=console[1])
         child = native.spawn(lowered)
         if cg is not None:
             cg.attach(child.pid)
         native.go(child)
+        if pty:
+            for fd in console:
+                to_close.remove(fd)
+            os.close(console[1])
+            out_r = native.recv_console(console[0])
+            os.close(console[0])
+            if out_r >= 0:
+                stdin_w = os.dup(out_r)
+                if os.isatty(0):
+                    copy_winsize(0, out_r)
         for fd in to_close:
             os.close(fd)
         to_close = []
-        sup = _Supervisor(child, out_r, err_r, stdin_w, feed, dest_out, dest_err, log_out, log_err, capture_out, capture_err, timeout, cg)
+        sup = _Supervisor(child, out_r, err_r, stdin_w, feed, dest_out, dest_err, log_out, log_err, capture_out, capture_err, timeout, cg, relay_in)
         stdin_w = -1
         if forward_signals:
-            with _forwarding(child.pid):
+            with _forwarding(child.pid, winch_to=out_r if pty else None):
                 sup.loop()
         else:
             sup.loop()
@@ -628,8 +654,10 @@ class _Supervisor:
         capture_err: bool,
         timeout: float | None,
         cg: Any,
+        relay_in: int = -1,
     ) -> None:
         self.child = child
+        self.relay_in = relay_in
         self.out_r, self.err_r = out_r, err_r
         self.stdin_w = stdin_w
         self.feed = memoryview(feed) if feed is not None else None
@@ -676,7 +704,12 @@ class _Supervisor:
                 open_streams += 1
         sel.register(self.child.report_fd, selectors.EVENT_READ, "report")
         sel.register(self.child.pidfd, selectors.EVENT_READ, "pidfd")
-        if self.stdin_w >= 0:
+        if self.relay_in >= 0 and self.stdin_w >= 0:
+            try:
+                sel.register(self.relay_in, selectors.EVENT_READ, "relay")
+            except PermissionError:  # a regular file or /dev/null: nothing to relay
+                pass
+        elif self.stdin_w >= 0:
             if self.feed is not None and len(self.feed):
                 os.set_blocking(self.stdin_w, False)
                 sel.register(self.stdin_w, selectors.EVENT_WRITE, "stdin")
@@ -712,11 +745,23 @@ class _Supervisor:
                 for key, _ in events:
                     what = key.data
                     fd = key.fd
+                    if what == "relay":
+                        try:
+                            data = os.read(fd, _CHUNK)
+                        except OSError:
+                            data = b""
+                        if not data:
+                            sel.unregister(fd)
+                            continue
+                        self._write_all(self.stdin_w, data)
+                        continue
                     if what == "out":
                         try:
                             data = os.read(fd, _CHUNK)
                         except InterruptedError:
                             continue
+                        except OSError:  # EIO: the pty's last user is gone
+                            data = b""
                         if not data:
                             sel.unregister(fd)
                             open_streams -= 1
@@ -805,13 +850,19 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, sign
 
 class _forwarding:
     """CLI only (main thread): signals the supervisor receives go to the sandbox's init,
-    which forwards them to the command's process group, like a shell's foreground job."""
+    which forwards them to the command's process group, like a shell's foreground job.
+    With a pty, a window size change is copied to the pty instead (the kernel then
+    signals the pty's foreground group)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, winch_to: int | None = None) -> None:
         self.pid = pid
+        self.winch_to = winch_to
         self.old: dict[int, Any] = {}
 
     def _handler(self, sig: int, _frame: Any) -> None:
+        if sig == signal.SIGWINCH and self.winch_to is not None:
+            copy_winsize(0, self.winch_to)
+            return
         try:
             os.kill(self.pid, sig)
         except ProcessLookupError:
@@ -824,6 +875,17 @@ class _forwarding:
     def __exit__(self, *exc: object) -> None:
         for s, h in self.old.items():
             signal.signal(s, h)
+
+
+def copy_winsize(src: int, dst: int) -> None:
+    import fcntl
+    import termios
+
+    try:
+        ws = fcntl.ioctl(src, termios.TIOCGWINSZ, b"\0" * 8)
+        fcntl.ioctl(dst, termios.TIOCSWINSZ, ws)
+    except OSError:
+        pass
 
 
 def result_json(res: RunResult) -> str:

@@ -43,12 +43,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
 
 
-def _run_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def _run_kwargs(args: argparse.Namespace, default_cmd: list[str] | None = None) -> dict[str, Any]:
     from .errors import UsageError
 
     cmd = list(args.command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
+    if not cmd and default_cmd:
+        cmd = default_cmd
     if not cmd:
         raise UsageError("no command given; usage: stockade run [OPTIONS] -- CMD [ARGS...]")
     kw: dict[str, Any] = {

@@ -447,7 +447,7 @@ def _identity(req: Request, facts: HostFacts) -> tuple[int, int, int, int, str, 
 
 
 def _passwd(uid: int, gid: int, name: str, home: str) -> tuple[bytes, bytes]:
-    users = {0: f"root:x:0:0:root:/root:/bin/sh", 65534: "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin"}
+    users = {0: "root:x:0:0:root:/root:/bin/sh", 65534: "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin"}
     users[uid] = f"{name}:x:{uid}:{gid}:{name}:{home}:/bin/sh"
     groups = {0: "root:x:0:", 65534: "nogroup:x:65534:"}
     if gid not in groups:
@@ -613,7 +613,7 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         keep_fds=req.keep_fds,
         network=req.network,
         read_only=req.read_only,
-        hidden=tuple(hidden) + ("other homes and projects", "parent directories of the project"),
+        hidden=(*tuple(hidden), "other homes and projects", "parent directories of the project"),
         degraded=req.degraded,
         notes=tuple(notes),
     )

@@ -81,7 +81,7 @@ def test_many_threads(proj: Path) -> None:
                     r = sb.run(["sh", "-c", f"echo {n}-{i} > f; cat f"], capture_output=True, text=True)
                     if r.returncode != 0 or r.stdout != f"{n}-{i}\n":
                         errors.append(f"thread {n} run {i}: rc={r.returncode} out={r.stdout!r} err={r.stderr!r}")
-        except Exception as e:  # noqa: BLE001 - collected and reported below
+        except Exception as e:
             errors.append(f"thread {n}: {e!r}")
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]

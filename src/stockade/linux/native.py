@@ -77,7 +77,7 @@ def _sbx(p: str) -> str:
 class Lowered:
     """cffi objects for one plan; keeps every buffer alive while the parent needs it."""
 
-    def __init__(self, plan: Plan, stdio: tuple[int, int, int], cgroup_fd: int | None, pty: bool, stage_dir: str = "/tmp") -> None:
+    def __init__(self, plan: Plan, stdio: tuple[int, int, int], cgroup_fd: int | None, pty: bool, stage_dir: str = "/tmp", console_sock: int = -1) -> None:
         keep: list[Any] = []
         self._keep = keep
 
@@ -149,6 +149,7 @@ class Lowered:
             p.keep_fds = kf
             p.n_keep_fds = len(plan.keep_fds)
         p.pty = int(pty)
+        p.console_sock = console_sock
         p.drop_caps = 1
         p.no_new_privs = 1
         if plan.landlock is not None and plan.landlock.abi > 0:
@@ -238,6 +239,17 @@ def spawn(lowered: Lowered) -> Child:
         name = STEP_NAMES.get(step[0], str(step[0]))
         raise spawn_error(name, -r, None)
     return Child(out.pid, out.pidfd, out.report_fd, out.sync_fd, lowered)
+
+
+def recv_console(sock_fd: int) -> int:
+    """The pty master the sandbox sends over the console socket (EOF: setup failed)."""
+    import socket
+
+    with socket.socket(fileno=os.dup(sock_fd)) as s:
+        _msg, fds, _flags, _addr = socket.recv_fds(s, 1, 1)
+    if not fds:
+        return -1
+    return fds[0]
 
 
 def go(child: Child) -> None:

@@ -1,0 +1,72 @@
+"""`stockade shell`: a pty from the sandbox's own devpts, relayed to the user's terminal."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import select
+import signal
+import struct
+import sys
+import termios
+import time
+from pathlib import Path
+
+from tests.conftest import User
+
+
+def _drive(user: User, project: Path, steps: list[tuple[str, bytes]], args: list[str] | None = None, timeout: float = 60) -> tuple[int, bytes]:
+    """Run `stockade shell` on a pty we own; for each (wait_for, send) wait for output then type."""
+    pid, master = pty.fork()
+    if pid == 0:  # pragma: no cover - child
+        os.chdir(project)
+        argv = [*user.prefix(), user.python, "-m", "stockade", "shell", *(args or [])]
+        os.execvpe(argv[0], argv, user.env({"TERM": "dumb", "PS1": "$ "}))
+    fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 33, 101, 0, 0))
+    out = b""
+    deadline = time.time() + timeout
+    i = 0
+    while time.time() < deadline:
+        if i < len(steps) and steps[i][0].encode() in out:
+            os.write(master, steps[i][1])
+            i += 1
+        r, _, _ = select.select([master], [], [], 0.2)
+        if r:
+            try:
+                data = os.read(master, 4096)
+            except OSError:
+                break
+            if not data:
+                break
+            out += data
+    else:
+        os.kill(pid, signal.SIGKILL)
+    _, st = os.waitpid(pid, 0)
+    os.close(master)
+    return os.waitstatus_to_exitcode(st), out
+
+
+def test_shell_runs_on_its_own_pty(user: User, project: Path) -> None:
+    rc, out = _drive(user, project, [], args=["--", "sh", "-c", "tty; stty size; ls -l /proc/self/fd/0"])
+    assert rc == 0, out
+    text = out.decode(errors="replace")
+    assert "/dev/pts/0" in text  # the sandbox's own devpts, not the host's pty
+    assert "33 101" in text  # window size copied from the user's terminal
+
+
+def test_interactive_session(user: User, project: Path) -> None:
+    rc, out = _drive(user, project, [("$", b"echo $((40+2)) > answer; cat answer\n"), ("42", b"exit 7\n")], args=["--", "sh", "-i"])
+    assert rc == 7, out
+    assert b"42" in out
+    assert not (project / "answer").exists()
+
+
+def test_sandbox_does_not_hold_the_users_terminal(user: User, project: Path) -> None:
+    # the host pty our test owns must not appear among the sandbox's open files
+    rc, out = _drive(user, project, [], args=["--", "sh", "-c", "ls -l /proc/*/fd/ 2>/dev/null | grep -c pts; readlink /proc/self/fd/*; true"])
+    assert rc == 0
+    assert os.ttyname(sys.stdin.fileno()) if sys.stdin.isatty() else True
+    for line in out.decode(errors="replace").splitlines():
+        if line.startswith("/dev/pts/"):
+            assert line.strip() == "/dev/pts/0"
