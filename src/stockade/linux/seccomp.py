@@ -808,7 +808,9 @@ def kernel_const_allow(bpf: bytes, nr: int, *, arch: int | None = None) -> bool:
     known and gives up on any argument load."""
     if arch is None:
         arch = _libseccomp().native
-    prog = [_INSN.unpack_from(bpf, i) for i in range(0, len(bpf), _INSN.size)]
+    prog: list[tuple[int, int, int, int]] = [
+        _INSN.unpack_from(bpf, i) for i in range(0, len(bpf), _INSN.size)
+    ]
     reg = 0
     pc = 0
     while 0 <= pc < len(prog):
