@@ -299,7 +299,7 @@ def probe_overlay(state: Path) -> Probe:
         wh = base / "upper" / "a"
         whiteout = bool(res.get("whiteout")) and os.path.lexists(wh)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        _rmtree(base)
     data = {"fstype": fstype, **res}
     if not res.get("ok"):
         fix = ("put the state dir on ext4, xfs, btrfs or tmpfs (STOCKADE_STATE_DIR=...)"
@@ -496,8 +496,26 @@ def run_self_test(timeout: float = 30.0) -> Probe:
         remedy = getattr(e, "remedy", None)
         return Probe("self-test", "missing", f"{type(e).__name__}: {e}", remedy or "see the message above")
     finally:
-        shutil.rmtree(base, ignore_errors=True)
-        shutil.rmtree(store.sessions_dir() / name, ignore_errors=True)
+        _rmtree(base)
+        _rmtree(store.sessions_dir() / name)
+
+
+def _rmtree(path: Path) -> None:
+    """rm -rf that also removes overlayfs' mode-000 ``work/work`` dirs we own."""
+
+    def onerror(func: Any, p: str, exc: Any) -> None:
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                func(p)
+        except OSError:
+            pass
+
+    if os.path.lexists(path):
+        shutil.rmtree(path, onerror=onerror)
 
 
 # --------------------------------------------------------------------------- run

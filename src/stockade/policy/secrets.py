@@ -62,6 +62,7 @@ CONDITIONAL: dict[str, re.Pattern[str]] = {
 _CONDITIONAL_READ = 65536
 
 RACY_NS = 2_000_000_000
+_UNANCHORED = "^(?:.+/)?"
 CACHE_VERSION = 2
 
 
@@ -127,8 +128,21 @@ class Matcher:
         self.allow = [r for r in allow if compile_pattern(r.pattern) is not None]
         self._deny_rx = [compile_pattern(r.pattern) for r in self.deny]
         self._allow_rx = [compile_pattern(r.pattern) for r in self.allow]
-        alts = [f"(?:{rx.pattern})" for rx in self._deny_rx if rx is not None]
-        self._any = re.compile("|".join(alts), re.IGNORECASE) if alts else None
+        # Unanchored patterns without a '/' in the middle (".env", "*.pem", ".ssh/") depend on
+        # the last component only: match those against the name, the rest against the path.
+        name_alts: list[str] = []
+        path_alts: list[str] = []
+        for rx in self._deny_rx:
+            if rx is None:
+                continue
+            src = rx.pattern
+            rest = src.removeprefix(_UNANCHORED)
+            if rest != src and "/" not in rest.replace("[^/]", "").replace("(?:/|$)", "").removesuffix("/"):
+                name_alts.append(f"(?:^{rest})")
+            else:
+                path_alts.append(f"(?:{src})")
+        self._name_any = re.compile("|".join(name_alts), re.IGNORECASE) if name_alts else None
+        self._any = re.compile("|".join(path_alts), re.IGNORECASE) if path_alts else None
         self.exact_allow: dict[str, int] = dict(exact_allow or {})
         self.fingerprint = hashlib.sha256(
             json.dumps(
@@ -143,7 +157,12 @@ class Matcher:
         ).hexdigest()
 
     def candidate(self, rel: str, is_dir: bool) -> bool:
-        """Fast pre-check: does any deny pattern match at all?"""
+        """Fast pre-check: does any deny pattern match? Exact when no ancestor directory of
+        ``rel`` matched (the scanner never descends into a masked directory)."""
+        if self._name_any is not None:
+            name = rel.rpartition("/")[2]
+            if self._name_any.match(name + "/" if is_dir else name) is not None:
+                return True
         if self._any is None:
             return False
         return self._any.match(rel + "/" if is_dir else rel) is not None
