@@ -449,6 +449,8 @@ def _prctl_caps(prctl: Any, capset: Any) -> list[str]:
     out = []
     for full in prctl.ALL_CAP_NAMES:
         name = str(full).lower().removeprefix("cap_")
+        if name == "last_cap":
+            continue
         try:
             if getattr(capset, name) is True:
                 out.append(name)
