@@ -88,7 +88,7 @@ def test_conflicts_refused_then_forced(tmp_path: Path, state_dir: Path) -> None:
     b = _changed(tmp_path)
     (b.project / "mod").write_text("edited on the host\n")
     before = tree_snapshot(b.project)
-    with pytest.raises(UsageError, match="conflict.*mod"):
+    with pytest.raises(UsageError, match=r"conflict.*mod"):
         scan(b.session).apply()
     assert tree_snapshot(b.project) == before
     scan(b.session).apply(force=True)

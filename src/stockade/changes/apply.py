@@ -165,7 +165,7 @@ def _fsync_path(path: Path) -> None:
 def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, separators=(",", ":"))
+        f.write(json.dumps(data, separators=(",", ":")))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -219,13 +219,14 @@ class _Planner:
         self.removed_paths: set[str] = set()  # project paths the plan removes
         self.created_dirs: set[str] = set()
         self.dropped: set[str] = set()  # selected changes that cannot be applied (kept)
+        self.ok_dirs: set[str] = set()
 
     def _check_parent(self, rel: str) -> None:
         """Every ancestor must be a real directory now, or one the plan creates."""
         parts = rel.split("/")
         for i in range(1, len(parts)):
             anc = "/".join(parts[:i])
-            if anc in self.created_dirs:
+            if anc in self.created_dirs or anc in self.ok_dirs:
                 continue
             st = self.host.lstat(anc)
             if st is None:
@@ -233,6 +234,7 @@ class _Planner:
             if not stat.S_ISDIR(st.st_mode):
                 what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
                 raise UsageError(f"cannot apply {rel}: {anc} is {what} on the host")
+            self.ok_dirs.add(anc)
 
     def _host_now(self, c: Change) -> os.stat_result | None:
         st = self.host.lstat(c.path)
@@ -481,8 +483,8 @@ class _Exec:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=pfd)
         if old["otype"] == "file" and op.get("backup") == "link" and cur is not None:
-            b = os.stat(self.backups / str(n))
-            if (b.st_ino, b.st_dev) == (cur.st_ino, cur.st_dev):
+            bst = os.stat(self.backups / str(n))
+            if (bst.st_ino, bst.st_dev) == (cur.st_ino, cur.st_dev):
                 return  # the original is still in place (the op never ran)
         if old["otype"] == "symlink":
             os.symlink(old["link"], tmp, dir_fd=pfd)
@@ -572,20 +574,23 @@ def _load_applied(session: Session) -> dict[str, list[int]]:
         return {}
 
 
-def _record_applied(session: Session, host: Root, paths: list[str]) -> None:
-    """Remember the state we left ``paths`` (and their directories, whose ctime we changed) in."""
+def _record_applied(session: Session, host: Root, paths: list[str]) -> dict[str, list[int] | None]:
+    """Remember the state we left ``paths`` (and their directories, whose ctime we changed) in.
+
+    Returns the states of ``paths`` themselves."""
     rec = _load_applied(session)
     every = set(paths)
     for p in paths:
         if "/" in p:
             every.add(p.rsplit("/", 1)[0])
-    for p in sorted(every):
-        st = host.lstat(p)
-        if st is None:
+    states = _target_states(host, sorted(every))
+    for p, v in states.items():
+        if v is None:
             rec.pop(p, None)
         else:
-            rec[p] = [st.st_ino, st.st_ctime_ns]
-    store.write_json_atomic(_applied_record_path(session), rec)
+            rec[p] = v
+    _write_json(_applied_record_path(session), rec)
+    return {p: states[p] for p in paths}
 
 
 def _conflicts(session: Session, host: Root, ops: list[dict[str, Any]]) -> list[str]:
@@ -625,28 +630,36 @@ def _move_out(stack: list[Path], project: Root, path: str, li: int, dir_change: 
     ``reveal``: make sure the layer no longer hides what is below it at ``path``
     (needed whenever the merged view must show the project's entry afterwards).
     """
-    layer = stack[li]
     try:
-        lr = Root(layer)
+        lr = Root(stack[li])
     except OSError:
         return False
     try:
-        if reveal and not dir_change:
-            expose(stack, li, project, path)
-            lr.forget()
-        st = lr.lstat(path)
-        if st is None:
-            return False
-        if dir_change and stat.S_ISDIR(st.st_mode):
-            return False  # directories stay (their other contents may not have left)
-        pfd, name = lr.parent(path)
-        if dest is not None:
-            os.rename(name, dest, src_dir_fd=pfd)
-        else:
-            rmtree_at(pfd, name)
-        return True
+        return _move_out_in(lr, stack, project, path, li, dir_change,
+                            None if dest is None else os.fspath(dest), reveal, set())
     finally:
         lr.close()
+
+
+def _move_out_in(lr: Root, stack: list[Path], project: Root, path: str, li: int, dir_change: bool,
+                 dest: str | None, reveal: bool, checked: set[tuple[int, str]]) -> bool:
+    if reveal and not dir_change:
+        parent = path.rsplit("/", 1)[0] if "/" in path else ""
+        if (li, parent) not in checked:
+            if expose(stack, li, project, path):
+                lr.forget()
+            checked.add((li, parent))
+    st = lr.lstat(path)
+    if st is None:
+        return False
+    if dir_change and stat.S_ISDIR(st.st_mode):
+        return False  # directories stay (their other contents may not have left)
+    pfd, name = lr.parent(path)
+    if dest is not None:
+        os.rename(name, dest, src_dir_fd=pfd)
+    else:
+        rmtree_at(pfd, name)
+    return True
 
 
 def _tidy_dirs(stack: list[Path], project: Root, changes: Sequence[Change]) -> None:
@@ -830,9 +843,8 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
         prog.note("s committed", sync=True)
         _tick()
         targets = [op["path"] for op in ops]
-        _write_json(adir / "result.json", _target_states(ex.host, targets))
-        _record_applied(session, ex.host, targets)
-        _finish_moves(adir, stack, ex.host, moves, set(), prog)
+        _write_json(adir / "result.json", _record_applied(session, ex.host, targets))
+        _finish_moves(adir, stack, ex.host, moves, set(), prog, fresh=True)
         prog.note("s done", sync=True)
         (pending_dir() / apply_id).unlink()
         _log_event(session, {"event": "apply", "apply_id": apply_id, "paths": len(chosen)})
@@ -842,15 +854,28 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
 
 
 def _finish_moves(adir: Path, stack: list[Path], host: Root, moves: list[list[Any]],
-                  done: set[int], prog: _Progress) -> None:
-    for k, (p, li, dchange, reveal) in enumerate(moves):
-        if k in done:
-            continue
-        dest = adir / "removed" / f"{k}"
-        if not dest.exists() and not dest.is_symlink():
-            _move_out(stack, host, p, li, bool(dchange), dest, bool(reveal))
-        prog.note(f"m {k}")
-        _tick()
+                  done: set[int], prog: _Progress, fresh: bool = False) -> None:
+    roots: dict[int, Root] = {}
+    checked: set[tuple[int, str]] = set()
+    removed = os.fspath(adir / "removed")
+    try:
+        for k, (p, li, dchange, reveal) in enumerate(moves):
+            if k in done:
+                continue
+            dest = f"{removed}/{k}"
+            if fresh or not os.path.lexists(dest):
+                lr = roots.get(li)
+                if lr is None:
+                    try:
+                        lr = roots[li] = Root(stack[li])
+                    except OSError:
+                        continue
+                _move_out_in(lr, stack, host, p, li, bool(dchange), dest, bool(reveal), checked)
+            prog.note(f"m {k}")
+            _tick()
+    finally:
+        for r in roots.values():
+            r.close()
 
 
 def _undo_all(ex: _Exec, ops: list[dict[str, Any]], last: int) -> None:

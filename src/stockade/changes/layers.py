@@ -99,8 +99,11 @@ def _push_down(stack: list[Path], li: int, project: Root, rel: str, xname: str) 
     clear_opaque(d)
 
 
-def expose(stack: list[Path], li: int, project: Root, rel: str) -> None:
-    """Make sure no ancestor of ``rel`` in layer ``li`` hides what is below it at ``rel``."""
+def expose(stack: list[Path], li: int, project: Root, rel: str) -> bool:
+    """Make sure no ancestor of ``rel`` in layer ``li`` hides what is below it at ``rel``.
+
+    Returns True when the layer was changed."""
+    changed = False
     layer = os.fspath(stack[li])
     parts = rel.split("/")
     for i in range(1, len(parts)):
@@ -108,8 +111,8 @@ def expose(stack: list[Path], li: int, project: Root, rel: str) -> None:
         a = os.path.join(layer, anc)
         try:
             st = os.lstat(a)
-        except FileNotFoundError:
-            return  # the layer has nothing here; nothing below can be hidden by it
+        except (FileNotFoundError, NotADirectoryError):
+            return changed  # the layer has nothing here; nothing below can be hidden by it
         if is_whiteout(st):
             pst = project.lstat(anc)
             mode = stat.S_IMODE(pst.st_mode) if pst is not None and stat.S_ISDIR(pst.st_mode) else 0o755
@@ -118,12 +121,15 @@ def expose(stack: list[Path], li: int, project: Root, rel: str) -> None:
             os.chmod(a, mode)
             set_opaque(a)
             _push_down(stack, li, project, anc, "user.overlay.opaque")
+            changed = True
         elif stat.S_ISDIR(st.st_mode):
             xn = opaque_name(a)
             if xn is not None:
                 _push_down(stack, li, project, anc, xn)
+                changed = True
         else:
-            return  # a non-directory ancestor: nothing below exists in this layer
+            return changed  # a non-directory ancestor: nothing below exists in this layer
+    return changed
 
 
 def entry_in_layer(layer: Path, rel: str) -> os.stat_result | None:
