@@ -278,9 +278,7 @@ def test_probe_denials(profile: str) -> None:
     assert got["tiocgwinsz"] == errno.ENOTTY  # allowed: reached the kernel
     assert got["mknod_fifo"] == errno.EFAULT  # allowed: NULL path reached the kernel
     assert got["fork"] == 7 and got["thread"] == 0
-    assert got["unknown"] == (0 if profile == "permissive" else errno.ENOSYS) or (
-        profile == "permissive" and got["unknown"] == errno.ENOSYS
-    )
+    assert got["unknown"] == errno.ENOSYS  # filter (default, strict) or kernel (permissive)
 
 
 def test_unfiltered_probe_differs() -> None:
