@@ -174,7 +174,7 @@ def _run_in_session(
             text_mode=text_mode, encoding=encoding, errors=errors, timeout=prep.timeout, check=check,
             cg_manager=prep.cg_manager, limits=prep.limits, tee_to=_tee_to, quiet=quiet, notes=[],
             raise_timeout=raise_timeout and prep.timeout == timeout, forward_signals=forward_signals,
-            pty=pty,
+            pty=pty, audit_info=prep.audit,
         )
 
 
@@ -184,6 +184,11 @@ class Prepared:
     cg_manager: Any
     limits: Any
     timeout: float | None
+    audit: dict[str, Any] = field(default_factory=dict)
+
+
+def _beneath(p: Path, root: Path) -> bool:
+    return p == root or root in p.parents
 
 
 def plan_for(
@@ -224,6 +229,7 @@ def _prepare(
     allow_degraded: Sequence[str] = (),
     landlock: bool = True,
     limits: Any = None,
+    requested_limits: set[str] | None = None,
     policy: Any = None,
     explain_only: bool = False,
 ) -> Prepared:
@@ -244,14 +250,16 @@ def _prepare(
 
     # environment
     pol = _load_policy(project, sess, policy, env)
+    removed: list[str] = []
     if pol is not None:
-        passed, _removed = pol.env(os.environ)
+        passed, removed = pol.env(os.environ)
         run_env = dict(passed)
         if pol.read_only:
             read_only = True
         reason = pol.check_command(list(argv))
         if reason:
-            _audit(sess, "command", " ".join(argv[:3]), "blocked", reason=reason)
+            if not explain_only:
+                _audit_call(sess, "command_refused", None, list(argv), reason)
             raise UsageError(f"command refused by policy: {reason}")
     else:
         run_env = _base_env()
@@ -284,35 +292,48 @@ def _prepare(
     etc_extra: tuple[str, ...] = ()
     lower_layers: list[Path] = [p for p in reversed(sess.layers())]
     mask_empty: str | None = None
+    masked_l: list[Any] = []
     if pol is not None:
-        masked_l = pol.masked(project)
-        if getattr(pol, "mask_mode", "empty") == "absent" and not read_only and not explain_only:
+        masked_l = list(pol.masked(project))
+        for g in pol.grants:
+            masked_l.extend(pol.masked(Path(g.host_path)))
+        absent = getattr(pol, "mask_mode", "empty") == "absent"
+        in_project = [m for m in masked_l if _beneath(Path(m.path), project)]
+        # Whiteouts in an overlay lower layer make a path absent. Symlinks always go
+        # there: a bind onto a symlink would mask its target instead.
+        layer_items = [m for m in in_project if absent or getattr(m, "is_symlink", False)]
+        bind_items = [m for m in masked_l if m not in layer_items]
+        if layer_items and not read_only and not explain_only:
             from .session.masklayer import ensure_mask_layer
 
-            lower_layers.append(ensure_mask_layer(sess, [(m.path, m.is_dir) for m in masked_l], project))
-        else:
-            masked = tuple((str(m.path), bool(m.is_dir)) for m in masked_l)
+            lower_layers.append(ensure_mask_layer(sess, [(m.path, m.is_dir) for m in layer_items], project))
+        elif layer_items:
+            bind_items = masked_l
+        masked = tuple((str(m.path), bool(m.is_dir)) for m in bind_items if not getattr(m, "is_symlink", False) or read_only)
+        if masked and not explain_only:
             mask_empty = str(_empty_file())
         grants = tuple((str(g.host_path), bool(g.writable)) for g in pol.grants)
         exec_allow = tuple(pol.exec_allow) if pol.exec_allow is not None else None
         etc_extra = tuple(pol.etc_extra)
 
     # limits
-    cg_manager = None
-    rlimits: tuple[tuple[int, int, int], ...] = ()
-    lim = limits
-    try:
-        from .cgroups import base as cgbase
-        from .cgroups import detect as cgdetect
-    except ImportError:  # pragma: no cover - cgroups package not present
-        cgbase = cgdetect = None  # type: ignore[assignment]
-    if cgbase is not None and cgdetect is not None:
-        if lim is None:
-            lim = cgbase.Limits.defaults()
-        cg_manager = cgdetect.detect()
-        rlimits = tuple(cgbase.rlimits_for(lim, cg_manager))
-        if timeout is None and lim.timeout is not None:
-            timeout = lim.timeout
+    from .cgroups import base as cgbase
+    from .cgroups import detect as cgdetect
+
+    if limits is not None and requested_limits is None:
+        requested_limits = {n for n in ("memory", "cpus", "pids") if getattr(limits, n) is not None}
+    lim = limits if limits is not None else cgbase.Limits.defaults()
+    cg_manager = cgdetect.detect()
+    unenforced = cgbase.check_enforceable(
+        lim, cg_manager, requested=set(requested_limits or ()), allow_degraded="limits" in degraded_ok
+    )
+    if unenforced:
+        degraded.append("limits not enforced for the whole sandbox: " + ", ".join(unenforced))
+    # defaults the backend cannot enforce tree-wide are not refused, but the outcome says so
+    unenforced = cgbase.degraded_limits(lim, cg_manager)
+    rlimits = tuple(cgbase.rlimits_for(lim, cg_manager))
+    if timeout is None and lim.timeout is not None:
+        timeout = lim.timeout
 
     req = planmod.Request(
         argv=argv,
@@ -344,7 +365,9 @@ def _prepare(
             os.fstat(fd)
         except OSError:
             raise UsageError(f"--pass-fd {fd}: not an open file descriptor") from None
-    return Prepared(plan, cg_manager, lim, timeout)
+    audit = {"policy": pol, "masked": masked_l, "removed": removed, "read_only": read_only, "project": str(project),
+             "unenforced": tuple(unenforced)}
+    return Prepared(plan, cg_manager, lim, timeout, audit)
 
 
 _EMPTY: Path | None = None
@@ -378,15 +401,40 @@ def _load_policy(project: Path, sess: store.Session, cli: Any, env: Mapping[str,
     return load(project, sess.dir, cli)
 
 
-def _audit(sess: store.Session, operation: str, target: str, result: str, **kw: Any) -> None:
+def _audit_call(sess: store.Session, method: str, *args: Any, **kw: Any) -> None:
+    """One AuditLog helper call; the audit log never breaks a run."""
     try:
         from .audit import AuditLog
     except ImportError:  # pragma: no cover
         return
     try:
-        AuditLog(sess).event(operation, target, result, **kw)
+        getattr(AuditLog(sess), method)(*args, **kw)
     except OSError:
         pass
+
+
+def _audit_run_start(sess: store.Session, run_no: int, argv: list[str], cwd: str, info: dict[str, Any], quiet: bool) -> None:
+    pol = info.get("policy")
+    if pol is None:
+        return
+    from .audit import AuditLog
+
+    log = AuditLog(sess)
+    try:
+        if not sess.events_path.exists():
+            log.session_start(pol, project=info.get("project", ""))
+        log.run_start(run_no, argv, cwd, pol)
+        if info.get("masked"):
+            log.masked(run_no, info["masked"], relative_to=info.get("project"))
+        if info.get("removed"):
+            log.env_removed(run_no, info["removed"])
+        if info.get("read_only"):
+            log.read_only(run_no, info.get("project", ""))
+    except OSError:
+        pass
+    if not quiet:
+        for w in getattr(pol, "warnings", ()) or ():
+            sys.stderr.write(f"stockade: warning: {w}\n")
 
 
 _seccomp_cache: dict[str, tuple[bytes, str]] = {}
@@ -442,6 +490,7 @@ def _execute(
     raise_timeout: bool,
     forward_signals: bool,
     pty: bool = False,
+    audit_info: dict[str, Any] | None = None,
 ) -> RunResult:
     from .linux import native
 
@@ -455,7 +504,7 @@ def _execute(
         "status": "running",
         "degraded": list(plan.degraded),
     }
-    _audit(sess, "run", " ".join(argv), "allowed", run=run_no, cwd=plan.cwd)
+    _audit_run_start(sess, run_no, list(argv), plan.cwd, audit_info or {}, quiet)
 
     to_close: list[int] = []
     out_r = err_r = -1
@@ -506,7 +555,7 @@ def _execute(
     child = None
     try:
         if cg_manager is not None and limits is not None:
-            cg = cg_manager.create(f"stockade-{sess.id}-{run_no}-{os.getpid()}", limits)
+            cg = cg_manager.create(f"{sess.id}-{run_no}", limits)
         lowered = native.Lowered(plan, (stdin_fd, out_w, err_w), cg.clone_into_fd() if cg else None, pty=pty, console_sock=console[1])
         child = native.spawn(lowered)
         if cg is not None:
@@ -580,14 +629,15 @@ def _execute(
         raise err
 
     returncode = sup.returncode
-    outcome = _classify(sup, sup_stats, returncode)
+    outcome = _classify(sup, sup_stats, returncode, limits, (audit_info or {}).get("unenforced", ()))
     record.update(outcome)
     record["status"] = "done"
     record["exit_status"] = returncode if returncode >= 0 else 128 - returncode
     if sup.exec_failed is not None:
         record["exec_failed"] = {"path": sup.exec_failed.path, "errno": sup.exec_failed.err}
     store.write_json_atomic(run_dir / "run.json", record)
-    _audit(sess, "outcome", " ".join(argv[:1]), "allowed", run=run_no, outcome=outcome.get("outcome"))
+    _audit_call(sess, "outcome", run_no, str(outcome.get("outcome_kind", "exited")), outcome=outcome.get("outcome"),
+                exit_status=record["exit_status"], degraded=list(plan.degraded) or None)
 
     out_data: Any = bytes(sup.out_buf) if capture_out else None
     err_data: Any = bytes(sup.err_buf) if capture_err else None
@@ -601,6 +651,7 @@ def _execute(
     res.session = sess.id
     res.run = run_no
     res.outcome = str(outcome.get("outcome", ""))
+    res.outcome_kind = str(outcome.get("outcome_kind", ""))  # type: ignore[attr-defined]
     res.peak_memory = outcome.get("peak_memory")
     res.cpu_time = outcome.get("cpu_time")
     res.degraded = plan.degraded
@@ -615,25 +666,17 @@ def _execute(
     return res
 
 
-def _classify(sup: _Supervisor, stats: Any, returncode: int) -> dict[str, Any]:
-    try:
-        from .cgroups import base as cgbase
-    except ImportError:  # pragma: no cover
-        cgbase = None  # type: ignore[assignment]
-    if cgbase is not None and hasattr(cgbase, "classify"):
-        o = cgbase.classify(returncode, timed_out=sup.timed_out, stats=stats)
-        return {
-            "outcome": o.summary() if hasattr(o, "summary") else str(o.kind),
-            "outcome_kind": o.kind,
-            "peak_memory": o.peak_memory,
-            "cpu_time": o.cpu_time,
-            "exit_code": o.exit_status,
-        }
-    if sup.timed_out:
-        return {"outcome": "timeout", "outcome_kind": "timeout"}
-    if returncode < 0:
-        return {"outcome": f"signaled({signal.Signals(-returncode).name})", "outcome_kind": "signaled"}
-    return {"outcome": f"exited({returncode})", "outcome_kind": "exited"}
+def _classify(sup: _Supervisor, stats: Any, returncode: int, limits: Any, unenforced: tuple[str, ...]) -> dict[str, Any]:
+    from .cgroups import base as cgbase
+
+    o = cgbase.classify(returncode, timed_out=sup.timed_out, stats=stats, limits=limits, unenforced=unenforced)
+    return {
+        "outcome": o.summary(),
+        "outcome_kind": o.kind,
+        "peak_memory": o.peak_memory,
+        "cpu_time": o.cpu_time,
+        "exit_code": o.exit_status,
+    }
 
 
 class _Supervisor:

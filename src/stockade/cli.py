@@ -68,10 +68,11 @@ def _run_kwargs(args: argparse.Namespace, default_cmd: list[str] | None = None) 
         "no_wait": args.no_wait,
     }
     if hasattr(args, "memory"):
-        from .cgroups.cli import limits_from_args
+        from .cgroups.cli import limits_from_args, requested_limits
 
         kw["limits"] = limits_from_args(args)
-    if "policy.cli" in sys.modules or hasattr(args, "policy_flags"):
+        kw["requested_limits"] = requested_limits(args)
+    if "stockade.policy.cli" in sys.modules:
         from .policy.cli import cli_policy_from_args
 
         kw["policy"] = cli_policy_from_args(args)
@@ -105,12 +106,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             sys.stderr.write(f"stockade: {ef.path}: cannot execute: {os.strerror(ef.err)}\n")
     _after_run(res)
+    _sweep_stale_cgroups()
     del SandboxError
     status: int = res.exit_status
-    kind = getattr(res, "outcome_kind", None) or res.outcome
-    if kind.startswith("timeout"):
+    kind = getattr(res, "outcome_kind", "")
+    if kind == "timeout":
         status = 124
-    elif kind.startswith("oom"):
+    elif kind == "oom-killed":
         status = 137
     return status
 
@@ -135,6 +137,16 @@ def _after_run(res: Any) -> None:
         lines.append(f"stockade: session {res.session}")
     for ln in lines:
         sys.stderr.write(ln + "\n")
+
+
+def _sweep_stale_cgroups() -> None:
+    """Run cgroups of supervisors that were SIGKILLed cannot remove themselves: the next run does."""
+    try:
+        from .cgroups import detect
+
+        detect.sweep_stale(detect.detect())
+    except OSError:
+        pass
 
 
 def cmd_explain(args: argparse.Namespace) -> int:

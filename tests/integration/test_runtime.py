@@ -17,14 +17,12 @@ import pytest
 
 from tests.conftest import User, tree_snapshot, world_tmpdir
 
-pytestmark = pytest.mark.vm
-
-
 def _session_dirs(user: User) -> list[Path]:
     d = user.state / "sessions"
     return sorted(p for p in d.iterdir() if (p / "meta.json").exists()) if d.exists() else []
 
 
+@pytest.mark.vm
 def test_writes_land_in_upper_and_project_is_untouched(user: User, project: Path) -> None:
     before = tree_snapshot(project)
     script = (
@@ -77,11 +75,13 @@ def test_working_directory_is_preserved(user: User, project: Path) -> None:
         (["sh", "-c", "kill -KILL $$"], 128 + signal.SIGKILL),
     ],
 )
+@pytest.mark.vm
 def test_exit_status_and_signals(user: User, project: Path, cmd: list[str], status: int) -> None:
     r = user.cli(["run", "--", *cmd], cwd=project)
     assert r.returncode == status, r.stderr.decode()
 
 
+@pytest.mark.vm
 def test_command_not_found_and_not_executable(user: User, project: Path) -> None:
     r = user.cli(["run", "--", "no-such-command-xyz"], cwd=project)
     assert r.returncode == 127
@@ -102,6 +102,7 @@ def test_stdin_passthrough_and_large_stream(user: User, project: Path) -> None:
     assert len(r.stdout) == 100_000_000
 
 
+@pytest.mark.vm
 def test_host_is_invisible(user: User, project: Path) -> None:
     canary_dir = world_tmpdir("stockade-canary-")
     canary = canary_dir / "canary.txt"
@@ -122,6 +123,7 @@ def test_host_is_invisible(user: User, project: Path) -> None:
         canary_dir.rmdir()
 
 
+@pytest.mark.vm
 def test_proc_sys_is_read_only_even_for_host_root(user: User, project: Path) -> None:
     before = Path("/proc/sys/kernel/hostname").read_text()
     r = user.cli(["run", "--", "sh", "-c", "echo pwned > /proc/sys/kernel/hostname; hostname"], cwd=project)
@@ -196,7 +198,7 @@ def test_session_lock_no_wait(user: User, project: Path) -> None:
     )
     try:
         deadline = time.time() + 10
-        while not list((user.state / "sessions/busy/runs").glob("*/run.json")) and time.time() < deadline:
+        while not list((user.state / "sessions/busy/runs").glob("*/stdout.log")) and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)
         r = user.cli(["run", "--session", "busy", "--no-wait", "--", "true"], cwd=project)
@@ -233,9 +235,11 @@ def test_sigkill_of_stockade_leaves_nothing(user: User, project: Path) -> None:
         time.sleep(0.05)
     assert subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout == b""
     assert _mounts_mentioning(str(project)) == 0
-    # the lock is free again
+    # the lock is free again, and the next run sweeps the dead run's cgroups
     r = user.cli(["run", "--session", "k", "--no-wait", "--", "true"], cwd=project)
     assert r.returncode == 0, r.stderr.decode()
+    leftovers = subprocess.run(["find", "/sys/fs/cgroup", "-maxdepth", "5", "-type", "d", "-name", "stockade-k-*"], capture_output=True, text=True).stdout
+    assert leftovers == ""
 
 
 def test_user_namespaces_unavailable_fails_closed(project: Path, user: User) -> None:
@@ -261,3 +265,25 @@ def test_explain_prints_the_plan(user: User, project: Path) -> None:
     for needle in ("namespaces:  user mount pid net ipc uts cgroup", "overlay  " + str(project), "tmpfs    /tmp", "proc     /proc", "uid_map", "hidden:"):
         assert needle in out
     assert not (user.state / "sessions").exists() or not _session_dirs(user)
+
+
+def test_state_dir_without_overlay_support(project: Path, user: User) -> None:
+    """A state dir on a filesystem overlayfs refuses as upper (here: an overlay) fails clearly."""
+    if user.name != "root":
+        pytest.skip("mounting the unsupported filesystem needs root; the check itself is the same")
+    base = world_tmpdir("stockade-noovl-")
+    for d in ("l", "u", "w", "m"):
+        (base / d).mkdir()
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"lowerdir={base}/l,upperdir={base}/u,workdir={base}/w", str(base / "m")], check=True)
+    try:
+        r = user.cli(["run", "--", "touch", "x"], cwd=project, env={"STOCKADE_STATE_DIR": str(base / "m" / "state")})
+        assert r.returncode == 2, r.stderr.decode()
+        err = r.stderr.decode().strip()
+        assert len(err.splitlines()) == 1
+        assert "overlay" in err and "STOCKADE_STATE_DIR" in err
+        assert not (project / "x").exists()
+    finally:
+        subprocess.run(["umount", str(base / "m")], check=True)
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
