@@ -13,7 +13,7 @@ int sk_seccomp_child(const unsigned char *bpf, size_t len, int rep)
         .len = (unsigned short)(len / sizeof(struct sock_filter)),
         .filter = (struct sock_filter *)(void *)bpf,
     };
-    if (len % sizeof(struct sock_filter) || len / sizeof(struct sock_filter) > 0xffff) {
+    if (len % sizeof(struct sock_filter) || len / sizeof(struct sock_filter) > BPF_MAXINSNS) {
         sk_report(rep, SK_REP_ERROR, SK_STEP_SECCOMP, EINVAL, 0, "bpf length");
         return -1;
     }

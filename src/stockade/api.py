@@ -437,24 +437,18 @@ def _audit_run_start(sess: store.Session, run_no: int, argv: list[str], cwd: str
             sys.stderr.write(f"stockade: warning: {w}\n")
 
 
-_seccomp_cache: dict[str, tuple[bytes, str]] = {}
-
-
 def _seccomp(spec: str, degraded_ok: frozenset[str], degraded: list[str]) -> tuple[bytes, str | None]:
-    hit = _seccomp_cache.get(spec)
-    if hit is not None:
-        return hit
+    """Compiled BPF for a profile (cached by the compiler on the profile file's identity)."""
+    from .linux import seccomp as sc
+
     try:
-        from .linux import seccomp as sc
-    except ImportError:
-        if "seccomp" in degraded_ok:
-            degraded.append("seccomp (compiler unavailable)")
-            return b"", None
-        raise SandboxError("seccomp compile", remedy="the seccomp compiler is not installed; reinstall stockade") from None
-    compiled = sc.compile_profile(spec)
-    res = (compiled.bpf, compiled.name)
-    _seccomp_cache[spec] = res
-    return res
+        compiled = sc.compile_profile(spec)
+    except SandboxError as e:  # e.g. libseccomp.so.2 missing
+        if "seccomp" not in degraded_ok:
+            raise
+        degraded.append(f"seccomp ({e.one_line()})")
+        return b"", None
+    return compiled.bpf, f"{compiled.name} (sha256 {compiled.digest[:12]})"
 
 
 def _std_target(spec: int | IO[Any] | None, default_fd: int) -> int | None:
