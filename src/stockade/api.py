@@ -497,6 +497,8 @@ def _execute(
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "status": "running",
         "degraded": list(plan.degraded),
+        "seccomp": plan.seccomp_name,
+        "landlock_abi": plan.landlock.abi if plan.landlock else 0,
     }
     _audit_run_start(sess, run_no, list(argv), plan.cwd, audit_info or {}, quiet)
 
@@ -631,7 +633,8 @@ def _execute(
         record["exec_failed"] = {"path": sup.exec_failed.path, "errno": sup.exec_failed.err}
     store.write_json_atomic(run_dir / "run.json", record)
     _audit_call(sess, "outcome", run_no, str(outcome.get("outcome_kind", "exited")), outcome=outcome.get("outcome"),
-                exit_status=record["exit_status"], degraded=list(plan.degraded) or None)
+                exit_status=record["exit_status"], degraded=list(plan.degraded) or None,
+                seccomp=plan.seccomp_name, landlock_abi=record["landlock_abi"])
 
     out_data: Any = bytes(sup.out_buf) if capture_out else None
     err_data: Any = bytes(sup.err_buf) if capture_err else None
