@@ -157,7 +157,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+_LEAN_VERBS = ("run", "explain", "shell")
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="stockade", description="Run untrusted commands in a Linux sandbox; review their writes as a change set.")
     parser.add_argument("--version", action="version", version="stockade 0.1.0")
     sub = parser.add_subparsers(dest="verb", metavar="COMMAND", parser_class=_Parser)
@@ -170,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shell", help="an interactive shell in the sandbox (a pty relayed to your terminal)")
     _add_run_options(p)
     p.set_defaults(func=_lazy("stockade.shell", "cmd_shell"))
+    verb = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+    if verb in _LEAN_VERBS:
+        return parser  # the run path registers (and imports) nothing else
     for mod in ("stockade.changes.cli", "stockade.cgroups.cli", "stockade.policy.cli", "stockade.linux.seccomp_cli"):
         try:
             m = __import__(mod, fromlist=["register"])
@@ -193,7 +199,7 @@ def _lazy(module: str, name: str) -> Any:
 def main(argv: list[str] | None = None) -> int:
     from .errors import StockadeError
 
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
