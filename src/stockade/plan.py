@@ -515,21 +515,20 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     ops.append(MountOp("devpts", "/dev/pts", data="newinstance,ptmxmode=0666,mode=0620"))
     ops.append(MountOp("symlink", "/dev/ptmx", data="pts/ptmx"))
     ops.append(MountOp("tmpfs", "/dev/shm", data="mode=1777"))
-    for n, t in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"), ("core", "/proc/kcore")):
-        if n != "core":
-            ops.append(MountOp("symlink", "/dev/" + n, data=t))
+    for n, t in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        ops.append(MountOp("symlink", "/dev/" + n, data=t))
 
     # /proc: new procfs; kernel tunables read-only, leaky files masked
     ops.append(MountOp("proc", "/proc", why="new procfs for the sandbox's PID namespace"))
-    for e in PROC_READONLY:
-        if e in facts.proc_entries:
-            ops.append(MountOp("bind", "/proc/" + e, source="/proc/" + e, source_in_sandbox=True, flags=frozenset({"ro", "rec"}), why="read-only"))
-    for e in PROC_MASKED:
-        if e in facts.proc_entries:
-            ops.append(MountOp("bind", "/proc/" + e, source="/dev/null", source_in_sandbox=True, flags=frozenset({"ro", "file"}), why="masked"))
-    for e in PROC_MASKED_DIRS:
-        if e in facts.proc_entries:
-            ops.append(MountOp("tmpfs", "/proc/" + e, data="mode=0555,size=0", flags=frozenset({"ro"}), why="masked"))
+    for pe in PROC_READONLY:
+        if pe in facts.proc_entries:
+            ops.append(MountOp("bind", "/proc/" + pe, source="/proc/" + pe, source_in_sandbox=True, flags=frozenset({"ro", "rec"}), why="read-only"))
+    for pe in PROC_MASKED:
+        if pe in facts.proc_entries:
+            ops.append(MountOp("bind", "/proc/" + pe, source="/dev/null", source_in_sandbox=True, flags=frozenset({"ro", "file"}), why="masked"))
+    for pe in PROC_MASKED_DIRS:
+        if pe in facts.proc_entries:
+            ops.append(MountOp("tmpfs", "/proc/" + pe, data="mode=0555,size=0", flags=frozenset({"ro"}), why="masked"))
     hidden.append("/sys")
 
     # private /tmp, empty $HOME, the project and grants (parents before children)

@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import User, tree_snapshot, world_tmpdir
 
+
 def _session_dirs(user: User) -> list[Path]:
     d = user.state / "sessions"
     return sorted(p for p in d.iterdir() if (p / "meta.json").exists()) if d.exists() else []
