@@ -8,8 +8,8 @@ from .errors import PolicyError, SandboxError, SessionBusy, StockadeError, Usage
 
 __all__ = [
     "PolicyError",
-    "SandboxError",
     "Sandbox",
+    "SandboxError",
     "SessionBusy",
     "StockadeError",
     "UsageError",

@@ -61,7 +61,8 @@ class MountOp:
             n = len(self.data or b"")
             s = f"file     {self.target} ({n} bytes, mode {self.mode:o})"
         elif self.kind in ("tmpfs", "devpts"):
-            s = f"{self.kind:<8} {self.target} ({self.data}){fl}"
+            opts = self.data.decode() if isinstance(self.data, bytes) else self.data
+            s = f"{self.kind:<8} {self.target} ({opts}){fl}"
         else:
             s = f"{self.kind:<8} {self.target}{fl}"
         if self.why:
