@@ -24,6 +24,7 @@ test-vm: $(BOOT)
 
 bench: $(BOOT)
 	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null; } || true
+	@$(PY) -m compileall -q src >/dev/null
 	$(PY) -m benchmarks
 
 lint: $(BOOT)

@@ -24,3 +24,18 @@ def ms(xs: list[float]) -> str:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+def interleaved(fns: dict[str, Callable[[], object]], n: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Time each candidate once per round, round after round: background load and
+    kernel state (RCU, netns teardown) hit every candidate alike, so ratios hold."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(n):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            out[k].append(time.perf_counter() - t)
+    return out

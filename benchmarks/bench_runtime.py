@@ -9,7 +9,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ._util import bench, median, ms
+from collections.abc import Callable
+
+from ._util import bench, interleaved, median, ms
 
 N = int(os.environ.get("BENCH_N", "200"))
 
@@ -36,26 +38,37 @@ def main() -> None:
     proj.mkdir()
     (proj / "f").write_text("x\n")
     try:
-        rows: list[tuple[str, list[float]]] = []
-        rows.append(("bare /bin/true (subprocess.run)", bench(lambda: subprocess.run(["/bin/true"]), N)))
+        import stockade.cgroups.detect as cgdetect
+
+        fns: dict[str, Callable[[], object]] = {}
+        fns["bare /bin/true (subprocess.run)"] = lambda: subprocess.run(["/bin/true"])
         bw = shutil.which("bwrap")
         if bw:
             argv = _bwrap_argv(str(proj))
             assert subprocess.run(argv).returncode == 0
-            rows.append(("bubblewrap (subprocess.run)", bench(lambda: subprocess.run(argv), N)))
-        rows.append(("stockade.run(['true']) new session each", bench(lambda: stockade.run(["true"], project=proj), N)))
-        with stockade.Sandbox(proj) as sb:
-            rows.append(("stockade Sandbox.run(['true'])", bench(lambda: sb.run(["true"]), N)))
-        cli = [sys.executable, "-m", "stockade", "run", "--project", str(proj), "--session", "cli", "--", "true"]
-        exe = shutil.which("stockade")
-        if exe:
-            cli = [exe, "run", "--project", str(proj), "--session", "cli", "--", "true"]
-        rows.append(("`stockade run -- true` (CLI)", bench(lambda: subprocess.run(cli, stderr=subprocess.DEVNULL), max(20, N // 4))))
+            fns["bubblewrap (subprocess.run)"] = lambda: subprocess.run(argv)
+        fns["stockade.run(['true']) (new session each)"] = lambda: stockade.run(["true"], project=proj)
+        sb = stockade.Sandbox(proj)
+        fns["stockade Sandbox.run(['true'])"] = lambda: sb.run(["true"])
+        fns["  same, no Landlock/seccomp"] = lambda: sb.run(["true"], landlock=False, seccomp="off", allow_degraded=("landlock", "seccomp"))
+        results = interleaved(fns, N)
+        # the same run with cgroups off (rlimits only), to show what the backend's attach costs
+        os.environ["STOCKADE_CGROUP"] = "none"
+        cgdetect.reset()
+        results["  same, cgroups off (rlimits only)"] = bench(lambda: sb.run(["true"]), N)
+        del os.environ["STOCKADE_CGROUP"]
+        cgdetect.reset()
+        exe = shutil.which("stockade") or ""
+        cli = [exe, "run", "--project", str(proj), "--session", "cli", "--", "true"] if exe else [sys.executable, "-m", "stockade", "run", "--project", str(proj), "--session", "cli", "--", "true"]
         pyc = [sys.executable, "-I", "-S", "-c", "pass"]
-        rows.append(("python -I -S -c pass (interpreter floor)", bench(lambda: subprocess.run(pyc), max(20, N // 4))))
-        ref = median(rows[1][1]) if bw else None
-        print(f"== launch cost (median of {N}; ratio vs bubblewrap)")
-        for name, xs in rows:
+        more = interleaved({
+            "`stockade run -- true` (CLI)": lambda: subprocess.run(cli, stderr=subprocess.DEVNULL),
+            "python -I -S -c pass (interpreter floor)": lambda: subprocess.run(pyc),
+        }, max(20, N // 5))
+        results.update(more)
+        ref = median(results["bubblewrap (subprocess.run)"]) if bw else None
+        print(f"== launch cost (median of {N}, candidates interleaved; ratio vs bubblewrap; cgroup backend {cgdetect.detect().kind})")
+        for name, xs in results.items():
             ratio = f"{median(xs) / ref:5.2f}x" if ref else "   -  "
             print(f"  {name:<44} {ms(xs)}  {ratio}")
         if not bw:

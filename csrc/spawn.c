@@ -247,6 +247,13 @@ static void __attribute__((noreturn)) child_main(const struct sk_plan *p, int sy
     } else {
         setup_stdio(p, p->stdio, rep);
     }
+    if (p->hold_before_exec) {
+        do
+            n = read(sync_fd, &c, 1);
+        while (n < 0 && errno == EINTR);
+        if (n != 1)
+            _exit(125); /* the parent went away, or could not confine us */
+    }
     close_fds(p, rep);
     if (setsid() < 0)
         FAIL(SK_STEP_SETSID, NULL);

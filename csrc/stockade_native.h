@@ -101,6 +101,9 @@ struct sk_plan {
     const char *const *argv;
     const char *const *envp;
     const char *path_env;             /* PATH used to find argv[0] */
+    int hold_before_exec;             /* wait for a second "go" before running anything
+                                         of the command's: the parent attaches cgroups
+                                         (slow on v1) while the child builds its mounts */
 };
 
 /* Report records on the CLOEXEC report pipe, child -> parent. */
@@ -158,7 +161,7 @@ struct sk_child {
  * -errno; on failure *step names what failed. */
 int sk_spawn(const struct sk_plan *plan, struct sk_child *out, int *step);
 
-/* Release the child. Returns 0 or -errno. */
+/* Release the child (call twice with hold_before_exec). Returns 0 or -errno. */
 int sk_go(struct sk_child *child);
 
 /* Landlock ABI version of the running kernel: >= 1, or -errno. */

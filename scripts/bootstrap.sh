@@ -18,4 +18,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel cffi >/dev/null
 .venv/bin/python -m pip install -q --no-build-isolation -e '.[dev]'
+# Byte-compile now: with PYTHONDONTWRITEBYTECODE set (common on CI) every CLI start
+# would otherwise recompile the package from source.
+.venv/bin/python -m compileall -q src >/dev/null
 touch .venv/.bootstrapped

@@ -552,11 +552,16 @@ def _execute(
     try:
         if cg_manager is not None and limits is not None:
             cg = cg_manager.create(f"{sess.id}-{run_no}", limits)
-        lowered = native.Lowered(plan, (stdin_fd, out_w, err_w), cg.clone_into_fd() if cg else None, pty=pty, console_sock=console[1])
+        cg_fd = cg.clone_into_fd() if cg else None
+        # Without CLONE_INTO_CGROUP (v1), attaching is slow: overlap it with the
+        # child's mount setup; the child waits for a second "go" before exec.
+        hold = cg is not None and cg_fd is None
+        lowered = native.Lowered(plan, (stdin_fd, out_w, err_w), cg_fd, pty=pty, console_sock=console[1], hold_before_exec=hold)
         child = native.spawn(lowered)
-        if cg is not None:
-            cg.attach(child.pid)
         native.go(child)
+        if hold:
+            cg.attach(child.pid)
+            native.go(child)
         if pty:
             for fd in console:
                 to_close.remove(fd)

@@ -77,7 +77,16 @@ def _sbx(p: str) -> str:
 class Lowered:
     """cffi objects for one plan; keeps every buffer alive while the parent needs it."""
 
-    def __init__(self, plan: Plan, stdio: tuple[int, int, int], cgroup_fd: int | None, pty: bool, stage_dir: str = "/tmp", console_sock: int = -1) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        stdio: tuple[int, int, int],
+        cgroup_fd: int | None,
+        pty: bool,
+        stage_dir: str = "/tmp",
+        console_sock: int = -1,
+        hold_before_exec: bool = False,
+    ) -> None:
         keep: list[Any] = []
         self._keep = keep
 
@@ -185,6 +194,7 @@ class Lowered:
         p.argv = c_argv
         p.envp = c_envp
         p.path_env = s(plan.path_env)
+        p.hold_before_exec = int(hold_before_exec)
         self.plan = p
 
 

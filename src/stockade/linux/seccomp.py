@@ -884,15 +884,23 @@ _mem_by_stat: dict[tuple[str, int, int, int, int], CompiledFilter] = {}
 _mem_by_key: dict[str, bytes] = {}
 
 
+def _libseccomp_identity() -> bytes:
+    """Which libseccomp would compile, without loading it: loading (cffi's cdef parse and
+    dlopen) costs tens of milliseconds, too much for the cached launch path. The shared
+    object's identity changes when the library is upgraded."""
+    machine = platform.machine()
+    for d in (f"/usr/lib/{machine}-linux-gnu", f"/lib/{machine}-linux-gnu", "/usr/lib64", "/lib64", "/usr/lib", "/lib"):
+        try:
+            st = os.stat(f"{d}/libseccomp.so.2")
+        except OSError:
+            continue
+        return f"{d}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}".encode()
+    return b"libseccomp:unknown"  # loaded from elsewhere (LD_LIBRARY_PATH): still keyed by profile
+
+
 def _cache_key(data: bytes) -> str:
-    lib = _libseccomp()
     h = hashlib.sha256()
-    for part in (
-        _COMPILER_VERSION,
-        platform.machine().encode(),
-        f"{lib.native:#x}".encode(),
-        lib.version.encode(),
-    ):
+    for part in (_COMPILER_VERSION, platform.machine().encode(), _libseccomp_identity()):
         h.update(part + b"\0")
     h.update(data)
     return h.hexdigest()

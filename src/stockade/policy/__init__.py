@@ -350,7 +350,7 @@ class Effective:
         cpath = secrets.cache_path(self.session_dir, Path(root)) if self.session_dir else None
         cache = secrets.load_cache(cpath) if cpath else None
         hits, new_cache = scanner.scan(Path(root), cache)
-        if cpath is not None:
+        if cpath is not None and new_cache != cache:  # unchanged tree: no rewrite
             try:
                 secrets.save_cache(cpath, new_cache)
             except OSError as e:

@@ -17,6 +17,7 @@ Names are matched case-insensitively with shell globs.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ TOKEN_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 
 
+@functools.lru_cache(maxsize=4096)
 def token_kind(value: str) -> str | None:
     """The label of the first token format found in ``value``."""
     for label, rx in TOKEN_PATTERNS:
@@ -60,7 +62,9 @@ def token_kind(value: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def name_matches(pattern: str, name: str) -> bool:
+    # Cached: every run filters the same environment against the same patterns.
     return fnmatch.fnmatchcase(name.upper(), pattern.upper())
 
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pathspec.patterns.gitignore.spec import GitIgnoreSpecPattern
 
 from ..errors import PolicyError
 from .config import Origin
@@ -77,8 +76,34 @@ class PatternRule:
         return CONDITIONAL.get(self.pattern) if self.origin.layer == "default" else None
 
 
-def compile_pattern(pattern: str) -> re.Pattern[str] | None:
-    """The regex of one gitignore pattern (None when it can never match anything)."""
+# gitignore pattern -> regex source (None: never matches). Persisted in the state
+# dir's cache so a CLI run need not import pathspec (about 15 ms) for patterns it
+# has translated before.
+_REGEX_CACHE: dict[str, str | None] | None = None
+_REGEX_CACHE_VERSION = 1
+
+
+def _regex_cache_path() -> Path:
+    from ..session.store import state_dir
+
+    return state_dir() / "cache" / f"gitignore-regex-v{_REGEX_CACHE_VERSION}.json"
+
+
+def _regex_cache() -> dict[str, str | None]:
+    global _REGEX_CACHE
+    if _REGEX_CACHE is None:
+        try:
+            with open(_regex_cache_path(), encoding="utf-8") as f:
+                data = json.load(f)
+            _REGEX_CACHE = {str(k): (v if isinstance(v, str) else None) for k, v in data.items()} if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            _REGEX_CACHE = {}
+    return _REGEX_CACHE
+
+
+def _translate(pattern: str) -> str | None:
+    from pathspec.patterns.gitignore.spec import GitIgnoreSpecPattern
+
     try:
         p = GitIgnoreSpecPattern(pattern)
     except Exception as e:  # pathspec raises its own GitIgnorePatternError / ValueError
@@ -90,7 +115,33 @@ def compile_pattern(pattern: str) -> re.Pattern[str] | None:
     source = p.regex.pattern
     if isinstance(source, bytes):  # pragma: no cover - str patterns give str regexes
         source = source.decode()
-    return re.compile(source.replace("(?P<ps_d>/)", "/"), re.IGNORECASE)
+    return source.replace("(?P<ps_d>/)", "/")
+
+
+def _save_regex_cache(cache: dict[str, str | None]) -> None:
+    path = _regex_cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(cache, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # only a cache
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str] | None:
+    """The regex of one gitignore pattern (None when it can never match anything)."""
+    cache = _regex_cache()
+    if pattern in cache:
+        source = cache[pattern]
+    else:
+        source = _translate(pattern)
+        cache[pattern] = source
+        _save_regex_cache(cache)
+    if source is None:
+        return None
+    return re.compile(source, re.IGNORECASE)
 
 
 def never_matches(pattern: str) -> str | None:
