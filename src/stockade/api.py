@@ -558,8 +558,7 @@ def _execute(
         hold = cg is not None and cg_fd is None
         lowered = native.Lowered(plan, (stdin_fd, out_w, err_w), cg_fd, pty=pty, console_sock=console[1], hold_before_exec=hold)
         child = native.spawn(lowered)
-        native.go(child)
-        if hold:
+        if native.go(child) and hold:
             cg.attach(child.pid)
             native.go(child)
         if pty:

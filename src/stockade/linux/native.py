@@ -262,12 +262,18 @@ def recv_console(sock_fd: int) -> int:
     return fds[0]
 
 
-def go(child: Child) -> None:
+def go(child: Child) -> bool:
+    """Release the child. False when it already died: its report pipe says why."""
+    import errno as _e
+
     c = ffi.new("struct sk_child *")
     c.sync_fd = child.sync_fd
     r = lib.sk_go(c)
+    if r == -_e.EPIPE:
+        return False
     if r < 0:
         raise SandboxError("release child", errno=-r, remedy="the sandbox's init died before starting; see `stockade doctor`")
+    return True
 
 
 def _read_int(path: str) -> int | None:
