@@ -7,9 +7,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
-
 from collections.abc import Callable
+from pathlib import Path
 
 from ._util import bench, interleaved, median, ms
 

@@ -8,7 +8,6 @@ result or a SandboxError. Safe to call from many threads at once.
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import signal
@@ -74,13 +73,6 @@ class Options:
     no_wait: bool = False
     quiet: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _base_env() -> dict[str, str]:
-    """Variables that pass when no policy module decides (PATH, locale, terminal)."""
-    keep = ("PATH", "LANG", "LANGUAGE", "TERM", "TZ", "COLORTERM", "NODE_ENV", "DEBUG", "CI", "PYTHONUNBUFFERED", "NO_COLOR", "FORCE_COLOR")
-    env = {k: v for k, v in os.environ.items() if k in keep or k.startswith("LC_")}
-    return env
 
 
 class Sandbox:
@@ -172,7 +164,7 @@ def _run_in_session(
         return _execute(
             sess, prep.plan, prep.plan.argv, input=input, stdin=stdin, stdout=stdout, stderr=stderr,
             text_mode=text_mode, encoding=encoding, errors=errors, timeout=prep.timeout, check=check,
-            cg_manager=prep.cg_manager, limits=prep.limits, tee_to=_tee_to, quiet=quiet, notes=[],
+            cg_manager=prep.cg_manager, limits=prep.limits, tee_to=_tee_to, quiet=quiet,
             raise_timeout=raise_timeout and prep.timeout == timeout, forward_signals=forward_signals,
             pty=pty, audit_info=prep.audit,
         )
@@ -250,20 +242,15 @@ def _prepare(
 
     # environment
     pol = _load_policy(project, sess, policy, env)
-    removed: list[str] = []
-    if pol is not None:
-        passed, removed = pol.env(os.environ)
-        run_env = dict(passed)
-        if pol.read_only:
-            read_only = True
-        reason = pol.check_command(list(argv))
-        if reason:
-            if not explain_only:
-                _audit_call(sess, "command_refused", None, list(argv), reason)
-            raise UsageError(f"command refused by policy: {reason}")
-    else:
-        run_env = _base_env()
-        run_env.update(env or {})
+    run_env, removed = pol.env(os.environ)
+    run_env = dict(run_env)
+    if pol.read_only:
+        read_only = True
+    reason = pol.check_command(list(argv))
+    if reason:
+        if not explain_only:
+            _audit_call(sess, "command_refused", None, list(argv), reason)
+        raise UsageError(f"command refused by policy: {reason}")
 
     # confinement: Landlock and seccomp, fail closed
     use_landlock = landlock
@@ -292,29 +279,27 @@ def _prepare(
     etc_extra: tuple[str, ...] = ()
     lower_layers: list[Path] = [p for p in reversed(sess.layers())]
     mask_empty: str | None = None
-    masked_l: list[Any] = []
-    if pol is not None:
-        masked_l = list(pol.masked(project))
-        for g in pol.grants:
-            masked_l.extend(pol.masked(Path(g.host_path)))
-        absent = getattr(pol, "mask_mode", "empty") == "absent"
-        in_project = [m for m in masked_l if _beneath(Path(m.path), project)]
-        # Whiteouts in an overlay lower layer make a path absent. Symlinks always go
-        # there: a bind onto a symlink would mask its target instead.
-        layer_items = [m for m in in_project if absent or getattr(m, "is_symlink", False)]
-        bind_items = [m for m in masked_l if m not in layer_items]
-        if layer_items and not read_only and not explain_only:
-            from .session.masklayer import ensure_mask_layer
+    masked_l: list[Any] = list(pol.masked(project))
+    for g in pol.grants:
+        masked_l.extend(pol.masked(Path(g.host_path)))
+    absent = getattr(pol, "mask_mode", "empty") == "absent"
+    in_project = [m for m in masked_l if _beneath(Path(m.path), project)]
+    # Whiteouts in an overlay lower layer make a path absent. Symlinks always go
+    # there: a bind onto a symlink would mask its target instead.
+    layer_items = [m for m in in_project if absent or getattr(m, "is_symlink", False)]
+    bind_items = [m for m in masked_l if m not in layer_items]
+    if layer_items and not read_only and not explain_only:
+        from .session.masklayer import ensure_mask_layer
 
-            lower_layers.append(ensure_mask_layer(sess, [(m.path, m.is_dir) for m in layer_items], project))
-        elif layer_items:
-            bind_items = masked_l
-        masked = tuple((str(m.path), bool(m.is_dir)) for m in bind_items if not getattr(m, "is_symlink", False) or read_only)
-        if masked and not explain_only:
-            mask_empty = str(_empty_file())
-        grants = tuple((str(g.host_path), bool(g.writable)) for g in pol.grants)
-        exec_allow = tuple(pol.exec_allow) if pol.exec_allow is not None else None
-        etc_extra = tuple(pol.etc_extra)
+        lower_layers.append(ensure_mask_layer(sess, [(m.path, m.is_dir) for m in layer_items], project))
+    elif layer_items:
+        bind_items = masked_l
+    masked = tuple((str(m.path), bool(m.is_dir)) for m in bind_items if not getattr(m, "is_symlink", False) or read_only)
+    if masked and not explain_only:
+        mask_empty = str(_empty_file())
+    grants = tuple((str(g.host_path), bool(g.writable)) for g in pol.grants)
+    exec_allow = tuple(pol.exec_allow) if pol.exec_allow is not None else None
+    etc_extra = tuple(pol.etc_extra)
 
     # limits
     from .cgroups import base as cgbase
@@ -385,28 +370,21 @@ def _empty_file() -> Path:
 
 
 def _load_policy(project: Path, sess: store.Session, cli: Any, env: Mapping[str, str] | None) -> Any:
-    try:
-        from . import policy as polmod
-    except ImportError:  # pragma: no cover
-        return None
-    load = getattr(polmod, "load", None)
-    if load is None:
-        return None
+    from . import policy as polmod
+
     if cli is None:
         cli = polmod.CliPolicy(env=dict(env or {}))
     elif env:
         import dataclasses
 
         cli = dataclasses.replace(cli, env={**cli.env, **env})
-    return load(project, sess.dir, cli)
+    return polmod.load(project, sess.dir, cli)
 
 
 def _audit_call(sess: store.Session, method: str, *args: Any, **kw: Any) -> None:
     """One AuditLog helper call; the audit log never breaks a run."""
-    try:
-        from .audit import AuditLog
-    except ImportError:  # pragma: no cover
-        return
+    from .audit import AuditLog
+
     try:
         getattr(AuditLog(sess), method)(*args, **kw)
     except OSError:
@@ -414,9 +392,7 @@ def _audit_call(sess: store.Session, method: str, *args: Any, **kw: Any) -> None
 
 
 def _audit_run_start(sess: store.Session, run_no: int, argv: list[str], cwd: str, info: dict[str, Any], quiet: bool) -> None:
-    pol = info.get("policy")
-    if pol is None:
-        return
+    pol = info["policy"]
     from .audit import AuditLog
 
     log = AuditLog(sess)
@@ -480,7 +456,6 @@ def _execute(
     limits: Any,
     tee_to: tuple[int, int] | None,
     quiet: bool,
-    notes: list[str],
     raise_timeout: bool,
     forward_signals: bool,
     pty: bool = False,
@@ -558,7 +533,7 @@ def _execute(
         hold = cg is not None and cg_fd is None
         lowered = native.Lowered(plan, (stdin_fd, out_w, err_w), cg_fd, pty=pty, console_sock=console[1], hold_before_exec=hold)
         child = native.spawn(lowered)
-        if native.go(child) and hold:
+        if native.go(child) and hold and cg is not None:
             cg.attach(child.pid)
             native.go(child)
         if pty:
@@ -930,11 +905,3 @@ def copy_winsize(src: int, dst: int) -> None:
         fcntl.ioctl(dst, termios.TIOCSWINSZ, ws)
     except OSError:
         pass
-
-
-def result_json(res: RunResult) -> str:
-    return json.dumps({"session": res.session, "run": res.run, "returncode": res.returncode, "outcome": res.outcome})
-
-
-def _stderr(msg: str) -> None:
-    sys.stderr.write(msg + "\n")

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from ..errors import PolicyError
 from .config import Origin
 
@@ -115,7 +114,7 @@ def _translate(pattern: str) -> str | None:
     source = p.regex.pattern
     if isinstance(source, bytes):  # pragma: no cover - str patterns give str regexes
         source = source.decode()
-    return source.replace("(?P<ps_d>/)", "/")
+    return str(source).replace("(?P<ps_d>/)", "/")
 
 
 def _save_regex_cache(cache: dict[str, str | None]) -> None:
