@@ -350,7 +350,12 @@ class Effective:
         cpath = secrets.cache_path(self.session_dir, Path(root)) if self.session_dir else None
         cache = secrets.load_cache(cpath) if cpath else None
         hits, new_cache = scanner.scan(Path(root), cache)
-        if cpath is not None and new_cache != cache:  # unchanged tree: no rewrite
+        # Unchanged tree: no rewrite. Keeping the older scanned_ns is conservative (the
+        # racy-mtime window only makes more directories rescan, never fewer).
+        unchanged = cache is not None and {k: v for k, v in new_cache.items() if k != "scanned_ns"} == {
+            k: v for k, v in cache.items() if k != "scanned_ns"
+        }
+        if cpath is not None and not unchanged:
             try:
                 secrets.save_cache(cpath, new_cache)
             except OSError as e:
