@@ -196,8 +196,9 @@ def test_double_forked_setsid_daemon_is_gone_after_kill(make_run: object) -> Non
                 continue
         return out
 
-    deadline = time.monotonic() + 10
-    while not detached() and time.monotonic() < deadline:
+    # wait for the daemon and for its child (slow under emulation: the VM run)
+    deadline = time.monotonic() + 20
+    while (not detached() or len(run.pids()) < 2) and time.monotonic() < deadline:  # type: ignore[attr-defined]
         time.sleep(0.02)
     daemons = detached()
     assert daemons, "the setsid daemon should be running after its parent exited"
