@@ -79,7 +79,6 @@ def _children_cpu() -> float:
 
 
 def _compile_rows() -> None:
-    import stockade.api as api
     from stockade.linux import seccomp
 
     print("== seccomp profile compilation (median)")
@@ -116,7 +115,6 @@ def _compile_rows() -> None:
     try:
 
         def launch_uncached() -> None:
-            api._seccomp_cache.clear()
             seccomp.clear_memory_cache()
             shutil.rmtree(seccomp.cache_dir(), ignore_errors=True)
             stockade.run(["true"], project=proj, session="launch")
