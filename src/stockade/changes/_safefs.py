@@ -16,6 +16,7 @@ import errno
 import os
 import stat
 from collections.abc import Iterator
+from pathlib import Path
 
 _SYS_OPENAT2 = 437  # same number on every architecture with the generic table
 RESOLVE_NO_XDEV = 0x01
@@ -258,3 +259,24 @@ def rmtree_at(dirfd: int, name: str) -> None:
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dirfd)
+
+
+class Roots:
+    """The project and a session's layers (lowest first) as Roots; layers open on first use."""
+
+    def __init__(self, project: Path, stack: list[Path]) -> None:
+        self.host = Root(project)
+        self.stack = stack
+        self.layers: dict[int, Root] = {}
+
+    def close(self) -> None:
+        self.host.close()
+        for r in self.layers.values():
+            r.close()
+
+    def layer(self, i: int) -> Root:
+        r = self.layers.get(i)
+        if r is None:
+            r = self.layers[i] = Root(self.stack[i])
+        return r
+

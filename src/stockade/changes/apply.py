@@ -46,7 +46,7 @@ from typing import Any
 from ..errors import SessionNotFound, UsageError
 from ..session import store
 from ..session.store import Session
-from ._safefs import Root, rmtree_at
+from ._safefs import Root, Roots, rmtree_at
 from .layers import expose
 from .model import Change, ChangeSet, Kind, is_explicit, normalize_pathspec
 
@@ -327,25 +327,12 @@ def _layer_readlink(session: Session, c: Change) -> str:
 # ---- executing ops ------------------------------------------------------------------------
 
 
-class _Exec:
+class _Exec(Roots):
     def __init__(self, apply_id: str, adir: Path, project: Path, stack: list[Path]) -> None:
+        super().__init__(project, stack)
         self.id = apply_id
         self.adir = adir
         self.backups = adir / "backups"
-        self.host = Root(project)
-        self.stack = stack
-        self.layers: dict[int, Root] = {}
-
-    def close(self) -> None:
-        self.host.close()
-        for r in self.layers.values():
-            r.close()
-
-    def layer(self, i: int) -> Root:
-        r = self.layers.get(i)
-        if r is None:
-            r = self.layers[i] = Root(self.stack[i])
-        return r
 
     def tmpname(self, n: int) -> str:
         return f".stockade-{self.id}-{n}.tmp"

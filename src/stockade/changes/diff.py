@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ._safefs import Root
+from ._safefs import Roots
 from .model import Change, ChangeSet, Kind
 
 NULL_SHA = "0" * 40
@@ -180,23 +180,10 @@ class FileDiff:
     new_size: int
 
 
-class _Reader:
+class _Reader(Roots):
     def __init__(self, cs: ChangeSet) -> None:
+        super().__init__(cs.project, cs.session.lower_stack())
         self.cs = cs
-        self.host = Root(cs.project)
-        self.layers: dict[int, Root] = {}
-        self.stack = cs.session.lower_stack()
-
-    def close(self) -> None:
-        self.host.close()
-        for r in self.layers.values():
-            r.close()
-
-    def layer(self, i: int) -> Root:
-        r = self.layers.get(i)
-        if r is None:
-            r = self.layers[i] = Root(self.stack[i])
-        return r
 
     def old(self, c: Change) -> bytes:
         assert c.old_mode is not None
