@@ -190,8 +190,8 @@ def plan_for(
     session: str | None = None,
     no_wait: bool = False,
     **opts: Any,
-) -> planmod.Plan:
-    """The Plan a run would execute (``stockade explain``); creates nothing."""
+) -> Prepared:
+    """The Plan a run would execute, with its limits (``stockade explain``); creates nothing."""
     proj = planmod.resolve_project(project)
     if session:
         try:
@@ -200,7 +200,7 @@ def plan_for(
             sess = store.Session(session, store.sessions_dir() / session)
     else:
         sess = store.Session("(new)", store.sessions_dir() / "(new)")
-    return _prepare(sess, proj, args, explain_only=True, **opts).plan
+    return _prepare(sess, proj, args, explain_only=True, **opts)
 
 
 def _prepare(

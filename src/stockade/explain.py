@@ -8,4 +8,11 @@ from typing import Any
 def explain(**kw: Any) -> str:
     from . import api
 
-    return api.plan_for(**kw).describe()
+    prep = api.plan_for(**kw)
+    out = [prep.plan.describe()]
+    mgr, lim = prep.cg_manager, prep.limits
+    out.append(f"limits:      cgroup backend {mgr.kind}")
+    for name, how in mgr.enforcement(lim).items():
+        value = getattr(lim, name, None)
+        out.append(f"  {name:<14} {'-' if value is None else value!s:<14} {how}")
+    return "\n".join(out)

@@ -263,7 +263,7 @@ def test_explain_prints_the_plan(user: User, project: Path) -> None:
     r = user.cli(["explain", "--", "make", "test"], cwd=project)
     assert r.returncode == 0, r.stderr.decode()
     out = r.stdout.decode()
-    for needle in ("namespaces:  user mount pid net ipc uts cgroup", "overlay  " + str(project), "tmpfs    /tmp", "proc     /proc", "uid_map", "hidden:"):
+    for needle in ("namespaces:  user mount pid net ipc uts cgroup", "overlay  " + str(project), "tmpfs    /tmp", "proc     /proc", "uid_map", "hidden:", "limits:      cgroup backend", "pids "):
         assert needle in out
     assert not (user.state / "sessions").exists() or not _session_dirs(user)
 
