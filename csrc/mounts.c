@@ -183,6 +183,8 @@ static int run_op(const struct sk_mount_op *op)
         if (op->mode)
             fchmod(fd, op->mode);
         return close(fd);
+    case SK_OP_DETACH_HOST:
+        return umount2("/oldroot", MNT_DETACH);
     case SK_OP_REMOUNT_RO:
         return set_attr(op->target, SK_MOUNT_ATTR_RDONLY, (op->flags & SK_F_REC) != 0);
     default:
@@ -205,6 +207,13 @@ int sk_mounts_child(const struct sk_plan *p, int rep)
         sk_report(rep, SK_REP_ERROR, SK_STEP_STAGE, errno, 0, stage);
         return -1;
     }
+    /* The source of masks bound after the host is detached. */
+    int efd = open("empty", O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0444);
+    if (efd < 0) {
+        sk_report(rep, SK_REP_ERROR, SK_STEP_STAGE, errno, 0, "empty");
+        return -1;
+    }
+    close(efd);
     if (syscall(SYS_pivot_root, ".", "oldroot") < 0 || chdir("/") < 0) {
         sk_report(rep, SK_REP_ERROR, SK_STEP_PIVOT_ROOT, errno, 0, stage);
         return -1;
@@ -213,15 +222,18 @@ int sk_mounts_child(const struct sk_plan *p, int rep)
         sk_report(rep, SK_REP_ERROR, SK_STEP_STAGE, errno, 0, "/newroot");
         return -1;
     }
+    int detached = 0;
     for (size_t i = 0; i < p->n_ops; i++) {
         const struct sk_mount_op *op = &p->ops[i];
         if (run_op(op) < 0) {
             sk_report(rep, SK_REP_ERROR, SK_STEP_MOUNT, errno, (int)i, op->target);
             return -1;
         }
+        if (op->kind == SK_OP_DETACH_HOST)
+            detached = 1;
     }
     /* Detach the host, then make /newroot the root (runc's pivot_root(".", ".")). */
-    if (umount2("/oldroot", MNT_DETACH) < 0 || chdir("/newroot") < 0 ||
+    if ((!detached && umount2("/oldroot", MNT_DETACH) < 0) || chdir("/newroot") < 0 ||
         syscall(SYS_pivot_root, ".", ".") < 0 || umount2(".", MNT_DETACH) < 0 || chdir("/") < 0) {
         sk_report(rep, SK_REP_ERROR, SK_STEP_PIVOT_ROOT, errno, 0, "/newroot");
         return -1;

@@ -20,6 +20,8 @@
 #define SK_OP_FILE 8        /* create target with data (data_len bytes), mode */
 #define SK_OP_REMOUNT_RO 9  /* make target read-only (recursive with SK_F_REC) */
 #define SK_OP_MQUEUE 10     /* new mqueue on target */
+#define SK_OP_DETACH_HOST 11 /* detach /oldroot: later ops cannot reach the host; the
+                                staging tmpfs keeps /empty, an empty read-only file */
 
 #define SK_F_RDONLY 1       /* bind/tmpfs: read-only */
 #define SK_F_REC 2          /* bind: recursive; remount: recursive */

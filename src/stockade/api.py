@@ -277,26 +277,25 @@ def _prepare(
     grants: tuple[tuple[str, bool], ...] = ()
     exec_allow: tuple[str, ...] | None = None
     etc_extra: tuple[str, ...] = ()
-    lower_layers: list[Path] = [p for p in reversed(sess.layers())]
-    mask_empty: str | None = None
+    lower_layers: list[Path] = [] if read_only else [p for p in reversed(sess.layers())]
     masked_l: list[Any] = list(pol.masked(project))
+    grant_masks: list[Any] = []
     for g in pol.grants:
-        masked_l.extend(pol.masked(Path(g.host_path)))
-    absent = getattr(pol, "mask_mode", "empty") == "absent"
-    in_project = [m for m in masked_l if _beneath(Path(m.path), project)]
-    # Whiteouts in an overlay lower layer make a path absent. Symlinks always go
-    # there: a bind onto a symlink would mask its target instead.
-    layer_items = [m for m in in_project if absent or getattr(m, "is_symlink", False)]
-    bind_items = [m for m in masked_l if m not in layer_items]
-    if layer_items and not read_only and not explain_only:
-        from .session.masklayer import ensure_mask_layer
+        grant_masks.extend(pol.masked(Path(g.host_path)))
+    mode = getattr(pol, "mask_mode", "empty")
+    # Secrets in the project are overlay content (a lower layer of whiteouts or empty
+    # files), never mounts: see session/masklayer.py. Those in grants are mounted after
+    # the host is detached.
+    if masked_l:
+        if explain_only:
+            lower_layers.append(sess.dir / "masks" / "(layer)")
+        else:
+            from .session.masklayer import ensure_mask_layer
 
-        lower_layers.append(ensure_mask_layer(sess, [(m.path, m.is_dir) for m in layer_items], project))
-    elif layer_items:
-        bind_items = masked_l
-    masked = tuple((str(m.path), bool(m.is_dir)) for m in bind_items if not getattr(m, "is_symlink", False) or read_only)
-    if masked and not explain_only:
-        mask_empty = str(_empty_file())
+            items = [(m.path, bool(m.is_dir), bool(getattr(m, "is_symlink", False))) for m in masked_l]
+            lower_layers.append(ensure_mask_layer(sess, items, project, mode))
+    masked = tuple((str(m.path), bool(m.is_dir)) for m in grant_masks if not getattr(m, "is_symlink", False))
+    masked_l = masked_l + grant_masks
     grants = tuple((str(g.host_path), bool(g.writable)) for g in pol.grants)
     exec_allow = tuple(pol.exec_allow) if pol.exec_allow is not None else None
     etc_extra = tuple(pol.etc_extra)
@@ -334,7 +333,6 @@ def _prepare(
         network=network,
         keep_fds=tuple(pass_fds),
         masked=masked,
-        mask_empty_file=mask_empty,
         grants=grants,
         exec_allow=exec_allow,
         etc_extra=etc_extra,
@@ -353,20 +351,6 @@ def _prepare(
     audit = {"policy": pol, "masked": masked_l, "removed": removed, "read_only": read_only, "project": str(project),
              "unenforced": tuple(unenforced)}
     return Prepared(plan, cg_manager, lim, timeout, audit)
-
-
-_EMPTY: Path | None = None
-
-
-def _empty_file() -> Path:
-    global _EMPTY
-    if _EMPTY is None:
-        p = store.state_dir() / "empty"
-        if not p.exists():
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.touch(mode=0o444)
-        _EMPTY = p
-    return _EMPTY
 
 
 def _load_policy(project: Path, sess: store.Session, cli: Any, env: Mapping[str, str] | None) -> Any:

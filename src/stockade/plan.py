@@ -42,13 +42,14 @@ class MountOp:
     upper: str | None = None
     work: str | None = None
     source_in_sandbox: bool = False
+    source_in_stage: bool = False  # the staging tmpfs (its /empty), reachable after detach-host
     why: str = ""
 
     def describe(self) -> str:
         fl = ",".join(sorted(self.flags))
         fl = f" [{fl}]" if fl else ""
         if self.kind == "bind":
-            src = f"(sandbox){self.source}" if self.source_in_sandbox else self.source
+            src = f"(sandbox){self.source}" if self.source_in_sandbox else f"(stage){self.source}" if self.source_in_stage else self.source
             s = f"bind     {src} -> {self.target}{fl}"
         elif self.kind == "overlay":
             low = ":".join(self.lower)
@@ -369,7 +370,6 @@ class Request:
     hostname: str = "stockade"
     keep_fds: tuple[int, ...] = ()
     masked: tuple[tuple[str, bool], ...] = ()  # (host path inside a visible tree, is_dir)
-    mask_empty_file: str | None = None  # host path of an empty file (mask_mode "empty")
     grants: tuple[tuple[str, bool], ...] = ()  # (host path, writable)
     exec_allow: tuple[str, ...] | None = None
     etc_extra: tuple[str, ...] = ()
@@ -538,12 +538,16 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     proj = Path(project)
     home_p = Path(home)
     writable = ["/tmp", "/dev/shm"]
-    if home_p == proj or home_p in proj.parents or proj in home_p.parents:
-        notes.append(f"$HOME {home} overlaps the project: no separate home tmpfs")
+    if home_p == proj or proj in home_p.parents:
+        notes.append(f"$HOME {home} is the project or inside it: no separate home tmpfs")
     else:
         tree_ops.append(MountOp("tmpfs", home, data=f"mode=0700,uid={in_uid},gid={in_gid}", why="empty $HOME"))
         writable.append(home)
-    if req.read_only:
+    if req.read_only and req.lower_layers:
+        # masks as overlay content; no upper layer makes the overlay read-only (EROFS)
+        tree_ops.append(MountOp("overlay", project, lower=_overlay_lowers(req), flags=frozenset({"ro"}), why="project, read-only, secrets masked"))
+        ro_trees.append(project)
+    elif req.read_only:
         tree_ops.append(MountOp("bind", project, source=project, flags=frozenset({"ro", "rec"}), why="project, read-only"))
         ro_trees.append(project)
     else:
@@ -553,20 +557,33 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
             MountOp("overlay", project, lower=_overlay_lowers(req), upper=str(req.upper), work=str(req.work), why="project, copy-on-write")
         )
         writable.append(project)
+    rw_grants = [Path(g) for g, w in req.grants if w]
+    for gpath, _gw in req.grants:
+        gp = Path(gpath)
+        # A mount point inside a tree the sandbox could write in an earlier run would be
+        # resolved through what it planted there (a symlink aimed at the host).
+        if gp == proj or proj in gp.parents:
+            raise UsageError(f"granted path {gpath} is inside the project, which is already visible; grant paths outside it")
+        for rw in rw_grants:
+            if rw != gp and rw in gp.parents:
+                raise UsageError(f"granted path {gpath} is inside the read-write grant {rw}; grant one or the other")
     for gpath, gw in req.grants:
         tree_ops.append(MountOp("bind", gpath, source=gpath, flags=frozenset({"rec"} if gw else {"ro", "rec"}), why="granted " + ("read-write" if gw else "read-only")))
         (writable if gw else ro_trees).append(gpath)
     tree_ops.sort(key=lambda m: m.target.rstrip("/").count("/"))  # stable: parents first
     ops.extend(tree_ops)
 
-    # secrets inside visible trees
+    # Everything below works on the sandbox's view only: a planted symlink can no longer
+    # lead a mount point (or the creation of one) to the host.
+    ops.append(MountOp("detach-host", "/", why="the host's tree is unreachable from here on"))
+    # secrets inside grants (the project's are overlay content: the session's mask layer)
     for mpath, is_dir in req.masked:
         if is_dir:
             ops.append(MountOp("tmpfs", mpath, data="mode=0555,size=0", flags=frozenset({"ro"}), why="secret, masked"))
         else:
-            src = req.mask_empty_file or "/dev/null"
-            ops.append(MountOp("bind", mpath, source=src, source_in_sandbox=req.mask_empty_file is None, flags=frozenset({"ro", "file"}), why="secret, masked"))
+            ops.append(MountOp("bind", mpath, source="/empty", source_in_stage=True, flags=frozenset({"ro", "file"}), why="secret, masked"))
 
+    ops.append(MountOp("remount-ro", "/dev", why="device nodes are bound in; the tmpfs itself is read-only"))
     ops.append(MountOp("remount-ro", "/", why="the root tmpfs itself is read-only"))
 
     ll: LandlockPlan | None = None

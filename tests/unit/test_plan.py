@@ -137,3 +137,19 @@ def test_resolve_cwd(tmp_path: Path) -> None:
 def test_no_command(tmp_path: Path) -> None:
     with pytest.raises(UsageError):
         P.build(req(tmp_path, argv=()), facts())
+
+
+def test_grants_inside_the_project_or_a_rw_grant_are_refused(tmp_path: Path) -> None:
+    proj = tmp_path / "home/u/proj"
+    with pytest.raises(UsageError, match="inside the project"):
+        P.build(req(tmp_path, grants=((str(proj / "data"), True),)), facts())
+    with pytest.raises(UsageError, match="inside the read-write grant"):
+        P.build(req(tmp_path, grants=(("/opt/cache", True), ("/opt/cache/sub", False))), facts())
+
+
+def test_masks_are_mounted_after_the_host_is_detached(tmp_path: Path) -> None:
+    plan = P.build(req(tmp_path, masked=(("/opt/tools/.env", False),), grants=(("/opt/tools", False),)), facts())
+    order = [(m.kind, m.target) for m in plan.mounts]
+    assert order.index(("detach-host", "/")) < order.index(("bind", "/opt/tools/.env"))
+    mask = next(m for m in plan.mounts if m.target == "/opt/tools/.env")
+    assert mask.source_in_stage and mask.source == "/empty"

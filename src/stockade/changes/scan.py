@@ -261,9 +261,16 @@ def mask_paths(session: Session) -> set[str]:
     except FileNotFoundError:
         return out
     for layer in layers:
-        for dirpath, _dirs, files in os.walk(layer.path):
+        for dirpath, dirs, files in os.walk(layer.path):
             for n in files:
                 out.add(os.path.relpath(os.path.join(dirpath, n), layer.path))
+            for n in dirs:  # masked directories are empty opaque directories
+                p = os.path.join(dirpath, n)
+                try:
+                    if os.getxattr(p, "user.overlay.opaque", follow_symlinks=False) == b"y":
+                        out.add(os.path.relpath(p, layer.path))
+                except OSError:
+                    pass
     return out
 
 

@@ -20,6 +20,7 @@ _KIND = {
     "proc": lib.SK_OP_PROC,
     "devpts": lib.SK_OP_DEVPTS,
     "mqueue": lib.SK_OP_MQUEUE,
+    "detach-host": lib.SK_OP_DETACH_HOST,
     "mkdir": lib.SK_OP_MKDIR,
     "symlink": lib.SK_OP_SYMLINK,
     "file": lib.SK_OP_FILE,
@@ -107,9 +108,12 @@ class Lowered:
             for f in m.flags:
                 fl |= _FLAG[f]
             o.flags = fl
-            o.target = s(_sbx(m.target))
+            o.target = s("/oldroot" if m.kind == "detach-host" else _sbx(m.target))
             if m.source is not None:
-                o.source = s(_sbx(m.source) if m.source_in_sandbox else _host(m.source))
+                if m.source_in_stage:
+                    o.source = s(m.source)
+                else:
+                    o.source = s(_sbx(m.source) if m.source_in_sandbox else _host(m.source))
             if m.kind == "overlay":
                 lowers = ":".join(_overlay_escape(_host(x)) for x in m.lower)
                 opts = f"lowerdir={lowers}"
