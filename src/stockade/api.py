@@ -536,14 +536,14 @@ def _execute(
         sup = _Supervisor(child, out_r, err_r, stdin_w, feed, dest_out, dest_err, log_out, log_err, capture_out, capture_err, timeout, cg, relay_in)
         stdin_w = -1
         if forward_signals:
-            with _forwarding(child.pid, winch_to=out_r if pty else None):
+            with _forwarding(child.pidfd, winch_to=out_r if pty else None):
                 sup.loop()
         else:
             sup.loop()
     except BaseException:
         if child is not None:
             try:
-                os.kill(child.pid, signal.SIGKILL)
+                signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
                 os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
             except (OSError, ChildProcessError):
                 pass
@@ -592,6 +592,8 @@ def _execute(
     record.update(outcome)
     record["status"] = "done"
     record["exit_status"] = returncode if returncode >= 0 else 128 - returncode
+    if sup.log_truncated:
+        record["log_truncated_bytes"] = sup.log_truncated  # past STOCKADE_LOG_MAX per stream
     if sup.exec_failed is not None:
         record["exec_failed"] = {"path": sup.exec_failed.path, "errno": sup.exec_failed.err}
     store.write_json_atomic(run_dir / "run.json", record)
@@ -639,8 +641,18 @@ def _classify(sup: _Supervisor, stats: Any, returncode: int, limits: Any, unenfo
     }
 
 
+GRACE = 2.0  # seconds between SIGTERM and SIGKILL on timeout
+LOG_MAX = int(os.environ.get("STOCKADE_LOG_MAX", str(64 << 20)))  # per stream, per run
+RELAY_MAX = 1 << 20  # bytes of terminal input buffered before we stop reading it
+
+
 class _Supervisor:
-    """Moves bytes, reads the child's reports, waits for init, enforces the timeout."""
+    """Moves bytes, reads the child's reports, waits for init, enforces the timeout.
+
+    Single-threaded and non-blocking: every deadline is checked on every turn, so a
+    command that never stops writing cannot delay its own timeout, and input that the
+    command does not read is buffered (bounded) instead of blocking the output.
+    """
 
     def __init__(
         self,
@@ -663,9 +675,12 @@ class _Supervisor:
         self.relay_in = relay_in
         self.out_r, self.err_r = out_r, err_r
         self.stdin_w = stdin_w
-        self.feed = memoryview(feed) if feed is not None else None
+        self.pending = bytearray(feed or b"")
+        self.input_eof = feed is not None  # input= is all there is; a relay ends at EOF
         self.dest = {out_r: dest_out, err_r: dest_err}
         self.log = {out_r: log_out, err_r: log_err}
+        self.logged = {out_r: 0, err_r: 0}
+        self.dropped = {out_r: 0, err_r: 0}
         self.capture = {out_r: capture_out, err_r: capture_err}
         self.out_buf = bytearray()
         self.err_buf = bytearray()
@@ -676,11 +691,18 @@ class _Supervisor:
         self.exec_failed: Any = None
         self.exit_status: int | None = None
         self.init_status: int | None = None
+        self.init_done = False
         self.returncode = 0
         self._rbuf = b""
-        self._term_sent_at: float | None = None
+        self._kill_at: float | None = None
+
+    @property
+    def log_truncated(self) -> dict[str, int]:
+        names = {self.out_r: "stdout", self.err_r: "stderr"}
+        return {names[fd]: n for fd, n in self.dropped.items() if n}
 
     def _write_all(self, fd: int, data: bytes) -> None:
+        """To the caller's own stdout/stderr (or a file it gave us): blocking is its choice."""
         mv = memoryview(data)
         while mv:
             try:
@@ -696,6 +718,20 @@ class _Supervisor:
                 continue
             mv = mv[n:]
 
+    def _on_output(self, fd: int, data: bytes) -> None:
+        room = LOG_MAX - self.logged[fd]
+        if room > 0:
+            os.write(self.log[fd], data[:room])
+            self.logged[fd] += min(room, len(data))
+        if len(data) > max(room, 0):
+            self.dropped[fd] += len(data) - max(room, 0)
+        if self.capture[fd]:
+            (self.out_buf if fd == self.out_r else self.err_buf).extend(data)
+        else:
+            d = self.dest[fd]
+            if d is not None:
+                self._write_all(d, data)
+
     def loop(self) -> None:
         from .linux import native
 
@@ -707,43 +743,52 @@ class _Supervisor:
                 open_streams += 1
         sel.register(self.child.report_fd, selectors.EVENT_READ, "report")
         sel.register(self.child.pidfd, selectors.EVENT_READ, "pidfd")
+        relay_on = False
         if self.relay_in >= 0 and self.stdin_w >= 0:
             try:
                 sel.register(self.relay_in, selectors.EVENT_READ, "relay")
+                relay_on = True
             except PermissionError:  # a regular file or /dev/null: nothing to relay
                 pass
-        elif self.stdin_w >= 0:
-            if self.feed is not None and len(self.feed):
-                os.set_blocking(self.stdin_w, False)
-                sel.register(self.stdin_w, selectors.EVENT_WRITE, "stdin")
-            else:
+        sink_on = False
+        if self.stdin_w >= 0:
+            os.set_blocking(self.stdin_w, False)
+            if not relay_on and not self.pending:
                 os.close(self.stdin_w)
                 self.stdin_w = -1
-        init_done = False
         report_open = True
+        drain_until: float | None = None
         try:
-            while open_streams or not init_done or report_open:
-                wait = None
+            while open_streams or not self.init_done or report_open:
                 now = time.monotonic()
-                if self.deadline is not None and not self.timed_out:
-                    wait = max(0.0, self.deadline - now)
-                elif self._term_sent_at is not None:
-                    wait = max(0.0, self._term_sent_at + 2.0 - now)
-                if init_done and not report_open and open_streams:
-                    # init is gone, so is every process of the sandbox; drain what is buffered
-                    wait = 0.5 if wait is None else min(wait, 0.5)
-                events = sel.select(wait)
+                if self.deadline is not None and not self.timed_out and now >= self.deadline:
+                    self._on_timeout()
+                if self._kill_at is not None and now >= self._kill_at:
+                    self._kill()
+                    self._kill_at = None
+                # the stdin sink is watched only while something waits to be written
+                want_sink = self.stdin_w >= 0 and bool(self.pending)
+                if want_sink != sink_on:
+                    if want_sink:
+                        sel.register(self.stdin_w, selectors.EVENT_WRITE, "stdin")
+                    else:
+                        sel.unregister(self.stdin_w)
+                    sink_on = want_sink
+                if relay_on and len(self.pending) >= RELAY_MAX:
+                    sel.unregister(self.relay_in)
+                    relay_on = False
+                elif not relay_on and self.relay_in >= 0 and not self.input_eof and len(self.pending) < RELAY_MAX // 2 and self.stdin_w >= 0:
+                    sel.register(self.relay_in, selectors.EVENT_READ, "relay")
+                    relay_on = True
+                if self.init_done and drain_until is None:
+                    # init is gone, so is every process of the sandbox: drain what is buffered
+                    drain_until = now + 2.0
+                if drain_until is not None and now >= drain_until:
+                    break
+                times = (None if self.timed_out else self.deadline, self._kill_at, drain_until)
+                waits = [t - now for t in times if t is not None]
+                events = sel.select(max(0.0, min(waits)) if waits else None)
                 if not events:
-                    now = time.monotonic()
-                    if self.deadline is not None and not self.timed_out and now >= self.deadline:
-                        self._on_timeout()
-                        continue
-                    if self._term_sent_at is not None and now >= self._term_sent_at + 2.0:
-                        self._kill()
-                        self._term_sent_at = None
-                        continue
-                    if init_done and not report_open:
-                        break
                     continue
                 for key, _ in events:
                     what = key.data
@@ -755,13 +800,28 @@ class _Supervisor:
                             data = b""
                         if not data:
                             sel.unregister(fd)
+                            relay_on = False
+                            self.input_eof = True
                             continue
-                        self._write_all(self.stdin_w, data)
-                        continue
-                    if what == "out":
+                        self.pending.extend(data)
+                    elif what == "stdin":
+                        try:
+                            n = os.write(fd, self.pending[:_CHUNK])
+                        except BlockingIOError:
+                            continue
+                        except OSError:  # EPIPE / EIO: nobody reads any more
+                            n = len(self.pending)
+                            self.input_eof = True
+                        del self.pending[:n]
+                        if not self.pending and self.input_eof and self.relay_in < 0:
+                            sel.unregister(fd)
+                            sink_on = False
+                            os.close(fd)
+                            self.stdin_w = -1
+                    elif what == "out":
                         try:
                             data = os.read(fd, _CHUNK)
-                        except InterruptedError:
+                        except (InterruptedError, BlockingIOError):  # the pty master shares O_NONBLOCK with the sink
                             continue
                         except OSError:  # EIO: the pty's last user is gone
                             data = b""
@@ -769,13 +829,7 @@ class _Supervisor:
                             sel.unregister(fd)
                             open_streams -= 1
                             continue
-                        os.write(self.log[fd], data)
-                        if self.capture[fd]:
-                            (self.out_buf if fd == self.out_r else self.err_buf).extend(data)
-                        else:
-                            d = self.dest[fd]
-                            if d is not None:
-                                self._write_all(d, data)
+                        self._on_output(fd, data)
                     elif what == "report":
                         data = os.read(fd, 4096)
                         if not data:
@@ -795,22 +849,9 @@ class _Supervisor:
                         info = os.waitid(os.P_PIDFD, fd, os.WEXITED)
                         if info is not None:
                             self.init_status = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-                        init_done = True
-                    elif what == "stdin":
-                        assert self.feed is not None
-                        try:
-                            n = os.write(fd, self.feed[:_CHUNK])
-                        except BrokenPipeError:
-                            n = len(self.feed)
-                        except BlockingIOError:
-                            continue
-                        self.feed = self.feed[n:]
-                        if not len(self.feed):
-                            sel.unregister(fd)
-                            os.close(fd)
-                            self.stdin_w = -1
+                        self.init_done = True
         except KeyboardInterrupt:
-            self._forward(signal.SIGINT)
+            self._signal(signal.SIGINT)
             raise
         finally:
             sel.close()
@@ -818,26 +859,26 @@ class _Supervisor:
                 os.close(self.stdin_w)
                 self.stdin_w = -1
         if self.exit_status is not None:
-            st = self.exit_status
-            self.returncode = os.waitstatus_to_exitcode(st)
+            self.returncode = os.waitstatus_to_exitcode(self.exit_status)
         elif self.init_status is not None:
             s = self.init_status
-            self.returncode = s if s <= 128 or s >= 256 else -(s - 128)
-            if s < 0:
-                self.returncode = s
+            self.returncode = s if s < 0 or s <= 128 or s >= 256 else -(s - 128)
         else:
             self.returncode = -signal.SIGKILL
 
-    def _forward(self, sig: int) -> None:
+    def _signal(self, sig: int) -> None:
+        # through the pidfd, and never once init is reaped: its pid may be reused
+        if self.init_done:
+            return
         try:
-            os.kill(self.child.pid, sig)
-        except ProcessLookupError:
+            signal.pidfd_send_signal(self.child.pidfd, sig)
+        except (ProcessLookupError, OSError):
             pass
 
     def _on_timeout(self) -> None:
         self.timed_out = True
-        self._forward(signal.SIGTERM)
-        self._term_sent_at = time.monotonic()
+        self._signal(signal.SIGTERM)
+        self._kill_at = time.monotonic() + GRACE
 
     def _kill(self) -> None:
         if self.cg is not None:
@@ -845,7 +886,7 @@ class _Supervisor:
                 self.cg.kill()
             except OSError:
                 pass
-        self._forward(signal.SIGKILL)
+        self._signal(signal.SIGKILL)
 
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
@@ -857,8 +898,8 @@ class _forwarding:
     With a pty, a window size change is copied to the pty instead (the kernel then
     signals the pty's foreground group)."""
 
-    def __init__(self, pid: int, winch_to: int | None = None) -> None:
-        self.pid = pid
+    def __init__(self, pidfd: int, winch_to: int | None = None) -> None:
+        self.pidfd = pidfd
         self.winch_to = winch_to
         self.old: dict[int, Any] = {}
 
@@ -867,8 +908,8 @@ class _forwarding:
             copy_winsize(0, self.winch_to)
             return
         try:
-            os.kill(self.pid, sig)
-        except ProcessLookupError:
+            signal.pidfd_send_signal(self.pidfd, sig)
+        except OSError:  # init already gone (and reaped: the pidfd never aims elsewhere)
             pass
 
     def __enter__(self) -> None:

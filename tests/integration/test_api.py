@@ -105,3 +105,26 @@ def test_api_as_unprivileged_user(user: User, project: Path) -> None:
     assert rc == "0" and uid == str(user.uid)
     assert (user.state / "sessions" / sess / "upper" / "new").read_text() == "x\n"
     assert not (project / "new").exists()
+
+
+def test_timeout_holds_while_the_command_floods_output(proj: Path) -> None:
+    import time
+
+    t = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        stockade.run(["sh", "-c", "yes & yes & yes & yes"], project=proj, stdout=subprocess.DEVNULL, timeout=1)
+    assert time.monotonic() - t < 6  # 1 s + the 2 s grace, with room for a loaded machine
+
+
+def test_run_logs_are_capped(proj: Path, state_dir: Path) -> None:
+    import json
+    import os
+    import sys
+
+    env = {**os.environ, "STOCKADE_LOG_MAX": "1000"}
+    r = subprocess.run([sys.executable, "-m", "stockade", "run", "--session", "cap", "--", "head", "-c", "100000", "/dev/zero"],
+                       cwd=proj, env=env, capture_output=True)
+    assert r.returncode == 0 and len(r.stdout) == 100000  # the caller still gets everything
+    run_dir = state_dir / "sessions/cap/runs/1"
+    assert (run_dir / "stdout.log").stat().st_size == 1000
+    assert json.loads((run_dir / "run.json").read_text())["log_truncated_bytes"] == {"stdout": 99000}

@@ -70,3 +70,12 @@ def test_sandbox_does_not_hold_the_users_terminal(user: User, project: Path) -> 
     for line in out.decode(errors="replace").splitlines():
         if line.startswith("/dev/pts/"):
             assert line.strip() == "/dev/pts/0"
+
+
+def test_input_the_command_never_reads_does_not_block_its_output(user: User, project: Path) -> None:
+    import subprocess
+
+    cmd = " ".join([*user.prefix(), user.python, "-m", "stockade", "shell", "--timeout", "20", "--", "sh", "-c", "'sleep 1; head -c 5000000 /dev/zero'"])
+    r = subprocess.run(["sh", "-c", f"yes | {cmd}"], cwd=project, env=user.env(), capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr.decode()[-500:]
+    assert len(r.stdout) >= 5_000_000

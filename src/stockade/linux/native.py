@@ -263,6 +263,9 @@ def recv_console(sock_fd: int) -> int:
         _msg, fds, _flags, _addr = socket.recv_fds(s, 1, 1)
     if not fds:
         return -1
+    os.set_inheritable(fds[0], False)  # recv_fds ignores MSG_CMSG_CLOEXEC
+    for extra in fds[1:]:
+        os.close(extra)
     return fds[0]
 
 
