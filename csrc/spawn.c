@@ -315,6 +315,26 @@ int sk_spawn(const struct sk_plan *p, struct sk_child *out, int *step)
         return -e;
     }
 
+    /* With 0..2 closed by the caller, a pipe end could land there and be clobbered
+     * by the child's stdio setup: keep them all at 3 or above. */
+    int *ends[4] = {&syncp[0], &syncp[1], &repp[0], &repp[1]};
+    for (int i = 0; i < 4; i++) {
+        if (*ends[i] < 3) {
+            int fd = fcntl(*ends[i], F_DUPFD_CLOEXEC, 3);
+            if (fd < 0) {
+                int e = errno;
+                close(syncp[0]);
+                close(syncp[1]);
+                close(repp[0]);
+                close(repp[1]);
+                *step = SK_STEP_PIPE;
+                return -e;
+            }
+            close(*ends[i]);
+            *ends[i] = fd;
+        }
+    }
+
     struct sk_clone_args ca;
     int pidfd = -1;
     memset(&ca, 0, sizeof ca);

@@ -158,9 +158,10 @@ def _run_in_session(
     if input is not None and stdin is not None:
         raise ValueError("stdin and input arguments may not both be used.")
     text_mode = bool(text or encoding or errors)
-    prep = _prepare(sess, project, args, timeout=timeout, **opts)
     raise_timeout = timeout is not None and not forward_signals
     with sess.lock(wait=not no_wait):
+        # under the lock: snapshots and the mask layer must not change between plan and run
+        prep = _prepare(sess, project, args, timeout=timeout, **opts)
         return _execute(
             sess, prep.plan, prep.plan.argv, input=input, stdin=stdin, stdout=stdout, stderr=stderr,
             text_mode=text_mode, encoding=encoding, errors=errors, timeout=prep.timeout, check=check,
@@ -194,6 +195,7 @@ def plan_for(
     """The Plan a run would execute, with its limits (``stockade explain``); creates nothing."""
     proj = planmod.resolve_project(project)
     if session:
+        store.validate_name(session)
         try:
             sess = store.open_session(session)
         except UsageError:
@@ -241,7 +243,7 @@ def _prepare(
     degraded: list[str] = []
 
     # environment
-    pol = _load_policy(project, sess, policy, env)
+    pol = _load_policy(project, sess if not explain_only or sess.meta_path.exists() else None, policy, env)
     run_env, removed = pol.env(os.environ)
     run_env = dict(run_env)
     if pol.read_only:
@@ -343,6 +345,8 @@ def _prepare(
         degraded=tuple(degraded),
     )
     plan = planmod.build(req)
+    if len(pass_fds) > 64:
+        raise UsageError(f"--pass-fd: at most 64 descriptors can be passed, not {len(pass_fds)}")
     for fd in pass_fds:
         try:
             os.fstat(fd)
@@ -353,7 +357,7 @@ def _prepare(
     return Prepared(plan, cg_manager, lim, timeout, audit)
 
 
-def _load_policy(project: Path, sess: store.Session, cli: Any, env: Mapping[str, str] | None) -> Any:
+def _load_policy(project: Path, sess: store.Session | None, cli: Any, env: Mapping[str, str] | None) -> Any:
     from . import policy as polmod
 
     if cli is None:
@@ -362,7 +366,7 @@ def _load_policy(project: Path, sess: store.Session, cli: Any, env: Mapping[str,
         import dataclasses
 
         cli = dataclasses.replace(cli, env={**cli.env, **env})
-    return polmod.load(project, sess.dir, cli)
+    return polmod.load(project, sess.dir if sess is not None else None, cli)
 
 
 def _audit_call(sess: store.Session, method: str, *args: Any, **kw: Any) -> None:

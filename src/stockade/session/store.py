@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import SessionBusy, SessionNotFound, UsageError
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def state_dir() -> Path:
@@ -44,7 +44,7 @@ def sessions_dir() -> Path:
 
 
 def validate_name(name: str) -> str:
-    if not _NAME_RE.match(name):
+    if not _NAME_RE.fullmatch(name):
         raise UsageError(
             f"invalid session name {name!r}: use 1-64 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
@@ -171,35 +171,47 @@ def _new_id() -> str:
 
 
 def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | None = None) -> Session:
-    """Create a session for ``project`` (absolute, resolved)."""
+    """Create a session for ``project`` (absolute, resolved).
+
+    Built in a hidden temporary directory and renamed into place, so a session
+    that exists is complete: concurrent creators and crashes leave no half-made one.
+    """
     root = sessions_dir()
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    for _ in range(100):
-        sid = validate_name(name) if name else _new_id()
-        d = root / sid
-        try:
-            d.mkdir(mode=0o700)
-            break
-        except FileExistsError:
-            if name:
-                raise UsageError(f"session {name!r} already exists") from None
-    else:  # pragma: no cover - 100 collisions of 24 random bits
-        raise UsageError("could not allocate a session id")
-    for sub in ("upper", "work", "layers", "runs"):
-        (d / sub).mkdir(mode=0o755 if sub == "upper" else 0o700)
-    now = time.time_ns()
-    meta = {
-        "schema_version": 1,
-        "id": sid,
-        "project": str(project),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now / 1e9)),
-        "created_ns": now,
-        "uid": os.getuid(),
-    }
-    if owner is not None:
-        meta["sandbox_uid"], meta["sandbox_gid"] = owner
-    write_json_atomic(d / "meta.json", meta)
-    return Session(sid, d)
+    tmp = root / f".new-{os.getpid()}-{secrets.token_hex(6)}"
+    tmp.mkdir(mode=0o700)
+    try:
+        for sub in ("upper", "work", "layers", "runs"):
+            (tmp / sub).mkdir(mode=0o755 if sub == "upper" else 0o700)
+        for _ in range(100):
+            sid = validate_name(name) if name else _new_id()
+            now = time.time_ns()
+            meta: dict[str, Any] = {
+                "schema_version": 1,
+                "id": sid,
+                "project": str(project),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now / 1e9)),
+                "created_ns": now,
+                "uid": os.getuid(),
+            }
+            if owner is not None:
+                meta["sandbox_uid"], meta["sandbox_gid"] = owner
+            write_json_atomic(tmp / "meta.json", meta)
+            try:
+                # rename(2) of a directory fails with EEXIST/ENOTEMPTY onto an existing one
+                os.rename(tmp, root / sid)
+                return Session(sid, root / sid)
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                if name:
+                    raise UsageError(f"session {name!r} already exists") from None
+        raise UsageError("could not allocate a session id")  # pragma: no cover - 100 collisions
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def open_session(name: str) -> Session:
@@ -234,7 +246,7 @@ def list_sessions() -> list[Session]:
         names = sorted(os.listdir(root))
     except FileNotFoundError:
         return []
-    return [Session(n, root / n) for n in names if (root / n / "meta.json").is_file()]
+    return [Session(n, root / n) for n in names if not n.startswith(".") and (root / n / "meta.json").is_file()]
 
 
 def latest_session(project: Path | None = None) -> Session:
