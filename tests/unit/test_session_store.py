@@ -20,7 +20,7 @@ def test_concurrent_open_or_create_of_one_name(state_dir: Path, tmp_path: Path) 
     def worker() -> None:
         try:
             got.append(store.open_or_create(proj, "shared").id)
-        except BaseException as e:  # noqa: BLE001 - collected below
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=worker) for _ in range(40)]
