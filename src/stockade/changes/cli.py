@@ -345,20 +345,25 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_export(args: argparse.Namespace) -> int:
+def _session_and_one(args: argparse.Namespace, usage: str) -> tuple[Any, str]:
+    """`[SESSION] ARG`: the session (named, or the latest) and the one argument."""
     from ..errors import UsageError
-    from .export import export
 
     if len(args.args) == 2:
         session, rest = _session_and_rest(args, args.args[:1])
         if rest:
             raise UsageError(f"no session named {args.args[0]!r}")
-        dest = args.args[1]
-    elif len(args.args) == 1:
+        return session, str(args.args[1])
+    if len(args.args) == 1:
         session, _ = _session_and_rest(args, [])
-        dest = args.args[0]
-    else:
-        raise UsageError("usage: stockade export [SESSION] DIR")
+        return session, str(args.args[0])
+    raise UsageError(f"usage: {usage}")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export
+
+    session, dest = _session_and_one(args, "stockade export [SESSION] DIR")
     status = export(_changes(session), dest)
     _err(f"stockade: exported session {session.id} ({len(status['changes'])} change(s)) to {dest}")
     return 0
@@ -399,19 +404,9 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_fork(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
     from . import snapshot
 
-    if len(args.args) == 2:
-        session, rest = _session_and_rest(args, args.args[:1])
-        if rest:
-            raise UsageError(f"no session named {args.args[0]!r}")
-        new = args.args[1]
-    elif len(args.args) == 1:
-        session, _ = _session_and_rest(args, [])
-        new = args.args[0]
-    else:
-        raise UsageError("usage: stockade fork [SESSION] NEW")
+    session, new = _session_and_one(args, "stockade fork [SESSION] NEW")
     s = snapshot.fork(session, new)
     _err(f"stockade: session {s.id} forked from {session.id}")
     return 0
