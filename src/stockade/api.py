@@ -55,26 +55,6 @@ class RunResult(subprocess.CompletedProcess[Any]):
         return self.returncode if self.returncode >= 0 else 128 - self.returncode
 
 
-@dataclass
-class Options:
-    """Everything a run can be asked for beyond the command itself."""
-
-    env: Mapping[str, str] | None = None  # extra variables, always passed (--env)
-    cwd: str | os.PathLike[str] | None = None
-    root: bool = False
-    user: int | None = None
-    read_only: bool = False
-    network: str = "none"
-    pass_fds: Sequence[int] = ()
-    seccomp: str = "default"
-    allow_degraded: frozenset[str] = frozenset()
-    limits: Any = None  # cgroups.base.Limits
-    policy: Any = None  # policy.CliPolicy
-    no_wait: bool = False
-    quiet: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 class Sandbox:
     """A session: successive runs stack their writes in one upper layer.
 
@@ -148,7 +128,6 @@ def _run_in_session(
     quiet: bool = True,
     forward_signals: bool = False,
     pty: bool = False,
-    _tee_to: tuple[int, int] | None = None,
     **opts: Any,
 ) -> RunResult:
     if capture_output:
@@ -165,7 +144,7 @@ def _run_in_session(
         return _execute(
             sess, prep.plan, prep.plan.argv, input=input, stdin=stdin, stdout=stdout, stderr=stderr,
             text_mode=text_mode, encoding=encoding, errors=errors, timeout=prep.timeout, check=check,
-            cg_manager=prep.cg_manager, limits=prep.limits, tee_to=_tee_to, quiet=quiet,
+            cg_manager=prep.cg_manager, limits=prep.limits, quiet=quiet,
             raise_timeout=raise_timeout and prep.timeout == timeout, forward_signals=forward_signals,
             pty=pty, audit_info=prep.audit,
         )
@@ -442,7 +421,6 @@ def _execute(
     check: bool,
     cg_manager: Any,
     limits: Any,
-    tee_to: tuple[int, int] | None,
     quiet: bool,
     raise_timeout: bool,
     forward_signals: bool,
@@ -505,8 +483,8 @@ def _execute(
         to_close.extend([out_w] + ([err_w] if err_w != out_w else []))
     capture_out = stdout == PIPE
     capture_err = stderr == PIPE
-    dest_out = None if capture_out else _std_target(stdout, tee_to[0] if tee_to else 1)
-    dest_err = None if capture_err else _std_target(stderr if stderr != STDOUT else stdout, tee_to[1] if tee_to else 2)
+    dest_out = None if capture_out else _std_target(stdout, 1)
+    dest_err = None if capture_err else _std_target(stderr if stderr != STDOUT else stdout, 2)
     log_out = os.open(run_dir / "stdout.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     log_err = os.open(run_dir / "stderr.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
 
