@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,12 +15,15 @@ from tests.conftest import User, tree_snapshot, world_tmpdir
 
 
 @pytest.fixture
-def proj(state_dir: Path) -> Path:
+def proj(state_dir: Path) -> Iterator[Path]:
     d = world_tmpdir("stockade-api-")
     p = d / "proj"
     p.mkdir()
     (p / "hello.txt").write_text("hello\n")
-    return p
+    try:
+        yield p
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_run_is_subprocess_compatible(proj: Path) -> None:
