@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,3 +199,19 @@ def tree_snapshot(root: Path) -> dict[str, tuple[int, bytes | str]]:
             else:
                 out[rel] = (st.st_mode, "")
     return out
+
+
+def make_wheel(d: Path) -> Path:
+    """A minimal pure-Python wheel (demo_pkg 0.1, VALUE = 42) for `pip install --no-index` tests."""
+    whl = d / "demo_pkg-0.1-py3-none-any.whl"
+    files = {
+        "demo_pkg/__init__.py": "VALUE = 42\n",
+        "demo_pkg-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: demo-pkg\nVersion: 0.1\n",
+        "demo_pkg-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{n},,\n" for n in files) + "demo_pkg-0.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(whl, "w") as z:
+        for n, body in files.items():
+            z.writestr(n, body)
+        z.writestr("demo_pkg-0.1.dist-info/RECORD", record)
+    return whl

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import User, tree_snapshot, world_tmpdir
+from tests.conftest import User, make_wheel, tree_snapshot, world_tmpdir
 
 
 def _session_dirs(user: User) -> list[Path]:
@@ -149,30 +149,16 @@ git init -q . && git add -A && git -c user.email=t@e -c user.name=t commit -q -m
 printf '#include <stdio.h>\nint main(void){puts("compiled");return 0;}\n' > hello.c
 printf 'hello: hello.c\n\tgcc -o hello hello.c\n' > Makefile
 make -s && ./hello
-python3 -m venv /tmp/venv
-mkdir -p /tmp/pkg/demo_pkg && echo 'X = 42' > /tmp/pkg/demo_pkg/__init__.py
-printf '[build-system]\nrequires=["setuptools"]\nbuild-backend="setuptools.build_meta"\n[project]\nname="demo-pkg"\nversion="1.0"\n' > /tmp/pkg/pyproject.toml
 """
     r = user.cli(["run", "--", "sh", "-c", script], cwd=project, timeout=300)
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode().split() == ["1", "compiled"]
 
 
-def test_pip_install_local_wheel(user: User, project: Path, tmp_path: Path) -> None:
-    # build a wheel on the host, put it in the project, install it inside with --no-index
-    pkg = tmp_path / "pkg"
-    (pkg / "demo_pkg").mkdir(parents=True)
-    (pkg / "demo_pkg" / "__init__.py").write_text("X = 42\n")
-    (pkg / "pyproject.toml").write_text(
-        '[build-system]\nrequires=["setuptools"]\nbuild-backend="setuptools.build_meta"\n'
-        '[project]\nname="demo-pkg"\nversion="1.0"\n'
-    )
-    import sys
-
-    b = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(project), str(pkg)], capture_output=True)
-    assert b.returncode == 0, b.stderr.decode()
+def test_pip_install_local_wheel(user: User, project: Path) -> None:
+    make_wheel(project)
     user.own(project)
-    script = "set -e; python3 -m venv /tmp/v; /tmp/v/bin/pip install -q --no-index ./demo_pkg-1.0-py3-none-any.whl; /tmp/v/bin/python -c 'import demo_pkg; print(demo_pkg.X)'"
+    script = "set -e; python3 -m venv /tmp/v; /tmp/v/bin/pip install -q --no-index ./demo_pkg-0.1-py3-none-any.whl; /tmp/v/bin/python -c 'import demo_pkg; print(demo_pkg.VALUE)'"
     r = user.cli(["run", "--", "sh", "-c", script], cwd=project, timeout=300)
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode().strip().endswith("42")

@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import shutil
-import zipfile
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import User, need
+from tests.conftest import User, make_wheel, need
 from tests.security.helpers import sandbox
 
 pytestmark = pytest.mark.vm
@@ -57,25 +56,10 @@ def test_gcc_make(user: User, project: Path) -> None:
     assert out.strip() == "built"
 
 
-def _wheel(d: Path) -> Path:
-    whl = d / "demo_pkg-0.1-py3-none-any.whl"
-    files = {
-        "demo_pkg/__init__.py": "VALUE = 42\n",
-        "demo_pkg-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: demo-pkg\nVersion: 0.1\n",
-        "demo_pkg-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    record = "".join(f"{n},,\n" for n in files) + "demo_pkg-0.1.dist-info/RECORD,,\n"
-    with zipfile.ZipFile(whl, "w") as z:
-        for n, body in files.items():
-            z.writestr(n, body)
-        z.writestr("demo_pkg-0.1.dist-info/RECORD", record)
-    return whl
-
-
 @pytest.mark.slow
-def test_python_venv_pip_local_wheel(user: User, project: Path) -> None:
+def test_python_venv_pip_localmake_wheel(user: User, project: Path) -> None:
     need(Path("/usr/bin/python3").exists(), "/usr/bin/python3 missing")
-    _wheel(project)
+    make_wheel(project)
     user.own(project)
     script = (
         "set -e; /usr/bin/python3 -m venv .venv; "

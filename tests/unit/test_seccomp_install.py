@@ -16,13 +16,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from stockade.linux import seccomp
+from tests.conftest import make_wheel
 
 MUST = os.environ.get("STOCKADE_MUST_WORK") == "1"
 
@@ -343,26 +343,11 @@ def test_gcc_and_make(tmp_path: Path, profile: str) -> None:
     assert r.stdout.strip() == "built"
 
 
-def _make_wheel(d: Path) -> Path:
-    whl = d / "demo_pkg-0.1-py3-none-any.whl"
-    files = {
-        "demo_pkg/__init__.py": "VALUE = 42\n",
-        "demo_pkg-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: demo-pkg\nVersion: 0.1\n",
-        "demo_pkg-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    record = "".join(f"{n},,\n" for n in files) + "demo_pkg-0.1.dist-info/RECORD,,\n"
-    with zipfile.ZipFile(whl, "w") as z:
-        for n, body in files.items():
-            z.writestr(n, body)
-        z.writestr("demo_pkg-0.1.dist-info/RECORD", record)
-    return whl
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("profile", ["default", "strict"])
 def test_python_venv_pip_local_wheel(tmp_path: Path, profile: str) -> None:
     py = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else _tool("python3")
-    whl = _make_wheel(tmp_path)
+    whl = make_wheel(tmp_path)
     script = (
         f"set -e; {py} -m venv v; v/bin/pip install -q --no-index --disable-pip-version-check "
         f"{whl}; v/bin/python -c 'import demo_pkg, sqlite3, ssl, multiprocessing as m; "

@@ -280,3 +280,17 @@ class Roots:
             r = self.layers[i] = Root(self.stack[i])
         return r
 
+
+def copy_to_new(src_fd: int, name: str, dir_fd: int, mode: int) -> None:
+    """Copy ``src_fd`` into a file ``name`` that must not exist yet in ``dir_fd``
+    (O_EXCL|O_NOFOLLOW: nothing planted there is followed), then set its mode."""
+    out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        while b := os.read(src_fd, 1 << 20):
+            view = memoryview(b)
+            while view:
+                view = view[os.write(out, view):]
+        os.fchmod(out, mode)
+    finally:
+        os.close(out)
+

@@ -46,7 +46,7 @@ from typing import Any
 from ..errors import SessionNotFound, UsageError
 from ..session import store
 from ..session.store import Session
-from ._safefs import Root, Roots, rmtree_at
+from ._safefs import Root, Roots, copy_to_new, rmtree_at
 from .layers import expose
 from .model import Change, ChangeSet, Kind, is_explicit, normalize_pathspec
 
@@ -388,19 +388,7 @@ class _Exec(Roots):
             tmp = self.tmpname(n)
             src = self.layer(op["layer"]).open_read(path)
             try:
-                out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                              0o600, dir_fd=pfd)
-                try:
-                    while True:
-                        b = os.read(src, 1 << 20)
-                        if not b:
-                            break
-                        while b:
-                            w = os.write(out, b)
-                            b = b[w:]
-                    os.fchmod(out, stat.S_IMODE(op["mode"]))
-                finally:
-                    os.close(out)
+                copy_to_new(src, tmp, pfd, stat.S_IMODE(op["mode"]))
             finally:
                 os.close(src)
             self._check_target(pfd, name, path)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ._safefs import Root
+from ._safefs import Root, copy_to_new
 from .model import ChangeSet, Kind
 
 
@@ -88,17 +88,7 @@ def export(cs: ChangeSet, dest: str | os.PathLike[str]) -> dict[str, Any]:
                     continue
                 sfd = src.open_read(c.path)
                 try:
-                    ofd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                  0o600, dir_fd=pfd)
-                    try:
-                        while True:
-                            b = os.read(sfd, 1 << 20)
-                            if not b:
-                                break
-                            os.write(ofd, b)
-                        os.fchmod(ofd, stat.S_IMODE(c.new_mode) & 0o777)
-                    finally:
-                        os.close(ofd)
+                    copy_to_new(sfd, name, pfd, stat.S_IMODE(c.new_mode) & 0o777)
                 finally:
                     os.close(sfd)
     return status
