@@ -14,4 +14,16 @@ int sk_caps_child(int rep);
 void sk_init_child(const struct sk_plan *p, int rep) __attribute__((noreturn));
 size_t sk_strlen(const char *s);
 
+/* mounts.c: the staging tree, the op loop, and the final pivot, as steps. */
+int sk_mounts_stage(const struct sk_plan *p, int rep);
+int sk_mounts_ops(const struct sk_plan *p, int rep, int *detached);
+int sk_mounts_finish(int rep, int detached);
+
+/* spawn.c: a launcher's run child (already in its own namespaces). */
+void sk_run_child(const struct sk_plan *p, int sync_fd, int rep) __attribute__((noreturn));
+
+/* wire.c (launcher side). */
+int sk_plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p);
+void sk_plan_free(struct sk_plan *p);
+
 #endif

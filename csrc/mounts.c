@@ -193,7 +193,9 @@ static int run_op(const struct sk_mount_op *op)
     }
 }
 
-int sk_mounts_child(const struct sk_plan *p, int rep)
+/* Staging: a tmpfs on the stage dir becomes the root, the host's root at
+ * /oldroot, the sandbox's root tmpfs at /newroot. */
+int sk_mounts_stage(const struct sk_plan *p, int rep)
 {
     const char *stage = p->stage_dir ? p->stage_dir : "/tmp";
 
@@ -222,7 +224,11 @@ int sk_mounts_child(const struct sk_plan *p, int rep)
         sk_report(rep, SK_REP_ERROR, SK_STEP_STAGE, errno, 0, "/newroot");
         return -1;
     }
-    int detached = 0;
+    return 0;
+}
+
+int sk_mounts_ops(const struct sk_plan *p, int rep, int *detached)
+{
     for (size_t i = 0; i < p->n_ops; i++) {
         const struct sk_mount_op *op = &p->ops[i];
         if (run_op(op) < 0) {
@@ -230,13 +236,26 @@ int sk_mounts_child(const struct sk_plan *p, int rep)
             return -1;
         }
         if (op->kind == SK_OP_DETACH_HOST)
-            detached = 1;
+            *detached = 1;
     }
-    /* Detach the host, then make /newroot the root (runc's pivot_root(".", ".")). */
+    return 0;
+}
+
+/* Detach the host, then make /newroot the root (runc's pivot_root(".", ".")). */
+int sk_mounts_finish(int rep, int detached)
+{
     if ((!detached && umount2("/oldroot", MNT_DETACH) < 0) || chdir("/newroot") < 0 ||
         syscall(SYS_pivot_root, ".", ".") < 0 || umount2(".", MNT_DETACH) < 0 || chdir("/") < 0) {
         sk_report(rep, SK_REP_ERROR, SK_STEP_PIVOT_ROOT, errno, 0, "/newroot");
         return -1;
     }
     return 0;
+}
+
+int sk_mounts_child(const struct sk_plan *p, int rep)
+{
+    int detached = 0;
+    if (sk_mounts_stage(p, rep) < 0 || sk_mounts_ops(p, rep, &detached) < 0)
+        return -1;
+    return sk_mounts_finish(rep, detached);
 }

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <linux/capability.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -196,23 +198,12 @@ static void parent_alive_or_exit(int sync_fd)
         _exit(125);
 }
 
-static void __attribute__((noreturn)) child_main(const struct sk_plan *p, int sync_fd, int rep)
+/* Everything after the mounts: identity, process state, confinement, init. */
+static void __attribute__((noreturn)) child_rest(const struct sk_plan *p, int sync_fd, int rep)
 {
     char c;
     ssize_t n;
 
-    reset_signals(); /* the mask stays full: init decides what it waits for */
-    umask(022);
-    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
-        FAIL(SK_STEP_PDEATHSIG, NULL);
-    do
-        n = read(sync_fd, &c, 1);
-    while (n < 0 && errno == EINTR);
-    if (n != 1)
-        _exit(125); /* the parent went away before "go" */
-
-    if (sk_mounts_child(p, rep) < 0)
-        _exit(125);
     if (p->hostname && sethostname(p->hostname, sk_strlen(p->hostname)) < 0)
         FAIL(SK_STEP_HOSTNAME, p->hostname);
     if (p->lo_up)
@@ -267,6 +258,94 @@ static void __attribute__((noreturn)) child_main(const struct sk_plan *p, int sy
     if (p->seccomp_len && sk_seccomp_child(p->seccomp_bpf, p->seccomp_len, rep) < 0)
         _exit(125);
     sk_init_child(p, rep);
+}
+
+/* The launcher keeps CAP_SYS_ADMIN in the new user namespace across its execve:
+ * as a non-zero uid it would lose every capability, so make them ambient. */
+static void __attribute__((noreturn)) exec_launcher(const struct sk_plan *p, int rep)
+{
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    struct __user_cap_data_struct data[2];
+    memset(data, 0, sizeof data);
+    if (syscall(SYS_capget, &hdr, data) < 0)
+        FAIL(SK_STEP_LAUNCHER, "capget");
+    data[0].inheritable = data[0].permitted;
+    data[1].inheritable = data[1].permitted;
+    if (syscall(SYS_capset, &hdr, data) < 0)
+        FAIL(SK_STEP_LAUNCHER, "capset");
+    for (int cap = 0; cap < 64; cap++) {
+        if (prctl(PR_CAPBSET_READ, cap, 0, 0, 0) < 0)
+            break; /* past the kernel's last capability */
+        /* a capability we lack is simply not raised; the mounts that need it then fail loudly */
+        prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0);
+    }
+    char num[16];
+    int k = 0, fd = p->launcher_ctl_fd;
+    char rev[16];
+    do {
+        rev[k++] = (char)('0' + fd % 10);
+        fd /= 10;
+    } while (fd && k < 15);
+    for (int i = 0; i < k; i++)
+        num[i] = rev[k - 1 - i];
+    num[k] = '\0';
+    char *const argv[] = {"stockade-launcher", num, NULL};
+    char *const envp[] = {NULL};
+    syscall(SYS_execveat, p->launcher_exec_fd, "", argv, envp, AT_EMPTY_PATH);
+    FAIL(SK_STEP_LAUNCHER, "execveat");
+}
+
+static void __attribute__((noreturn)) child_main(const struct sk_plan *p, int sync_fd, int rep)
+{
+    char c;
+    ssize_t n;
+
+    reset_signals(); /* the mask stays full: init decides what it waits for */
+    umask(022);
+    /* A launcher outlives the thread that made it; it ends when its control
+     * socket does (EOF), so no death signal for it. */
+    if (p->launcher_exec_fd < 0 && prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
+        FAIL(SK_STEP_PDEATHSIG, NULL);
+    do
+        n = read(sync_fd, &c, 1);
+    while (n < 0 && errno == EINTR);
+    if (n != 1)
+        _exit(125); /* the parent went away before "go" */
+    if (p->launcher_exec_fd >= 0)
+        exec_launcher(p, rep);
+
+    if (sk_mounts_child(p, rep) < 0)
+        _exit(125);
+    child_rest(p, sync_fd, rep);
+}
+
+/* In a launcher's run child: the launcher's staging tree (host at /oldroot, the
+ * shared base at /newroot) is ours to finish in a private copy. */
+void sk_run_child(const struct sk_plan *p, int sync_fd, int rep)
+{
+    char c;
+    ssize_t n;
+    int detached = 0;
+
+    reset_signals();
+    umask(022);
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
+        FAIL(SK_STEP_PDEATHSIG, NULL);
+    parent_alive_or_exit(sync_fd);
+    if (!p->skip_first_go) {
+        do
+            n = read(sync_fd, &c, 1);
+        while (n < 0 && errno == EINTR);
+        if (n != 1)
+            _exit(125);
+    }
+    if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0)
+        FAIL(SK_STEP_MOUNT_PRIVATE, "/");
+    if (chdir("/") < 0)
+        FAIL(SK_STEP_STAGE, "/");
+    if (sk_mounts_ops(p, rep, &detached) < 0 || sk_mounts_finish(rep, detached) < 0)
+        _exit(125);
+    child_rest(p, sync_fd, rep);
 }
 
 static int write_proc(int pid, const char *file, const char *data)

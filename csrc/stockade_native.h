@@ -106,6 +106,10 @@ struct sk_plan {
     int hold_before_exec;             /* wait for a second "go" before running anything
                                          of the command's: the parent attaches cgroups
                                          (slow on v1) while the child builds its mounts */
+    int skip_first_go;                /* launcher runs: no id maps to wait for */
+    int launcher_exec_fd;             /* >= 0: after "go", exec this launcher binary (with
+                                         launcher_ctl_fd) instead of building the sandbox */
+    int launcher_ctl_fd;
 };
 
 /* Report records on the CLOEXEC report pipe, child -> parent. */
@@ -113,6 +117,10 @@ struct sk_plan {
 #define SK_REP_STARTED 2      /* init forked the command: value = its pid inside */
 #define SK_REP_EXEC_FAILED 3  /* execve failed: err, path */
 #define SK_REP_EXIT 4         /* the command ended: value = wait status */
+#define SK_REP_INIT 5         /* launcher: the sandbox's init exists: value = its pid,
+                                 its pidfd rides along (SCM_RIGHTS) */
+#define SK_REP_INIT_EXIT 6    /* launcher: init was reaped: value = its wait status */
+#define SK_REP_READY 7        /* launcher: the shared base tree is built */
 
 #define SK_STEP_SYNC 1
 #define SK_STEP_PDEATHSIG 2
@@ -142,6 +150,8 @@ struct sk_plan {
 #define SK_STEP_GID_MAP 26
 #define SK_STEP_SETGROUPS_FILE 27
 #define SK_STEP_PIPE 28
+#define SK_STEP_LAUNCHER 29
+#define SK_STEP_UNSHARE 30
 
 struct sk_report {
     int kind;
@@ -165,6 +175,10 @@ int sk_spawn(const struct sk_plan *plan, struct sk_child *out, int *step);
 
 /* Release the child (call twice with hold_before_exec). Returns 0 or -errno. */
 int sk_go(struct sk_child *child);
+
+/* Flatten a plan for the launcher process: returns the size; writes only when
+ * it fits in cap (call with NULL, 0 to size the buffer). */
+size_t sk_plan_pack(const struct sk_plan *plan, unsigned char *buf, size_t cap);
 
 /* Landlock ABI version of the running kernel: >= 1, or -errno. */
 int sk_landlock_abi(void);

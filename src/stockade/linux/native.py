@@ -11,7 +11,7 @@ from typing import Any
 
 from .._native import ffi, lib  # type: ignore[import-not-found]
 from ..errors import SandboxError
-from ..plan import Plan
+from ..plan import MountOp, Plan
 
 _KIND = {
     "bind": lib.SK_OP_BIND,
@@ -87,9 +87,13 @@ class Lowered:
         stage_dir: str = "/tmp",
         console_sock: int = -1,
         hold_before_exec: bool = False,
+        mounts: tuple[MountOp, ...] | None = None,
+        skip_first_go: bool = False,
     ) -> None:
         keep: list[Any] = []
         self._keep = keep
+        mounts = plan.mounts if mounts is None else mounts
+        self.mounts = mounts  # what a mount step's op index refers to
 
         def s(v: str | bytes | None) -> Any:
             if v is None:
@@ -99,9 +103,9 @@ class Lowered:
             keep.append(c)
             return c
 
-        ops = ffi.new("struct sk_mount_op[]", len(plan.mounts))
+        ops = ffi.new("struct sk_mount_op[]", max(1, len(mounts)))
         keep.append(ops)
-        for i, m in enumerate(plan.mounts):
+        for i, m in enumerate(mounts):
             o = ops[i]
             o.kind = _KIND[m.kind]
             fl = 0
@@ -142,7 +146,7 @@ class Lowered:
         p.gid = plan.gid
         p.stage_dir = s(stage_dir)
         p.ops = ops
-        p.n_ops = len(plan.mounts)
+        p.n_ops = len(mounts)
         p.hostname = s(plan.hostname)
         p.lo_up = int("net" in plan.namespaces)
         p.cwd = s(plan.cwd)
@@ -199,7 +203,16 @@ class Lowered:
         p.envp = c_envp
         p.path_env = s(plan.path_env)
         p.hold_before_exec = int(hold_before_exec)
+        p.skip_first_go = int(skip_first_go)
+        p.launcher_exec_fd = -1
+        p.launcher_ctl_fd = -1
         self.plan = p
+
+    def pack(self) -> bytes:
+        n = lib.sk_plan_pack(self.plan, ffi.NULL, 0)
+        buf = ffi.new("unsigned char[]", n)
+        lib.sk_plan_pack(self.plan, buf, n)
+        return bytes(ffi.buffer(buf, n))
 
 
 @dataclass
@@ -225,6 +238,9 @@ REP_ERROR = lib.SK_REP_ERROR
 REP_STARTED = lib.SK_REP_STARTED
 REP_EXEC_FAILED = lib.SK_REP_EXEC_FAILED
 REP_EXIT = lib.SK_REP_EXIT
+REP_INIT = lib.SK_REP_INIT
+REP_INIT_EXIT = lib.SK_REP_INIT_EXIT
+REP_READY = lib.SK_REP_READY
 
 
 @dataclass
@@ -234,6 +250,22 @@ class Child:
     report_fd: int
     sync_fd: int
     lowered: Lowered | None
+    free_gos: int = 0  # "go" messages the child does not wait for
+
+    @property
+    def exit_fd(self) -> int:
+        """Readable once the sandbox's init has ended."""
+        return self.pidfd
+
+    def reap(self) -> int | None:
+        """Init's exit: its status (>= 0) or minus the signal; None if unknown."""
+        try:
+            info = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED)
+        except ChildProcessError:
+            return None
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
     def close(self) -> None:
         for fd in (self.pidfd, self.report_fd, self.sync_fd):
@@ -255,6 +287,27 @@ def spawn(lowered: Lowered) -> Child:
     return Child(out.pid, out.pidfd, out.report_fd, out.sync_fd, lowered)
 
 
+def start(
+    plan: Plan,
+    stdio: tuple[int, int, int],
+    cgroup_fd: int | None,
+    *,
+    pty: bool = False,
+    console_sock: int = -1,
+    hold_before_exec: bool = False,
+) -> Child:
+    """Start a sandbox for the plan: through a pre-spawned launcher when possible
+    (linux/launcher.py), else by cloning this process."""
+    from . import launcher
+
+    if launcher.enabled():
+        child = launcher.start(plan, stdio, cgroup_fd, pty=pty, console_sock=console_sock, hold_before_exec=hold_before_exec)
+        if child is not None:
+            return child
+    lowered = Lowered(plan, stdio, cgroup_fd, pty=pty, console_sock=console_sock, hold_before_exec=hold_before_exec)
+    return spawn(lowered)
+
+
 def recv_console(sock_fd: int) -> int:
     """The pty master the sandbox sends over the console socket (EOF: setup failed)."""
     import socket
@@ -273,6 +326,9 @@ def go(child: Child) -> bool:
     """Release the child. False when it already died: its report pipe says why."""
     import errno as _e
 
+    if child.free_gos > 0:
+        child.free_gos -= 1
+        return True
     c = ffi.new("struct sk_child *")
     c.sync_fd = child.sync_fd
     r = lib.sk_go(c)
@@ -281,6 +337,15 @@ def go(child: Child) -> bool:
     if r < 0:
         raise SandboxError("release child", errno=-r, remedy="the sandbox's init died before starting; see `stockade doctor`")
     return True
+
+
+def has_exited(child: Child) -> bool:
+    """The sandbox's init is gone (its pidfd polls readable)."""
+    import select
+
+    p = select.poll()
+    p.register(child.pidfd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 def _read_int(path: str) -> int | None:
@@ -317,6 +382,8 @@ _REMEDIES: dict[str, str] = {
     "chdir": "the working directory does not exist inside the sandbox; pass --cwd with a directory inside the project",
     "lo-up": "bringing up loopback failed in the new network namespace",
     "rlimit": "a resource limit is above the hard limit of the caller; lower it",
+    "unshare": "the launcher could not create a run's namespaces; set STOCKADE_LAUNCHER=0 to start each sandbox directly, and see `stockade doctor`",
+    "launcher": "the sandbox launcher could not start; set STOCKADE_LAUNCHER=0 to start each sandbox directly, and see `stockade doctor`",
 }
 
 

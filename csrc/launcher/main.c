@@ -1,0 +1,366 @@
+/* stockade-launcher: a small pre-spawned process that starts sandboxes fast.
+ *
+ * Made once per base plan by the Python process (sk_spawn with
+ * launcher_exec_fd): it lives in a new user namespace and a mount namespace
+ * holding the staging tree, with the shared, read-only part of the sandbox
+ * (system binds, /etc, /dev) already built at /newroot. For each run it forks
+ * a child (C1) that unshares fresh mount, net, ipc, uts and pid namespaces and
+ * clones the sandbox's init (C2), which finishes the tree in its own mount
+ * namespace (proc, devpts, /tmp, $HOME, the project overlay, masks), detaches
+ * the host, pivots and runs the same confinement steps as a cold start.
+ *
+ * Forking this small process costs a fraction of cloning the caller's
+ * address space, and the shared part of the tree is built once.
+ *
+ * Protocol (SOCK_SEQPACKET control socket, one message per request):
+ *   struct sk_msg_hdr, then the packed plan (wire.c) inline, or in the last
+ *   fd (a memfd) with SK_MSG_PLAN_IN_FD.
+ *   BASE: build the base tree; reply on the control socket with an sk_report
+ *         (SK_REP_READY or SK_REP_ERROR).
+ *   RUN:  fds = report pipe (write end), sync pipe (read end), status socket,
+ *         then the slots the plan's fd fields index (stdio, console, cgroup),
+ *         then the fds to pass through (plan->keep_fds names their numbers).
+ *         C1 answers on the status socket: SK_REP_INIT with init's pidfd, or
+ *         SK_REP_ERROR; later SK_REP_INIT_EXIT with init's wait status.
+ * EOF on the control socket (the Python process is gone) ends the launcher;
+ * its run children die with it (death signal), and their sandboxes with them.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/sched.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "../internal.h"
+
+#ifndef CLONE_PIDFD
+#define CLONE_PIDFD 0x00001000
+#endif
+#ifndef CLONE_INTO_CGROUP
+#define CLONE_INTO_CGROUP 0x200000000ULL
+#endif
+
+#define SK_MSG_MAGIC 0x314c4b53u /* "SKL1" */
+#define SK_MSG_BASE 1
+#define SK_MSG_RUN 2
+#define SK_MSG_PLAN_IN_FD 1
+#define MAX_FDS 250
+#define INLINE_MAX (256 * 1024)
+
+struct sk_msg_hdr {
+    uint32_t magic, type, flags, reserved;
+};
+
+struct sk_clone_args {
+    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls,
+        set_tid, set_tid_size, cgroup;
+};
+
+static int ctl = -1;
+static pid_t self_pid;
+static unsigned char msgbuf[INLINE_MAX + sizeof(struct sk_msg_hdr)];
+
+static void close_all(const int *fds, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+}
+
+/* One message and its fds (all close-on-exec). 0 = EOF. */
+static ssize_t recv_msg(int *fds, int *nfds)
+{
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
+        struct cmsghdr align;
+    } u;
+    struct iovec iov = {.iov_base = msgbuf, .iov_len = sizeof msgbuf};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+                         .msg_controllen = sizeof u.buf};
+    *nfds = 0;
+    ssize_t n = recvmsg(ctl, &msg, MSG_CMSG_CLOEXEC);
+    if (n <= 0)
+        return n;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        for (int i = 0; i < k && *nfds < MAX_FDS; i++)
+            memcpy(&fds[(*nfds)++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+    }
+    if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
+        close_all(fds, *nfds);
+        *nfds = 0;
+        errno = EMSGSIZE;
+        return -1;
+    }
+    return n;
+}
+
+static void send_report(int sock, int kind, int step, int err, int value, const char *path, int fd)
+{
+    struct sk_report r;
+    memset(&r, 0, sizeof r);
+    r.kind = kind;
+    r.step = step;
+    r.err = err;
+    r.value = value;
+    if (path) {
+        size_t n = strlen(path);
+        if (n >= sizeof r.path)
+            n = sizeof r.path - 1;
+        memcpy(r.path, path, n);
+    }
+    struct iovec iov = {.iov_base = &r, .iov_len = sizeof r};
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } u;
+    memset(&u, 0, sizeof u);
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (fd >= 0) {
+        msg.msg_control = u.buf;
+        msg.msg_controllen = sizeof u.buf;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &fd, sizeof(int));
+    }
+    while (sendmsg(sock, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR)
+        ;
+}
+
+/* The plan: inline after the header, or the whole content of a memfd. */
+static int read_plan(ssize_t n, int *fds, int *nfds, struct sk_plan *p, unsigned char **heap)
+{
+    const struct sk_msg_hdr *h = (const void *)msgbuf;
+    *heap = NULL;
+    if (n < (ssize_t)sizeof *h || h->magic != SK_MSG_MAGIC)
+        return -EINVAL;
+    if (!(h->flags & SK_MSG_PLAN_IN_FD))
+        return sk_plan_unpack(msgbuf + sizeof *h, (size_t)n - sizeof *h, p);
+    if (*nfds < 1)
+        return -EINVAL;
+    int mfd = fds[--*nfds];
+    struct stat st;
+    if (fstat(mfd, &st) < 0 || st.st_size <= 0 || st.st_size > (1 << 28)) {
+        close(mfd);
+        return -EINVAL;
+    }
+    unsigned char *b = malloc((size_t)st.st_size);
+    size_t got = 0;
+    while (b && got < (size_t)st.st_size) {
+        ssize_t r = pread(mfd, b + got, (size_t)st.st_size - got, (off_t)got);
+        if (r <= 0)
+            break;
+        got += (size_t)r;
+    }
+    close(mfd);
+    if (!b || got != (size_t)st.st_size) {
+        free(b);
+        return -EIO;
+    }
+    *heap = b;
+    return sk_plan_unpack(b, got, p);
+}
+
+/* Move fd above floor (close-on-exec), closing the original. */
+static int lift(int fd, int floor)
+{
+    if (fd < 0 || fd > floor)
+        return fd;
+    int n = fcntl(fd, F_DUPFD_CLOEXEC, floor + 1);
+    close(fd);
+    return n;
+}
+
+static int slot(const int *fds, int nfds, int s)
+{
+    return (s >= 0 && s < nfds) ? fds[s] : -1;
+}
+
+/* C1: new namespaces, then clone init and report on it until it is reaped. */
+static void __attribute__((noreturn)) run_child(struct sk_plan *p, int *fds, int nfds)
+{
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != self_pid)
+        _exit(1);
+    close(ctl);
+    signal(SIGCHLD, SIG_DFL);
+    int rep = fds[0], sync_fd = fds[1], st = fds[2];
+
+    /* Slots -> our fd numbers. */
+    for (int i = 0; i < 3; i++)
+        p->stdio[i] = slot(fds, nfds, p->stdio[i]);
+    p->console_sock = slot(fds, nfds, p->console_sock);
+    int cgfd = slot(fds, nfds, p->cgroup_fd);
+    p->cgroup_fd = -1;
+    size_t nk = p->n_keep_fds;
+    int keep_src[256];
+    int floor = 2;
+    for (size_t i = 0; i < nk; i++) {
+        keep_src[i] = (int)(nfds - (int)nk + (int)i) >= 3 ? fds[nfds - (int)nk + (int)i] : -1;
+        if (p->keep_fds[i] > floor)
+            floor = p->keep_fds[i];
+    }
+
+    unsigned long flags = CLONE_NEWNS;
+    flags |= p->clone_flags & (CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID);
+    if (unshare((int)flags) < 0) {
+        send_report(st, SK_REP_ERROR, SK_STEP_UNSHARE, errno, 0, NULL, -1);
+        _exit(1);
+    }
+
+    struct sk_clone_args ca;
+    int pidfd = -1;
+    memset(&ca, 0, sizeof ca);
+    ca.flags = CLONE_PIDFD;
+    ca.pidfd = (uint64_t)(uintptr_t)&pidfd;
+    ca.exit_signal = SIGCHLD;
+    if (cgfd >= 0) {
+        ca.flags |= CLONE_INTO_CGROUP;
+        ca.cgroup = (uint64_t)cgfd;
+    }
+    long pid = syscall(SYS_clone3, &ca, sizeof ca);
+    if (pid == 0) {
+        /* C2: the sandbox's init. */
+        close(st);
+        if (cgfd >= 0)
+            close(cgfd);
+        if ((p->clone_flags & CLONE_NEWCGROUP) && unshare(CLONE_NEWCGROUP) < 0) {
+            sk_report(rep, SK_REP_ERROR, SK_STEP_UNSHARE, errno, 0, "cgroup");
+            _exit(125);
+        }
+        /* Everything we hold goes above the highest number a passed fd wants,
+         * then each passed fd moves to its number. */
+        rep = lift(rep, floor);
+        sync_fd = lift(sync_fd, floor);
+        for (int i = 0; i < 3; i++)
+            p->stdio[i] = lift(p->stdio[i], floor);
+        p->console_sock = lift(p->console_sock, floor);
+        for (size_t i = 0; i < nk; i++)
+            keep_src[i] = lift(keep_src[i], floor);
+        for (size_t i = 0; i < nk; i++) {
+            if (keep_src[i] < 0 || dup2(keep_src[i], p->keep_fds[i]) < 0) {
+                sk_report(rep, SK_REP_ERROR, SK_STEP_CLOSE_FDS, keep_src[i] < 0 ? EBADF : errno,
+                          p->keep_fds[i], "pass-fd");
+                _exit(125);
+            }
+        }
+        sk_run_child(p, sync_fd, rep);
+    }
+    int e = errno;
+    /* C1 keeps only the status socket: the pipes must see EOF when init is done. */
+    for (int i = 0; i < nfds; i++)
+        if (fds[i] != st)
+            close(fds[i]);
+    if (pid < 0) {
+        send_report(st, SK_REP_ERROR, SK_STEP_CLONE, e, 0, NULL, -1);
+        _exit(1);
+    }
+    send_report(st, SK_REP_INIT, 0, 0, (int)pid, NULL, pidfd);
+    close(pidfd);
+    int status = 0;
+    while (waitpid((pid_t)pid, &status, __WALL) < 0) {
+        if (errno != EINTR) {
+            status = SIGKILL; /* cannot happen: it is our child */
+            break;
+        }
+    }
+    send_report(st, SK_REP_INIT_EXIT, 0, 0, status, NULL, -1);
+    _exit(0);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2)
+        return 2;
+    char *end;
+    long c = strtol(argv[1], &end, 10);
+    if (*end || c < 3 || c > 1 << 20)
+        return 2;
+    ctl = (int)c;
+    self_pid = getpid();
+
+    /* Hold nothing of the caller's: not its stdio (a reader waiting for EOF
+     * would hang), not an fd it left inheritable. */
+    int dn = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (dn < 0)
+        return 1;
+    for (int i = 0; i < 3; i++)
+        if (i != dn && dup2(dn, i) < 0)
+            return 1;
+    if (dn > 2)
+        close(dn);
+    if (ctl > 3)
+        syscall(SYS_close_range, 3, ctl - 1, 0);
+    syscall(SYS_close_range, ctl + 1, ~0U, 0);
+    fcntl(ctl, F_SETFD, FD_CLOEXEC);
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    /* Every signal stays blocked (the mask is inherited from the spawn); run
+     * children are reaped by the kernel. */
+    signal(SIGCHLD, SIG_IGN);
+    umask(022);
+
+    int fds[MAX_FDS], nfds;
+    struct sk_plan base;
+    unsigned char *heap = NULL;
+    ssize_t n = recv_msg(fds, &nfds);
+    if (n <= 0)
+        return 1;
+    const struct sk_msg_hdr *h = (const void *)msgbuf;
+    int r = read_plan(n, fds, &nfds, &base, &heap);
+    close_all(fds, nfds);
+    if (r < 0 || h->type != SK_MSG_BASE) {
+        send_report(ctl, SK_REP_ERROR, SK_STEP_LAUNCHER, r < 0 ? -r : EINVAL, 0, "base plan", -1);
+        return 1;
+    }
+    int detached = 0;
+    if (sk_mounts_stage(&base, ctl) < 0 || sk_mounts_ops(&base, ctl, &detached) < 0)
+        return 1; /* reported on ctl */
+    sk_plan_free(&base);
+    free(heap);
+    send_report(ctl, SK_REP_READY, 0, 0, 0, NULL, -1);
+
+    for (;;) {
+        n = recv_msg(fds, &nfds);
+        if (n == 0)
+            return 0;
+        if (n < 0) {
+            if (errno == EINTR || errno == EMSGSIZE)
+                continue;
+            return 1;
+        }
+        struct sk_plan p;
+        r = read_plan(n, fds, &nfds, &p, &heap);
+        h = (const void *)msgbuf;
+        if (r < 0 || h->type != SK_MSG_RUN || nfds < 3) {
+            if (nfds >= 3)
+                send_report(fds[2], SK_REP_ERROR, SK_STEP_LAUNCHER, r < 0 ? -r : EINVAL, 0, "run plan", -1);
+            close_all(fds, nfds);
+            if (r == 0)
+                sk_plan_free(&p);
+            free(heap);
+            continue;
+        }
+        pid_t pid = fork();
+        if (pid == 0)
+            run_child(&p, fds, nfds);
+        if (pid < 0)
+            send_report(fds[2], SK_REP_ERROR, SK_STEP_FORK, errno, 0, NULL, -1);
+        close_all(fds, nfds);
+        sk_plan_free(&p);
+        free(heap);
+    }
+}

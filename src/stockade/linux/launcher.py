@@ -1,0 +1,392 @@
+"""Pre-spawned launchers: start sandboxes without cloning the Python process.
+
+A cold start clones this (large) process into new namespaces and builds the
+whole tree. A launcher (csrc/launcher/main.c) is made once per *base* — the
+part of a plan that does not change from run to run: the id maps and the
+read-only tree of system binds, curated /etc and /dev. It keeps that tree at
+/newroot of its staging namespace; for each run it forks a small child that
+unshares fresh mount, pid, net, ipc and uts namespaces and finishes the tree
+there (proc, devpts, /tmp, $HOME, the project overlay, masks), then runs the
+same confinement steps as a cold start. Nothing of one run is visible to
+another: each has its own mount namespace, overlay, tmpfs instances, procfs,
+devpts, network namespace and PID namespace. The user namespace is shared by
+the runs of one launcher (same ids, same maps), as it is by the runs of a
+warm sandbox.
+
+``STOCKADE_LAUNCHER=0`` turns launchers off (every run starts cold).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from ..errors import SandboxError
+from ..plan import MountOp, Plan
+from . import native
+
+_MSG = struct.Struct("IIII")
+_MAGIC = 0x314C4B53
+_BASE, _RUN = 1, 2
+_PLAN_IN_FD = 1
+_INLINE_MAX = 200 * 1024
+_IDLE_MAX = 4  # launchers kept for bases no run uses any more
+
+_MOUNT_KINDS = frozenset({"bind", "tmpfs", "overlay", "proc", "devpts", "mqueue"})
+
+PATH = Path(__file__).resolve().parent.parent / "stockade-launcher"
+
+
+def enabled() -> bool:
+    return os.environ.get("STOCKADE_LAUNCHER", "1") != "0" and PATH.exists()
+
+
+def _under(p: str, roots: list[str]) -> bool:
+    return any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def split(plan: Plan) -> tuple[tuple[MountOp, ...], tuple[MountOp, ...]] | None:
+    """(base ops, per-run ops), or None when this plan cannot be split.
+
+    Per run: every fresh instance (procfs, devpts, tmpfs, overlay, mqueue),
+    everything from the new procfs on, the host detach and the read-only
+    remounts. The base pre-creates the per-run mount points, so a run never
+    writes into the tmpfs it shares with other runs.
+    """
+    ops = plan.mounts
+    first = next((i for i, m in enumerate(ops) if m.kind == "proc"), None)
+    if first is None:
+        return None
+    base: list[MountOp] = []
+    run: list[MountOp] = []
+    run_targets: list[str] = []
+    for i, m in enumerate(ops):
+        per_run = (
+            i >= first
+            or m.kind in ("devpts", "mqueue", "overlay", "detach-host", "remount-ro")
+            or (m.kind == "tmpfs" and m.target != "/dev")
+            or m.source_in_sandbox
+            or m.source_in_stage
+        )
+        if not per_run and _under(m.target, run_targets):
+            return None  # a base op inside a per-run mount: keep the plan's order
+        if per_run:
+            run.append(m)
+            if m.kind in _MOUNT_KINDS:
+                run_targets.append(m.target)
+        else:
+            base.append(m)
+    # mount points of the per-run mounts, made once in the shared tree
+    made: list[str] = []
+    for m in run:
+        if m.kind not in _MOUNT_KINDS or _under(m.target, made):
+            continue
+        if m.target in ("/", "/dev"):
+            return None
+        is_file = "file" in m.flags
+        if m.kind == "bind" and not is_file and m.source and not (m.source_in_sandbox or m.source_in_stage):
+            try:
+                is_file = not os.path.isdir(m.source)
+            except OSError:
+                is_file = False
+        if is_file:
+            base.append(MountOp("file", m.target, data=b"", mode=0o644, why="mount point"))
+        else:
+            base.append(MountOp("mkdir", m.target, why="mount point"))
+            made.append(m.target)
+    return tuple(base), tuple(run)
+
+
+def _key(plan: Plan, base: tuple[MountOp, ...]) -> tuple[Any, ...]:
+    return (base, plan.uid_map, plan.gid_map, plan.deny_setgroups)
+
+
+class LauncherChild(native.Child):
+    """A sandbox started by a launcher: init is the launcher's grandchild, so its
+    exit status comes over the status socket instead of waitid."""
+
+    status_sock: socket.socket | None = None
+    owner: Launcher | None = None
+
+    @property
+    def exit_fd(self) -> int:
+        return self.status_sock.fileno() if self.status_sock is not None else self.pidfd
+
+    def reap(self) -> int | None:
+        s = self.status_sock
+        if s is None:
+            return None
+        try:
+            data = s.recv(native.REPORT.size)
+        except OSError:
+            data = b""
+        reps, _ = native.parse_reports(data)
+        for r in reps:
+            if r.kind == native.REP_INIT_EXIT:
+                st = r.value
+                return os.WEXITSTATUS(st) if os.WIFEXITED(st) else -os.WTERMSIG(st)
+        return None
+
+    def close(self) -> None:
+        super().close()
+        if self.status_sock is not None:
+            self.status_sock.close()
+            self.status_sock = None
+        if self.owner is not None:
+            self.owner.release()
+            self.owner = None
+
+
+class Launcher:
+    def __init__(self, plan: Plan, base: tuple[MountOp, ...]) -> None:
+        self.inflight = 0
+        self.retired = False
+        self.lock = threading.Lock()
+        ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.ctl = ctl
+        child_fd = theirs.detach()
+        if child_fd < 3:
+            fd = os.dup(child_fd)  # CPython dup() is close-on-exec
+            while fd < 3:
+                fd = os.dup(fd)
+            os.close(child_fd)
+            child_fd = fd
+        exe = os.open(PATH, os.O_PATH | os.O_CLOEXEC)
+        child: native.Child | None = None
+        try:
+            os.set_inheritable(child_fd, True)
+            low = native.Lowered(plan, (-1, -1, -1), None, pty=False, mounts=())
+            p = low.plan
+            p.clone_flags = native._NS_FLAG["user"] | native._NS_FLAG["mount"]
+            p.launcher_exec_fd = exe
+            p.launcher_ctl_fd = child_fd
+            child = native.spawn(low)
+            os.set_inheritable(child_fd, False)
+            os.close(child_fd)
+            child_fd = -1
+            native.go(child)
+            # the report pipe closes on a successful exec; a record means it failed
+            data = b""
+            while True:
+                d = os.read(child.report_fd, 4096)
+                if not d:
+                    break
+                data += d
+            reps, _ = native.parse_reports(data)
+            for r in reps:
+                if r.kind == native.REP_ERROR:
+                    raise native.spawn_error(r.step, r.err, r.path)
+            self.pid = child.pid
+            self.pidfd = child.pidfd
+            child.pidfd = -1
+            base_low = native.Lowered(plan, (-1, -1, -1), None, pty=False, mounts=base)
+            self._send(_BASE, base_low.pack(), [])
+            reply = ctl.recv(native.REPORT.size)
+            reps, _ = native.parse_reports(reply)
+            if not reps:
+                raise SandboxError("launcher", errno=0, remedy=native._REMEDIES["launcher"])
+            r = reps[0]
+            if r.kind == native.REP_ERROR:
+                path = r.path
+                for pre in (native.NEW, native.OLD):
+                    if path.startswith(pre):
+                        path = path[len(pre):] or "/"
+                kind = base[r.value].kind if r.step == "mount" and 0 <= r.value < len(base) else None
+                raise native.spawn_error(r.step, r.err, path, op_kind=kind)
+        except BaseException:
+            self.ctl.close()
+            if child is not None:
+                if child.pidfd >= 0:
+                    self.pidfd = child.pidfd
+                    child.pidfd = -1
+                child.close()
+            if getattr(self, "pidfd", -1) >= 0:
+                self._reap()
+            raise
+        finally:
+            os.close(exe)
+            if child_fd >= 0:
+                os.close(child_fd)
+            if child is not None:
+                child.close()
+
+    def _send(self, kind: int, packed: bytes, fds: list[int]) -> None:
+        extra: list[int] = []
+        flags = 0
+        body = packed
+        if len(packed) > _INLINE_MAX:
+            mfd = os.memfd_create("stockade-plan", os.MFD_CLOEXEC)
+            os.write(mfd, packed)  # memfd writes are whole
+            extra = [mfd]
+            flags = _PLAN_IN_FD
+            body = b""
+        try:
+            socket.send_fds(self.ctl, [_MSG.pack(_MAGIC, kind, flags, 0), body], fds + extra)
+        finally:
+            for fd in extra:
+                os.close(fd)
+
+    def start(self, low: native.Lowered, fds: list[int]) -> LauncherChild:
+        """Send one run; fds are the slots the lowered plan's fd fields index,
+        then its pass-through fds."""
+        rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
+        sync_r, sync_w = os.pipe2(os.O_CLOEXEC)
+        st, st_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ok = False
+        try:
+            with self.lock:
+                self.inflight += 1
+            try:
+                self._send(_RUN, low.pack(), [rep_w, sync_r, st_theirs.fileno(), *fds])
+            finally:
+                os.close(rep_w)
+                os.close(sync_r)
+                st_theirs.close()
+            msg, got, _flags, _addr = socket.recv_fds(st, native.REPORT.size, 1)
+            for fd in got:
+                os.set_inheritable(fd, False)
+            reps, _ = native.parse_reports(msg)
+            r = reps[0] if reps else None
+            if r is None or r.kind != native.REP_INIT or not got:
+                for fd in got:
+                    os.close(fd)
+                if r is not None and r.kind == native.REP_ERROR:
+                    raise native.spawn_error(r.step, r.err, r.path or None)
+                raise SandboxError("launcher", errno=0, remedy=native._REMEDIES["launcher"])
+            child = LauncherChild(r.value, got[0], rep_r, sync_w, low, free_gos=1)
+            child.status_sock = st
+            child.owner = self
+            ok = True
+            return child
+        finally:
+            if not ok:
+                os.close(rep_r)
+                os.close(sync_w)
+                st.close()
+                self.release()
+
+    def release(self) -> None:
+        with self.lock:
+            self.inflight -= 1
+            done = self.retired and self.inflight == 0
+        if done:
+            self.close()
+
+    def retire(self) -> None:
+        with self.lock:
+            self.retired = True
+            done = self.inflight == 0
+        if done:
+            self.close()
+
+    def close(self) -> None:
+        """EOF on the control socket ends the launcher (and anything it still runs)."""
+        self.ctl.close()
+        self._reap()
+
+    def _reap(self) -> None:
+        fd, self.pidfd = self.pidfd, -1
+        if fd < 0:
+            return
+        try:
+            os.waitid(os.P_PIDFD, fd, os.WEXITED)
+        except ChildProcessError:
+            pass
+        finally:
+            os.close(fd)
+
+
+_lock = threading.Lock()
+_launchers: OrderedDict[tuple[Any, ...], Launcher] = OrderedDict()
+
+
+def _forget_after_fork() -> None:
+    # the child of a fork must not share (or end) its parent's launchers
+    global _lock
+    _lock = threading.Lock()
+    for la in _launchers.values():
+        try:
+            la.ctl.close()
+        except OSError:
+            pass
+        if la.pidfd >= 0:
+            os.close(la.pidfd)
+            la.pidfd = -1
+    _launchers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def shutdown() -> None:
+    with _lock:
+        las = list(_launchers.values())
+        _launchers.clear()
+    for la in las:
+        la.retire()
+
+
+def start(
+    plan: Plan,
+    stdio: tuple[int, int, int],
+    cgroup_fd: int | None,
+    *,
+    pty: bool,
+    console_sock: int,
+    hold_before_exec: bool,
+) -> native.Child | None:
+    """Start the plan through a launcher; None when this plan has to start cold."""
+    parts = split(plan)
+    if parts is None:
+        return None
+    base, run = parts
+    key = _key(plan, base)
+    # fd slots: 0..2 are the report pipe, sync pipe and status socket (added by start)
+    fds: list[int] = []
+
+    def slot(fd: int | None) -> int:
+        if fd is None or fd < 0:
+            return -1
+        fds.append(fd)
+        return 3 + len(fds) - 1
+
+    slots = (slot(stdio[0]), slot(stdio[1]), slot(stdio[2]))
+    cg_slot = slot(cgroup_fd)
+    con_slot = slot(console_sock)
+    fds.extend(plan.keep_fds)
+    low = native.Lowered(plan, slots, None, pty=pty, console_sock=con_slot,
+                         hold_before_exec=hold_before_exec, mounts=run, skip_first_go=True)
+    low.plan.cgroup_fd = cg_slot
+    for attempt in (0, 1):
+        with _lock:
+            la = _launchers.get(key)
+            if la is not None:
+                _launchers.move_to_end(key)
+        if la is None:
+            la = Launcher(plan, base)
+            with _lock:
+                old = _launchers.get(key)
+                if old is not None:  # another thread made one meanwhile: use it
+                    la.retire()
+                    la = old
+                else:
+                    _launchers[key] = la
+                    while len(_launchers) > _IDLE_MAX:
+                        _k, victim = _launchers.popitem(last=False)
+                        victim.retire()
+        try:
+            return la.start(low, fds)
+        except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError):
+            # the launcher died (killed from outside): make a new one, once
+            with _lock:
+                if _launchers.get(key) is la:
+                    del _launchers[key]
+            la.retire()
+            if attempt:
+                raise
+    return None
