@@ -14,13 +14,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from . import plan as planmod
-from .errors import SandboxError, UsageError
+from .errors import UsageError
+from .prepare import Prepared
+from .prepare import prepare as _prepare
 from .session import store
 
 PIPE = subprocess.PIPE
@@ -99,16 +100,6 @@ def run(
     return _run_in_session(sess, proj, args, **kwargs)
 
 
-def _argv(args: Sequence[str] | str, shell: bool) -> tuple[str, ...]:
-    if isinstance(args, str | bytes):
-        if shell:
-            return ("/bin/sh", "-c", os.fsdecode(args))
-        return (os.fsdecode(args),)
-    if shell:
-        return ("/bin/sh", "-c", " ".join(args))
-    return tuple(os.fsdecode(a) for a in args)
-
-
 def _run_in_session(
     sess: store.Session,
     project: Path,
@@ -150,19 +141,6 @@ def _run_in_session(
         )
 
 
-@dataclass
-class Prepared:
-    plan: planmod.Plan
-    cg_manager: Any
-    limits: Any
-    timeout: float | None
-    audit: dict[str, Any] = field(default_factory=dict)
-
-
-def _beneath(p: Path, root: Path) -> bool:
-    return p == root or root in p.parents
-
-
 def plan_for(
     args: Sequence[str] | str,
     *,
@@ -182,170 +160,6 @@ def plan_for(
     else:
         sess = store.Session("(new)", store.sessions_dir() / "(new)")
     return _prepare(sess, proj, args, explain_only=True, **opts)
-
-
-def _prepare(
-    sess: store.Session,
-    project: Path,
-    args: Sequence[str] | str,
-    *,
-    env: Mapping[str, str] | None = None,
-    cwd: str | os.PathLike[str] | None = None,
-    timeout: float | None = None,
-    shell: bool = False,
-    root: bool = False,
-    user: int | None = None,
-    read_only: bool = False,
-    network: str = "none",
-    pass_fds: Sequence[int] = (),
-    seccomp: str = "default",
-    allow_degraded: Sequence[str] = (),
-    landlock: bool = True,
-    limits: Any = None,
-    requested_limits: set[str] | None = None,
-    policy: Any = None,
-    explain_only: bool = False,
-) -> Prepared:
-    argv = _argv(args, shell)
-    if network not in ("none", "host"):
-        raise UsageError(f"--net {network!r} is not a network mode; use none or host")
-    degraded_ok = frozenset(allow_degraded)
-    unknown = degraded_ok - {"landlock", "seccomp", "limits", "cgroups"}
-    if unknown:
-        raise UsageError(f"--allow-degraded {','.join(sorted(unknown))}: unknown; accepted: landlock, seccomp, limits")
-    if not landlock and "landlock" not in degraded_ok:
-        raise UsageError("turning Landlock off needs --allow-degraded landlock")
-    if seccomp == "off" and "seccomp" not in degraded_ok:
-        raise UsageError("--seccomp off needs --allow-degraded seccomp")
-
-    wd = planmod.resolve_cwd(project, cwd)
-    degraded: list[str] = []
-
-    # environment
-    pol = _load_policy(project, sess if not explain_only or sess.meta_path.exists() else None, policy, env)
-    run_env, removed = pol.env(os.environ)
-    run_env = dict(run_env)
-    if pol.read_only:
-        read_only = True
-    reason = pol.check_command(list(argv))
-    if reason:
-        if not explain_only:
-            _audit_call(sess, "command_refused", None, list(argv), reason)
-        raise UsageError(f"command refused by policy: {reason}")
-
-    # confinement: Landlock and seccomp, fail closed
-    use_landlock = landlock
-    if use_landlock and planmod.landlock_abi() == 0:
-        if "landlock" in degraded_ok:
-            use_landlock = False
-            degraded.append("landlock (kernel has none)")
-        else:
-            raise SandboxError(
-                "landlock_create_ruleset",
-                errno=95,
-                remedy="this kernel has no Landlock (needs 5.13+ with lsm=landlock); pass --allow-degraded landlock to run without it",
-            )
-    elif not use_landlock:
-        degraded.append("landlock (turned off)")
-    seccomp_name: str | None = None
-    bpf = b""
-    if seccomp != "off":
-        bpf, seccomp_name = _seccomp(seccomp, degraded_ok, degraded)
-    else:
-        degraded.append("seccomp (turned off)")
-
-    masked: tuple[tuple[str, bool], ...] = ()
-    grants: tuple[tuple[str, bool], ...] = ()
-    exec_allow: tuple[str, ...] | None = None
-    etc_extra: tuple[str, ...] = ()
-    lower_layers: list[Path] = [] if read_only else [p for p in reversed(sess.layers())]
-    masked_l: list[Any] = list(pol.masked(project))
-    grant_masks: list[Any] = []
-    for g in pol.grants:
-        grant_masks.extend(pol.masked(Path(g.host_path)))
-    mode = getattr(pol, "mask_mode", "empty")
-    # Secrets in the project are overlay content (a lower layer of whiteouts or empty
-    # files), never mounts: see session/masklayer.py. Those in grants are mounted after
-    # the host is detached.
-    if masked_l:
-        if explain_only:
-            lower_layers.append(sess.dir / "masks" / "(layer)")
-        else:
-            from .session.masklayer import ensure_mask_layer
-
-            items = [(m.path, bool(m.is_dir), bool(getattr(m, "is_symlink", False))) for m in masked_l]
-            lower_layers.append(ensure_mask_layer(sess, items, project, mode))
-    masked = tuple((str(m.path), bool(m.is_dir)) for m in grant_masks if not getattr(m, "is_symlink", False))
-    masked_l = masked_l + grant_masks
-    grants = tuple((str(g.host_path), bool(g.writable)) for g in pol.grants)
-    exec_allow = tuple(pol.exec_allow) if pol.exec_allow is not None else None
-    etc_extra = tuple(pol.etc_extra)
-
-    # limits
-    from .cgroups import base as cgbase
-    from .cgroups import detect as cgdetect
-
-    if limits is not None and requested_limits is None:
-        requested_limits = {n for n in ("memory", "cpus", "pids") if getattr(limits, n) is not None}
-    lim = limits if limits is not None else cgbase.Limits.defaults()
-    cg_manager = cgdetect.detect()
-    unenforced = cgbase.check_enforceable(
-        lim, cg_manager, requested=set(requested_limits or ()), allow_degraded="limits" in degraded_ok
-    )
-    if unenforced:
-        degraded.append("limits not enforced for the whole sandbox: " + ", ".join(unenforced))
-    # defaults the backend cannot enforce tree-wide are not refused, but the outcome says so
-    unenforced = cgbase.degraded_limits(lim, cg_manager)
-    rlimits = tuple(cgbase.rlimits_for(lim, cg_manager))
-    if timeout is None and lim.timeout is not None:
-        timeout = lim.timeout
-
-    req = planmod.Request(
-        argv=argv,
-        project=project,
-        cwd=wd,
-        env=run_env,
-        lower_layers=tuple(lower_layers),
-        upper=None if read_only else sess.upper,
-        work=None if read_only else sess.work,
-        root=root,
-        user=user,
-        read_only=read_only,
-        network=network,
-        keep_fds=tuple(pass_fds),
-        masked=masked,
-        grants=grants,
-        exec_allow=exec_allow,
-        etc_extra=etc_extra,
-        landlock=use_landlock,
-        seccomp_name=seccomp_name,
-        seccomp_bpf=bpf,
-        rlimits=rlimits,
-        degraded=tuple(degraded),
-    )
-    plan = planmod.build(req)
-    if len(pass_fds) > 64:
-        raise UsageError(f"--pass-fd: at most 64 descriptors can be passed, not {len(pass_fds)}")
-    for fd in pass_fds:
-        try:
-            os.fstat(fd)
-        except OSError:
-            raise UsageError(f"--pass-fd {fd}: not an open file descriptor") from None
-    audit = {"policy": pol, "masked": masked_l, "removed": removed, "read_only": read_only, "project": str(project),
-             "unenforced": tuple(unenforced)}
-    return Prepared(plan, cg_manager, lim, timeout, audit)
-
-
-def _load_policy(project: Path, sess: store.Session | None, cli: Any, env: Mapping[str, str] | None) -> Any:
-    from . import policy as polmod
-
-    if cli is None:
-        cli = polmod.CliPolicy(env=dict(env or {}))
-    elif env:
-        import dataclasses
-
-        cli = dataclasses.replace(cli, env={**cli.env, **env})
-    return polmod.load(project, sess.dir if sess is not None else None, cli)
 
 
 def _audit_call(sess: store.Session, method: str, *args: Any, **kw: Any) -> None:
@@ -378,20 +192,6 @@ def _audit_run_start(sess: store.Session, run_no: int, argv: list[str], cwd: str
     if not quiet:
         for w in getattr(pol, "warnings", ()) or ():
             sys.stderr.write(f"stockade: warning: {w}\n")
-
-
-def _seccomp(spec: str, degraded_ok: frozenset[str], degraded: list[str]) -> tuple[bytes, str | None]:
-    """Compiled BPF for a profile (cached by the compiler on the profile file's identity)."""
-    from .linux import seccomp as sc
-
-    try:
-        compiled = sc.compile_profile(spec)
-    except SandboxError as e:  # e.g. libseccomp.so.2 missing
-        if "seccomp" not in degraded_ok:
-            raise
-        degraded.append(f"seccomp ({e.one_line()})")
-        return b"", None
-    return compiled.bpf, f"{compiled.name} (sha256 {compiled.digest[:12]})"
 
 
 def _std_target(spec: int | IO[Any] | None, default_fd: int) -> int | None:

@@ -28,7 +28,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("STOCKADE_STATE_DIR", str(tmp_path / "state"))
-    return {"home": home, "proj": proj, "sess": sess}
+    return {"home": home, "proj": proj, "sess": sess, "state": tmp_path / "state"}
 
 
 def _touch(root: Path, *rels: str, content: str = "x") -> None:
@@ -138,8 +138,8 @@ def test_cache_is_incremental_and_correct(env: dict[str, Path]) -> None:
     assert [str(m.path.relative_to(p)) for m in eff.masked(p)] == ["d3/.env"]
     first = eff.scan_stats[str(p)]
     assert first["reused"] == 0 and first["listed"] == 61
-    cache_files = list((env["sess"] / "cache").iterdir())
-    assert len(cache_files) == 1
+    cache_files = list((env["state"] / "cache").glob("secrets-*.json"))
+    assert len(cache_files) == 1  # one per tree and rule set, shared by the sessions
     # make every directory look old so the racy window does not force re-listing
     old = 1_000_000_000
     for d, _, _ in os.walk(p):
@@ -165,8 +165,9 @@ def test_corrupt_cache_is_ignored(env: dict[str, Path]) -> None:
     p = env["proj"]
     _touch(p, "a/.env")
     policy.load(p, env["sess"], CliPolicy()).masked(p)
-    for f in (env["sess"] / "cache").iterdir():
+    for f in (env["state"] / "cache").glob("secrets-*.json"):
         f.write_text("{not json")
+    policy.clear_cache()  # as in a new process: only the disk cache
     assert [m.path for m in policy.load(p, env["sess"], CliPolicy()).masked(p)] == [p / "a" / ".env"]
 
 

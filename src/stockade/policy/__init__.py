@@ -105,8 +105,8 @@ def _default_layer(home: str, state: str) -> Layer:
     lay.secret_allow = [Item(p, o) for p in DEFAULT_ALLOW]
     lay.env_allow = [Item(p, o) for p in ENV_DEFAULT_ALLOW]
     lay.env_block = [Item(p, o) for p in ENV_DEFAULT_BLOCK]
-    lay.paths = [PathEntry(os.path.realpath(os.path.join(home, n)), "deny", o) for n in DEFAULT_HOME_DENY]
-    lay.paths.append(PathEntry(os.path.realpath(state), "deny", o))
+    lay.paths = [PathEntry(_config.realpath(os.path.join(home, n)), "deny", o) for n in DEFAULT_HOME_DENY]
+    lay.paths.append(PathEntry(_config.realpath(state), "deny", o))
     return lay
 
 
@@ -121,7 +121,7 @@ def _cli_layer(cli: CliPolicy, project: Path) -> Layer:
         p = os.path.expanduser(raw)
         if not p.strip():
             raise PolicyError(f"{flag}: empty path")
-        return os.path.realpath(p if os.path.isabs(p) else os.path.join(base, p))
+        return _config.realpath(p if os.path.isabs(p) else os.path.join(base, p))
 
     if cli.read_only is not None:
         lay.read_only = (cli.read_only, o("--read-only"))
@@ -195,11 +195,11 @@ class Effective:
     """The merged policy of one run (or one `policy` command)."""
 
     def __init__(self, project: Path, session_dir: Path | None, cli: CliPolicy, layers: list[Layer], warnings: list[str]) -> None:
-        self.project = Path(os.path.realpath(project))
+        self.project = Path(_config.realpath(str(project)))
         self.session_dir = session_dir
         self.cli = cli
         self.layers = layers
-        self.home = os.path.realpath(os.path.expanduser("~"))
+        self.home = _config.realpath(os.path.expanduser("~"))
         self.warnings: list[str] = list(warnings)
         self.files = [(lay.name, lay.file) for lay in layers if lay.file]
 
@@ -255,7 +255,7 @@ class Effective:
                         f"allow {p} --rw ({a.origin}) is inside the read-only project; it stays read-only"
                     )
                 continue
-            if not os.path.lexists(p):
+            if not _config.lexists(p):
                 self.warnings.append(f"allow {p} ({a.origin}): no such path; not granted")
                 continue
             self.grants.append(Grant(Path(p), a.access == "rw", a.origin.layer, str(a.origin)))
@@ -272,6 +272,19 @@ class Effective:
         self._masked: dict[str, list[Masked]] = {}
         self.scan_stats: dict[str, dict[str, int]] = {}
         self.digest: str = self._digest()
+        self._real_trees = frozenset([str(self.project), *(str(g.host_path) for g in self.grants)])
+        self._base_warnings = tuple(self.warnings)
+        self._env_memo: list[Any] = [None]
+
+    def _fresh(self, session_dir: Path | None) -> Effective:
+        """A copy for one more run: shares the merged rules, resets per-run state."""
+        e = object.__new__(Effective)
+        e.__dict__.update(self.__dict__)
+        e.session_dir = session_dir
+        e.warnings = list(self._base_warnings)
+        e._masked = {}
+        e.scan_stats = {}
+        return e
 
     # ---- settings --------------------------------------------------------------
     def _digest(self) -> str:
@@ -307,8 +320,20 @@ class Effective:
         )
 
     def env(self, environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-        """(environment passed to the sandbox incl. --env, names removed)."""
-        return self.env_filter().apply(dict(environ), dict(self.cli.env))
+        """(environment passed to the sandbox incl. --env, names removed).
+
+        The last answer for ``os.environ`` is kept (shared by the copies ``load_cached``
+        hands out): a process usually runs many commands with one environment."""
+        raw = getattr(environ, "_data", None) if environ is os.environ else None
+        memo = self._env_memo
+        if isinstance(raw, dict):
+            hit = memo[0]
+            if hit is not None and hit[0] == raw:
+                return dict(hit[1]), list(hit[2])
+        passed, removed = self.env_filter().apply(dict(environ), dict(self.cli.env))
+        if isinstance(raw, dict):
+            memo[0] = (dict(raw), passed, removed)
+        return dict(passed), list(removed)
 
     # ---- commands ------------------------------------------------------------------
     def check_command(self, argv: list[str]) -> str | None:
@@ -337,29 +362,25 @@ class Effective:
         return [self.project, *(g.host_path for g in self.grants)]
 
     def masked(self, tree: Path) -> list[Masked]:
-        """Paths inside ``tree`` (the project or a grant) to mask, sorted. Cached per session."""
+        """Paths inside ``tree`` (the project or a grant) to mask, sorted.
+
+        Every call of a fresh policy rescans, incrementally: the scan cache (kept in
+        memory, and on disk for runs of a session) is validated against each
+        directory's inode and mtime."""
         from . import secrets
 
-        root = os.path.realpath(tree)
+        root = str(tree)
+        if root not in self._real_trees:
+            root = os.path.realpath(root)
         if root in self._masked:
             return self._masked[root]
         m = self.matcher()
         denies = [d for d in self.paths.denies if is_under(d.path, root) and d.path != root]
         skip = [d.path for d in denies if os.path.isdir(d.path) and not os.path.islink(d.path)]
         scanner = secrets.Scanner(m, skip_dirs=skip)
-        cpath = secrets.cache_path(self.session_dir, Path(root)) if self.session_dir else None
-        cache = secrets.load_cache(cpath) if cpath else None
-        hits, new_cache = scanner.scan(Path(root), cache)
-        # Unchanged tree: no rewrite. Keeping the older scanned_ns is conservative (the
-        # racy-mtime window only makes more directories rescan, never fewer).
-        unchanged = cache is not None and {k: v for k, v in new_cache.items() if k != "scanned_ns"} == {
-            k: v for k, v in cache.items() if k != "scanned_ns"
-        }
-        if cpath is not None and not unchanged:
-            try:
-                secrets.save_cache(cpath, new_cache)
-            except OSError as e:
-                self.warnings.append(f"cannot write the secret-scan cache {cpath}: {e.strerror}")
+        hits, err = secrets.scan_cached(scanner, root, persist=self.session_dir is not None)
+        if err is not None:
+            self.warnings.append(err)
         self.scan_stats[root] = dict(scanner.stats)
         self.warnings += [f"secret scan: cannot list {e}" for e in scanner.errors]
         out: dict[str, Masked] = {}
@@ -541,3 +562,147 @@ def load(project: Path, session_dir: Path | None, cli: CliPolicy | None = None, 
             f"remove that deny, or allow {d.path} itself in a later layer (deny wins over allows of paths inside it)"
         )
     return eff
+
+
+# --------------------------------------------------------------------------- cached load
+#
+# A process that runs many commands (an agent's Sandbox) loads the same policy again
+# and again. ``load_cached`` keeps the merged policy and revalidates it on every call
+# against everything loading consulted: each tier's file (stat: device, inode, size,
+# mtime and ctime; a file changed within RACY_NS of being read is compared by content
+# until it is older), the variables that locate the files, and every path that was
+# resolved or tested (a path with no symlink along it resolves to itself until one of
+# its components becomes a symlink; any other is resolved again). Secrets are not part
+# of it: ``Effective.masked`` rescans (incrementally) on every fresh copy.
+
+RACY_NS = 2_000_000_000
+_ENV_KEYS = ("HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "STOCKADE_STATE_DIR")
+
+
+def _file_sig(path: str) -> tuple[int, int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _read_bytes(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+class _Cached:
+    """One cached policy and what it depends on."""
+
+    def __init__(self, eff: Effective, files: list[tuple[str, Any, bytes | None]], notes: list[tuple[str, str, object]]) -> None:
+        self.eff = eff
+        # (file, stat signature, content while racy)
+        self.files = files
+        self.no_symlinks: list[str] = []  # paths none of whose components may become a symlink
+        self.resolved: list[tuple[str, str]] = []  # (raw, realpath) re-resolved every time
+        self.exists: list[tuple[str, bool]] = []
+        seen: set[str] = set()
+        for kind, raw, result in notes:
+            if kind == "lexists":
+                self.exists.append((raw, bool(result)))
+                continue
+            norm = os.path.normpath(raw)
+            if result != norm or not raw.startswith("/"):
+                self.resolved.append((raw, str(result)))
+                continue
+            cur = ""
+            for part in norm.split("/")[1:]:
+                cur = f"{cur}/{part}"
+                if cur not in seen:
+                    seen.add(cur)
+                    self.no_symlinks.append(cur)
+
+    def valid(self, sigs: list[Any]) -> bool:
+        """Still the policy loading would give now? ``sigs``: the files' signatures now."""
+        import stat as _stat
+        import time
+
+        if [s for _f, s, _c in self.files] != sigs:
+            return False
+        now = time.time_ns()
+        for i, (path, sig, content) in enumerate(self.files):
+            if content is not None:
+                if _read_bytes(path) != content:
+                    return False
+                if sig is not None and sig[3] < now - RACY_NS:
+                    self.files[i] = (path, sig, None)
+        for p in self.no_symlinks:
+            try:
+                if _stat.S_ISLNK(os.lstat(p).st_mode):
+                    return False
+            except OSError:
+                continue
+        for raw, real in self.resolved:
+            if os.path.realpath(raw) != real:
+                return False
+        return all(os.path.lexists(p) == e for p, e in self.exists)
+
+
+_CACHE: dict[tuple[Any, ...], _Cached] = {}
+_CACHE_MAX = 64
+
+
+def _cli_key(cli: CliPolicy) -> tuple[Any, ...]:
+    out: list[Any] = []
+    for k, v in sorted(cli.__dict__.items()):
+        out.append((k, tuple(sorted(v.items())) if isinstance(v, Mapping) else v))
+    return tuple(out)
+
+
+def load_cached(project: Path, session_dir: Path | None, cli: CliPolicy | None = None) -> Effective:
+    """``load(project, session_dir, cli)`` (strict), from the cache while it still holds.
+
+    The result is a fresh copy: its secret masks are recomputed on first use."""
+    import time
+
+    cli = cli or CliPolicy()
+    proj = str(project)
+    spath = str(_config.session_policy_path(session_dir)) if session_dir is not None else None
+    files = [str(_config.global_config_path()), os.path.join(proj, ".stockade.toml"), os.path.join(proj, "pyproject.toml")]
+    if spath is not None:
+        files.append(spath)
+    sigs = [_file_sig(f) for f in files]
+    # the session tier is part of the key only when the session has a policy file
+    has_session_policy = spath is not None and sigs[-1] is not None
+    needs_cwd = bool(cli.allow_paths or cli.deny_paths or cli.exec_allow) and cli.cwd is None
+    key = (
+        proj,
+        str(session_dir) if has_session_policy else None,
+        _cli_key(cli),
+        os.getcwd() if needs_cwd else None,
+        tuple(os.environ.get(k) for k in _ENV_KEYS),
+    )
+    hit = _CACHE.get(key)
+    if hit is not None and hit.valid(sigs):
+        return hit.eff._fresh(session_dir)
+    # contents of files changed within the timestamp granularity are read *before*
+    # loading: a later change then shows up as a difference
+    started = time.time_ns()
+    recorded: list[tuple[str, Any, bytes | None]] = []
+    for f, sig in zip(files, sigs, strict=True):
+        racy = sig is not None and sig[3] >= started - RACY_NS
+        recorded.append((f, sig, _read_bytes(f) if racy else None))
+    with _config.noting() as notes:
+        eff = load(project, session_dir, cli)
+    eff.matcher()  # shared by the copies
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.clear()
+    _CACHE[key] = _Cached(eff, recorded, notes)
+    return eff._fresh(session_dir)
+
+
+def clear_cache() -> None:
+    """Forget cached policies and scans (tests)."""
+    from . import secrets
+
+    _CACHE.clear()
+    secrets._SCANS.clear()

@@ -15,6 +15,7 @@ naming the file, the line and the key; unknown keys list the valid ones.
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import re
@@ -439,7 +440,47 @@ def _norm_path(raw: str, *, layer: str, base: Path | None, file: str, line: int 
         p = os.path.join(base, p)
     if p.startswith("~"):
         raise _err(file, line, key, f"cannot expand {raw!r}: no such user")
-    return os.path.realpath(p)
+    return realpath(p)
+
+
+# --------------------------------------------------------------------------- noted file-system facts
+#
+# Loading a policy resolves paths (realpath) and tests existence (lexists). While a
+# ``noting()`` block is active on this thread, each such fact is recorded, so that
+# ``stockade.policy.load_cached`` can later tell whether a cached policy still holds.
+
+_notes = _thread._local()
+
+
+class noting:
+    """Record, on this thread, every path fact consulted inside the block."""
+
+    def __enter__(self) -> list[tuple[str, str, object]]:
+        self.prev = getattr(_notes, "log", None)
+        log: list[tuple[str, str, object]] = []
+        _notes.log = log
+        return log
+
+    def __exit__(self, *exc: object) -> None:
+        _notes.log = self.prev
+
+
+def realpath(p: str) -> str:
+    """``os.path.realpath``, noted."""
+    r = os.path.realpath(p)
+    log = getattr(_notes, "log", None)
+    if log is not None:
+        log.append(("realpath", p, r))
+    return r
+
+
+def lexists(p: str) -> bool:
+    """``os.path.lexists``, noted."""
+    r = os.path.lexists(p)
+    log = getattr(_notes, "log", None)
+    if log is not None:
+        log.append(("lexists", p, r))
+    return r
 
 
 def split_command(raw: str | list[str]) -> tuple[str, ...]:

@@ -283,7 +283,7 @@ class Scanner:
         self.errors: list[str] = []
         self.stats = {"listed": 0, "reused": 0, "entries": 0}
 
-    def scan(self, tree: Path, cache: dict[str, Any] | None = None) -> tuple[list[Hit], dict[str, Any]]:
+    def scan(self, tree: Path | str, cache: dict[str, Any] | None = None) -> tuple[list[Hit], dict[str, Any]]:
         root = str(tree)
         start = time.time_ns()
         old: dict[str, Any] = {}
@@ -394,7 +394,7 @@ class Scanner:
         return subdirs, found, cond
 
 
-def load_cache(path: Path) -> dict[str, Any] | None:
+def load_cache(path: Path | str) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -403,14 +403,56 @@ def load_cache(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def save_cache(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def save_cache(path: Path | str, data: dict[str, Any]) -> None:
+    path = str(path)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f, separators=(",", ":"))
     os.replace(tmp, path)
 
 
-def cache_path(session_dir: Path, tree: Path) -> Path:
-    h = hashlib.sha256(str(tree).encode()).hexdigest()[:16]
-    return session_dir / "cache" / f"secrets-{h}.json"
+def cache_path(root: str, fingerprint: str, skip: tuple[str, ...]) -> str:
+    """The on-disk scan cache of one tree under one set of rules (shared by sessions)."""
+    from ..session.store import state_dir
+
+    h = hashlib.sha256("\0".join((root, fingerprint, *skip)).encode("utf-8", "surrogateescape")).hexdigest()[:20]
+    return os.path.join(state_dir(), "cache", f"secrets-{h}.json")
+
+
+def _same_scan(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return {k: v for k, v in a.items() if k != "scanned_ns"} == {k: v for k, v in b.items() if k != "scanned_ns"}
+
+
+# (tree, fingerprint, skip) -> (latest scan cache, whether the disk holds the same)
+_SCANS: dict[tuple[str, str, tuple[str, ...]], tuple[dict[str, Any], bool]] = {}
+
+
+def scan_cached(scanner: Scanner, root: str, *, persist: bool) -> tuple[list[Hit], str | None]:
+    """``scanner.scan(root)`` against the latest cache of this process (else the disk's).
+
+    The newest scan stays in memory (so its racy window moves on); the disk copy is
+    rewritten only when its content would change, and only with ``persist`` (a run,
+    not ``explain``). Returns (hits, a warning when the disk cache cannot be written)."""
+    skip = tuple(sorted(scanner.skip))
+    key = (root, scanner.m.fingerprint, skip)
+    ent = _SCANS.get(key)
+    cache, on_disk = ent if ent is not None else (None, False)
+    path: str | None = None
+    if cache is None:
+        path = cache_path(*key)
+        cache = load_cache(path)
+        on_disk = cache is not None
+    hits, new = scanner.scan(root, cache)
+    if cache is None or not _same_scan(cache, new):
+        on_disk = False
+    err: str | None = None
+    if persist and not on_disk:
+        path = path or cache_path(*key)
+        try:
+            save_cache(path, new)
+            on_disk = True
+        except OSError as e:
+            err = f"cannot write the secret-scan cache {path}: {e.strerror}"
+    _SCANS[key] = (new, on_disk)
+    return hits, err
