@@ -88,6 +88,7 @@ class User:
             "PYTHONPATH": f"{SRC}:{site}",
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
+            "STOCKADE_LAUNCHER_IDLE": "2",  # shared launchers of the CLI end soon after a test
         }
         if MUST_WORK:
             env["STOCKADE_MUST_WORK"] = "1"

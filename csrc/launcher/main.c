@@ -30,12 +30,14 @@
 #include <fcntl.h>
 #include <linux/sched.h>
 #include <sched.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -57,6 +59,7 @@
 #define SK_MSG_PLAN_IN_FD 1
 #define MAX_FDS 250
 #define INLINE_MAX (256 * 1024)
+#define MAX_CLIENTS 64
 
 struct sk_msg_hdr {
     uint32_t magic, type, flags, reserved;
@@ -70,6 +73,31 @@ struct sk_clone_args {
 static int ctl = -1;
 static pid_t self_pid;
 static unsigned char msgbuf[INLINE_MAX + sizeof(struct sk_msg_hdr)];
+static int listen_fd = -1;             /* shared mode: clients connect here */
+static int clients[MAX_CLIENTS];
+static int nclients;
+static long idle_ms;                   /* shared mode: exit after this long unused */
+static int sigfd = -1;
+static int live;                       /* forked children not yet reaped (runs, the spare) */
+static pid_t spare_pid = -1;
+static int spare_sock = -1;            /* to the spare run child, when there is one */
+static unsigned long spare_flags;      /* the namespaces it made */
+
+/* A run child keeps none of the launcher's sockets. */
+static void close_launcher_fds(void)
+{
+    if (ctl >= 0)
+        close(ctl);
+    if (listen_fd >= 0)
+        close(listen_fd);
+    for (int i = 0; i < nclients; i++)
+        close(clients[i]);
+    if (sigfd >= 0)
+        close(sigfd);
+    if (spare_sock >= 0)
+        close(spare_sock);
+    spare_sock = -1;
+}
 
 static void close_all(const int *fds, int n)
 {
@@ -79,7 +107,7 @@ static void close_all(const int *fds, int n)
 }
 
 /* One message and its fds (all close-on-exec). 0 = EOF. */
-static ssize_t recv_msg(int *fds, int *nfds)
+static ssize_t recv_msg(int sock, int *fds, int *nfds)
 {
     union {
         char buf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
@@ -89,7 +117,7 @@ static ssize_t recv_msg(int *fds, int *nfds)
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
                          .msg_controllen = sizeof u.buf};
     *nfds = 0;
-    ssize_t n = recvmsg(ctl, &msg, MSG_CMSG_CLOEXEC);
+    ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
     if (n <= 0)
         return n;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
@@ -191,14 +219,20 @@ static int slot(const int *fds, int nfds, int s)
     return (s >= 0 && s < nfds) ? fds[s] : -1;
 }
 
-/* C1: new namespaces, then clone init and report on it until it is reaped. */
-static void __attribute__((noreturn)) run_child(struct sk_plan *p, int *fds, int nfds)
+
+static unsigned long run_ns_flags(const struct sk_plan *p)
 {
-    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != self_pid)
-        _exit(1);
-    close(ctl);
-    signal(SIGCHLD, SIG_DFL);
+    return CLONE_NEWNS | (p->clone_flags & (CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID));
+}
+
+/* C1 after its namespaces exist: clone init and report on it until it is reaped. */
+static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int nfds, int unshare_err)
+{
     int rep = fds[0], sync_fd = fds[1], st = fds[2];
+    if (unshare_err) {
+        send_report(st, SK_REP_ERROR, SK_STEP_UNSHARE, unshare_err, 0, NULL, -1);
+        _exit(1);
+    }
 
     /* Slots -> our fd numbers. */
     for (int i = 0; i < 3; i++)
@@ -213,13 +247,6 @@ static void __attribute__((noreturn)) run_child(struct sk_plan *p, int *fds, int
         keep_src[i] = (int)(nfds - (int)nk + (int)i) >= 3 ? fds[nfds - (int)nk + (int)i] : -1;
         if (p->keep_fds[i] > floor)
             floor = p->keep_fds[i];
-    }
-
-    unsigned long flags = CLONE_NEWNS;
-    flags |= p->clone_flags & (CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID);
-    if (unshare((int)flags) < 0) {
-        send_report(st, SK_REP_ERROR, SK_STEP_UNSHARE, errno, 0, NULL, -1);
-        _exit(1);
     }
 
     struct sk_clone_args ca;
@@ -270,6 +297,22 @@ static void __attribute__((noreturn)) run_child(struct sk_plan *p, int *fds, int
         _exit(1);
     }
     send_report(st, SK_REP_INIT, 0, 0, (int)pid, NULL, pidfd);
+    /* Whoever asked for this run may vanish (killed): then so does the run. */
+    struct pollfd pf[2] = {{.fd = pidfd, .events = POLLIN}, {.fd = st, .events = POLLRDHUP}};
+    for (;;) {
+        int r = poll(pf, 2, -1);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            break;
+        }
+        if (pf[0].revents)
+            break; /* init is gone */
+        if (pf[1].revents & (POLLHUP | POLLRDHUP | POLLERR)) {
+            syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0);
+            pf[1].fd = -1;
+        }
+    }
     close(pidfd);
     int status = 0;
     while (waitpid((pid_t)pid, &status, __WALL) < 0) {
@@ -281,6 +324,123 @@ static void __attribute__((noreturn)) run_child(struct sk_plan *p, int *fds, int
     send_report(st, SK_REP_INIT_EXIT, 0, 0, status, NULL, -1);
     _exit(0);
 }
+
+static void c1_start(void)
+{
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != self_pid)
+        _exit(1);
+    close_launcher_fds();
+    signal(SIGCHLD, SIG_DFL);
+}
+
+/* C1 forked for one request. */
+static void __attribute__((noreturn)) run_child(struct sk_plan *p, int *fds, int nfds)
+{
+    c1_start();
+    int e = unshare((int)run_ns_flags(p)) < 0 ? errno : 0;
+    run_in_ns(p, fds, nfds, e);
+}
+
+/* A spare C1: makes the usual namespaces now (a new network namespace alone
+ * costs about half a millisecond), then waits for the request it will serve. */
+
+static void __attribute__((noreturn)) spare_main(int sock, unsigned long flags)
+{
+    c1_start();
+    int e = unshare((int)flags) < 0 ? errno : 0;
+    int fds[MAX_FDS], nfds;
+    ssize_t n;
+    do
+        n = recv_msg(sock, fds, &nfds);
+    while (n < 0 && errno == EINTR);
+    if (n <= 0)
+        _exit(0);
+    close(sock);
+    struct sk_plan p;
+    unsigned char *heap;
+    if (read_plan(n, fds, &nfds, &p, &heap) < 0 || nfds < 3)
+        _exit(1);
+    run_in_ns(&p, fds, nfds, e);
+}
+
+static void make_spare(unsigned long flags)
+{
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
+        return;
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(sv[0]);
+        spare_main(sv[1], flags);
+    }
+    close(sv[1]);
+    if (pid < 0) {
+        close(sv[0]);
+        return;
+    }
+    spare_sock = sv[0];
+    spare_flags = flags;
+    spare_pid = pid;
+    live++;
+}
+
+/* Hand the request, as received, to the spare. 0 when it took it. */
+static int to_spare(ssize_t n, const int *fds, int nfds)
+{
+    struct iovec iov = {.iov_base = msgbuf, .iov_len = (size_t)n};
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
+        struct cmsghdr align;
+    } u;
+    memset(&u, 0, sizeof u);
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+                         .msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds)};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+    memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
+    int sock = spare_sock;
+    spare_sock = -1;
+    ssize_t r;
+    do
+        r = sendmsg(sock, &msg, MSG_NOSIGNAL);
+    while (r < 0 && errno == EINTR);
+    close(sock);
+    return r == n ? 0 : -1;
+}
+
+
+static void reap_children(void)
+{
+    struct signalfd_siginfo si;
+    while (read(sigfd, &si, sizeof si) > 0)
+        ;
+    pid_t w;
+    while ((w = waitpid(-1, NULL, WNOHANG)) > 0) {
+        live--;
+        if (w == spare_pid)
+            spare_pid = -1;
+    }
+}
+
+/* Only our own user (as this user namespace sees it) may ask for runs. */
+static void accept_client(void)
+{
+    int c = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
+    if (c < 0)
+        return;
+    struct ucred cr;
+    socklen_t len = sizeof cr;
+    if (nclients >= MAX_CLIENTS || getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cr, &len) < 0 ||
+        cr.uid != getuid()) {
+        close(c);
+        return;
+    }
+    clients[nclients++] = c;
+}
+
+static int serve_one(int sock);
 
 int main(int argc, char **argv)
 {
@@ -308,19 +468,24 @@ int main(int argc, char **argv)
     syscall(SYS_close_range, ctl + 1, ~0U, 0);
     fcntl(ctl, F_SETFD, FD_CLOEXEC);
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-    /* Every signal stays blocked (the mask is inherited from the spawn); run
-     * children are reaped by the kernel. */
-    signal(SIGCHLD, SIG_IGN);
+    /* Every signal stays blocked (the mask is inherited from the spawn); SIGCHLD
+     * is read from a signalfd. */
     umask(022);
 
     int fds[MAX_FDS], nfds;
     struct sk_plan base;
     unsigned char *heap = NULL;
-    ssize_t n = recv_msg(fds, &nfds);
+    ssize_t n = recv_msg(ctl, fds, &nfds);
     if (n <= 0)
         return 1;
     const struct sk_msg_hdr *h = (const void *)msgbuf;
     int r = read_plan(n, fds, &nfds, &base, &heap);
+    /* shared mode: the listening socket rides along; reserved = idle seconds */
+    if (r == 0 && nfds == 1) {
+        listen_fd = fds[0];
+        nfds = 0;
+        idle_ms = (long)h->reserved * 1000;
+    }
     close_all(fds, nfds);
     if (r < 0 || h->type != SK_MSG_BASE) {
         send_report(ctl, SK_REP_ERROR, SK_STEP_LAUNCHER, r < 0 ? -r : EINVAL, 0, "base plan", -1);
@@ -331,36 +496,101 @@ int main(int argc, char **argv)
         return 1; /* reported on ctl */
     sk_plan_free(&base);
     free(heap);
+    if (listen_fd >= 0)
+        setsid(); /* a shared launcher outlives its creator's terminal session */
     send_report(ctl, SK_REP_READY, 0, 0, 0, NULL, -1);
 
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    sigfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sigfd < 0)
+        return 1;
     for (;;) {
-        n = recv_msg(fds, &nfds);
-        if (n == 0)
-            return 0;
-        if (n < 0) {
-            if (errno == EINTR || errno == EMSGSIZE)
+        struct pollfd pf[2 + MAX_CLIENTS];
+        int np = 0;
+        pf[np++] = (struct pollfd){.fd = sigfd, .events = POLLIN};
+        pf[np++] = (struct pollfd){.fd = ctl >= 0 ? ctl : listen_fd, .events = POLLIN};
+        int have_listen = ctl >= 0 && listen_fd >= 0;
+        if (have_listen)
+            pf[np++] = (struct pollfd){.fd = listen_fd, .events = POLLIN};
+        int first_client = np;
+        for (int i = 0; i < nclients; i++)
+            pf[np++] = (struct pollfd){.fd = clients[i], .events = POLLIN};
+        int busy = ctl >= 0 || nclients > 0 || live > (spare_pid > 0 ? 1 : 0);
+        int pr = poll(pf, (nfds_t)np, busy ? -1 : (int)idle_ms);
+        if (pr < 0) {
+            if (errno == EINTR)
                 continue;
             return 1;
         }
-        struct sk_plan p;
-        r = read_plan(n, fds, &nfds, &p, &heap);
-        h = (const void *)msgbuf;
-        if (r < 0 || h->type != SK_MSG_RUN || nfds < 3) {
-            if (nfds >= 3)
-                send_report(fds[2], SK_REP_ERROR, SK_STEP_LAUNCHER, r < 0 ? -r : EINVAL, 0, "run plan", -1);
-            close_all(fds, nfds);
-            if (r == 0)
-                sk_plan_free(&p);
-            free(heap);
-            continue;
+        if (pr == 0)
+            return 0; /* shared launcher, idle long enough */
+        if (pf[0].revents)
+            reap_children();
+        if (pf[1].revents) {
+            if (ctl >= 0) {
+                if (serve_one(ctl) == 0) {
+                    if (listen_fd < 0)
+                        return 0; /* private launcher: the owner is gone */
+                    close(ctl);
+                    ctl = -1;
+                }
+            } else {
+                accept_client();
+            }
         }
+        if (have_listen && pf[2].revents)
+            accept_client();
+        for (int i = np - 1; i >= first_client; i--) {
+            if (pf[i].revents && serve_one(pf[i].fd) == 0) {
+                close(pf[i].fd);
+                clients[i - first_client] = clients[--nclients];
+            }
+        }
+    }
+}
+
+/* One request from a control or client socket; 0 = EOF. */
+static int serve_one(int sock)
+{
+    int fds[MAX_FDS], nfds;
+    unsigned char *heap = NULL;
+    ssize_t n = recv_msg(sock, fds, &nfds);
+    if (n == 0)
+        return 0;
+    if (n < 0)
+        return (errno == EINTR || errno == EMSGSIZE || errno == EAGAIN) ? 1 : 0;
+    struct sk_plan p;
+    int r = read_plan(n, fds, &nfds, &p, &heap);
+    const struct sk_msg_hdr *h = (const void *)msgbuf;
+    if (r < 0 || h->type != SK_MSG_RUN || nfds < 3) {
+        if (nfds >= 3)
+            send_report(fds[2], SK_REP_ERROR, SK_STEP_LAUNCHER, r < 0 ? -r : EINVAL, 0, "run plan", -1);
+        close_all(fds, nfds);
+        if (r == 0)
+            sk_plan_free(&p);
+        free(heap);
+        return 1;
+    }
+    unsigned long want = run_ns_flags(&p);
+    int inline_plan = !(h->flags & SK_MSG_PLAN_IN_FD);
+    if (!(spare_sock >= 0 && spare_flags == want && inline_plan && to_spare(n, fds, nfds) == 0)) {
         pid_t pid = fork();
         if (pid == 0)
             run_child(&p, fds, nfds);
         if (pid < 0)
             send_report(fds[2], SK_REP_ERROR, SK_STEP_FORK, errno, 0, NULL, -1);
-        close_all(fds, nfds);
-        sk_plan_free(&p);
-        free(heap);
+        else
+            live++;
+    } else {
+        spare_pid = -1; /* it is a run now */
     }
+    close_all(fds, nfds);
+    /* the next run's namespaces, made while this one runs */
+    if (spare_sock < 0)
+        make_spare(want);
+    sk_plan_free(&p);
+    free(heap);
+    return 1;
 }

@@ -91,7 +91,10 @@ def _run_kwargs(args: argparse.Namespace, default_cmd: list[str] | None = None) 
 def cmd_run(args: argparse.Namespace) -> int:
     from . import api
     from .errors import SandboxError
+    from .linux import launcher
 
+    # each command is a new process: share a launcher between them (it idles out)
+    launcher.SHARED = os.environ.get("STOCKADE_LAUNCHER", "1") != "private"
     kw = _run_kwargs(args)
     argv = kw.pop("args")
     project = kw.pop("project")

@@ -14,10 +14,18 @@ the runs of one launcher (same ids, same maps), as it is by the runs of a
 warm sandbox.
 
 ``STOCKADE_LAUNCHER=0`` turns launchers off (every run starts cold).
+
+Shared launchers (the CLI, where every command is a new process): the first
+``stockade run`` makes a launcher that also listens on a socket in the state
+dir (``launchers/<digest of the base>.sock``, mode 0700 directory, peers
+checked to be the same user) and outlives it; later commands connect to it.
+It exits after ``STOCKADE_LAUNCHER_IDLE`` seconds (default 300) without clients
+or runs. A run it starts still ends with the process that asked for it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import struct
@@ -40,6 +48,9 @@ _IDLE_MAX = 4  # launchers kept for bases no run uses any more
 _MOUNT_KINDS = frozenset({"bind", "tmpfs", "overlay", "proc", "devpts", "mqueue"})
 
 PATH = Path(__file__).resolve().parent.parent / "stockade-launcher"
+
+
+SHARED = False  # the CLI sets this: launchers outlive the process and are found by socket
 
 
 def enabled() -> bool:
@@ -143,7 +154,26 @@ class LauncherChild(native.Child):
 
 
 class Launcher:
-    def __init__(self, plan: Plan, base: tuple[MountOp, ...]) -> None:
+    pid = -1
+    pidfd = -1
+
+    @classmethod
+    def connect(cls, path: str) -> Launcher:
+        """A client of a shared launcher (not our child: nothing to reap)."""
+        la = cls.__new__(cls)
+        la.inflight = 0
+        la.retired = False
+        la.lock = threading.Lock()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.connect(path)
+        except OSError:
+            s.close()
+            raise
+        la.ctl = s
+        return la
+
+    def __init__(self, plan: Plan, base: tuple[MountOp, ...], listen: socket.socket | None = None, idle: int = 0) -> None:
         self.inflight = 0
         self.retired = False
         self.lock = threading.Lock()
@@ -185,7 +215,7 @@ class Launcher:
             self.pidfd = child.pidfd
             child.pidfd = -1
             base_low = native.Lowered(plan, (-1, -1, -1), None, pty=False, mounts=base)
-            self._send(_BASE, base_low.pack(), [])
+            self._send(_BASE, base_low.pack(), [listen.fileno()] if listen is not None else [], reserved=idle)
             reply = ctl.recv(native.REPORT.size)
             reps, _ = native.parse_reports(reply)
             if not reps:
@@ -215,7 +245,7 @@ class Launcher:
             if child is not None:
                 child.close()
 
-    def _send(self, kind: int, packed: bytes, fds: list[int]) -> None:
+    def _send(self, kind: int, packed: bytes, fds: list[int], reserved: int = 0) -> None:
         extra: list[int] = []
         flags = 0
         body = packed
@@ -226,7 +256,7 @@ class Launcher:
             flags = _PLAN_IN_FD
             body = b""
         try:
-            socket.send_fds(self.ctl, [_MSG.pack(_MAGIC, kind, flags, 0), body], fds + extra)
+            socket.send_fds(self.ctl, [_MSG.pack(_MAGIC, kind, flags, reserved), body], fds + extra)
         finally:
             for fd in extra:
                 os.close(fd)
@@ -331,6 +361,44 @@ def shutdown() -> None:
         la.retire()
 
 
+def _shared(plan: Plan, base: tuple[MountOp, ...]) -> Launcher:
+    """Connect to the shared launcher for this base, or make it."""
+    from ..session import store
+
+    st = os.stat(PATH)
+    h = hashlib.sha256()
+    h.update(native.Lowered(plan, (-1, -1, -1), None, pty=False, mounts=base).pack())
+    h.update(repr((plan.uid_map, plan.gid_map, plan.deny_setgroups, st.st_ino, st.st_mtime_ns, st.st_size)).encode())
+    d = store.state_dir() / "launchers"
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = str(d / (h.hexdigest()[:24] + ".sock"))
+    try:
+        return Launcher.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        pass
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        lst.bind(tmp)
+        lst.listen(64)
+        idle = int(os.environ.get("STOCKADE_LAUNCHER_IDLE", "300") or 300)
+        la = Launcher(plan, base, listen=lst, idle=max(1, idle))
+        os.rename(tmp, path)  # atomic: a racing creator's launcher just idles out
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    finally:
+        lst.close()
+    return la
+
+
 def start(
     plan: Plan,
     stdio: tuple[int, int, int],
@@ -368,7 +436,7 @@ def start(
             if la is not None:
                 _launchers.move_to_end(key)
         if la is None:
-            la = Launcher(plan, base)
+            la = _shared(plan, base) if SHARED else Launcher(plan, base)
             with _lock:
                 old = _launchers.get(key)
                 if old is not None:  # another thread made one meanwhile: use it

@@ -1,0 +1,216 @@
+"""The pre-spawned launcher (linux/launcher.py, csrc/launcher/main.c): runs started
+through it see exactly what a cold start sees, get fresh namespaces each, and
+nothing survives the Python process that owns it. Checked from the host side."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import User
+
+VIEW = (
+    "cat /proc/self/mountinfo; hostname; grep -E 'Cap|NoNewPrivs|Seccomp' /proc/self/status; "
+    "ls -la /tmp /dev; cat /proc/net/dev; id"
+)
+
+
+def _normalize(out: str) -> str:
+    lines = []
+    for line in out.splitlines():
+        f = line.split()
+        if len(f) > 8 and f[0].isdigit() and f[1].isdigit():
+            f = f[2:3] + f[3:]  # mount ids differ from run to run
+            f[0] = ""
+        lines.append(" ".join(f))
+    text = "\n".join(lines)
+    text = re.sub(r"\d{4}-[0-9a-f]{6}", "SESSION", text)
+    return re.sub(r"\b(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) +\d+ +[\d:]+", "DATE", text)
+
+
+@pytest.mark.vm
+def test_same_view_as_a_cold_start(user: User, project: Path) -> None:
+    outs = {}
+    for mode in ("0", "1"):
+        r = user.cli(["run", "--", "sh", "-c", VIEW], cwd=project, env={"STOCKADE_LAUNCHER": mode})
+        assert r.returncode == 0, r.stderr.decode()
+        outs[mode] = _normalize(r.stdout.decode())
+    assert outs["0"] == outs["1"]
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import stockade
+    from stockade.linux import launcher
+    proj = sys.argv[1]
+    probe = ("readlink /proc/self/ns/net /proc/self/ns/pid /proc/self/ns/mnt /proc/self/ns/ipc /proc/self/ns/uts; "
+             "ls /tmp; touch /tmp/mark-$$; ls /dev/pts | wc -l")
+    with stockade.Sandbox(proj) as sb:
+        a = sb.run(["sh", "-c", probe], capture_output=True, text=True)
+        b = sb.run(["sh", "-c", probe], capture_output=True, text=True)
+    c = stockade.run(["sh", "-c", probe], project=proj, capture_output=True, text=True)
+    la = next(iter(launcher._launchers.values()))
+    try:  # a non-dumpable process: only root may look
+        ns = [os.readlink(f"/proc/{la.pid}/ns/{n}") for n in ("net", "pid", "mnt", "ipc", "uts")]
+    except OSError:
+        ns = None
+    print(json.dumps({"out": [a.stdout, b.stdout, c.stdout], "rc": [a.returncode, b.returncode, c.returncode],
+                      "launchers": len(launcher._launchers), "ns": ns}))
+    """
+)
+
+
+@pytest.mark.vm
+def test_each_run_gets_fresh_namespaces(user: User, project: Path) -> None:
+    r = subprocess.run([*user.prefix(), user.python, "-c", SCRIPT, str(project)], cwd=project,
+                       env=user.env({"STOCKADE_LAUNCHER": "1"}), capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    res = json.loads(r.stdout)
+    assert res["rc"] == [0, 0, 0]
+    assert res["launchers"] == 1  # every run went through one launcher
+    outs = [o.split() for o in res["out"]]
+    # (a namespace's inode number can be reused once it is freed, so runs are
+    # compared with the launcher, and their state with each other)
+    mine = res["ns"]
+    assert mine is not None or user.name != "root"
+    for o in outs:
+        for i in range(5 if mine else 0):
+            assert o[i] != mine[i], (i, o[i])
+    for o in outs:
+        assert not any(w.startswith("mark-") for w in o), "a run saw another run's /tmp"
+        assert o[-1] == "1"  # only ptmx: no other run's ptys
+
+
+def test_concurrent_runs_do_not_see_each_other(user: User, project: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import sys, threading, stockade
+        proj = sys.argv[1]
+        res = {}
+        def go(i):
+            res[i] = stockade.run(["sh", "-c", "sleep 0.5; ls /proc | grep -c '^[0-9]'"], project=proj,
+                                  capture_output=True, text=True)
+        ts = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+        [t.start() for t in ts]; [t.join() for t in ts]
+        print(" ".join(res[i].stdout.strip() for i in range(4)))
+        """
+    )
+    r = subprocess.run([*user.prefix(), user.python, "-c", code, str(project)], cwd=project,
+                       env=user.env(), capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    counts = [int(x) for x in r.stdout.split()]
+    # init, sh, ls, grep: nothing of the three other sandboxes
+    assert all(c <= 4 for c in counts), counts
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        st = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return st != "Z"
+
+
+def test_killing_the_owner_ends_launcher_and_sandbox(user: User, project: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import sys, stockade
+        from stockade.linux import launcher
+        stockade.run(["true"], project=sys.argv[1])
+        la = next(iter(launcher._launchers.values()))
+        print(la.pid, flush=True)
+        stockade.run(["sh", "-c", "echo started; exec sleep 60"], project=sys.argv[1])
+        """
+    )
+    p = subprocess.Popen([*user.prefix(), user.python, "-c", code, str(project)], cwd=project, env=user.env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout is not None
+        la_pid = int(p.stdout.readline())
+        assert p.stdout.readline().strip() == b"started"
+        tree = [la_pid]
+        for pid in tree:  # the launcher, its run child, init, sleep
+            tree.extend(_children(pid))
+        assert len(tree) >= 4, tree
+        os.kill(p.pid, signal.SIGKILL)  # setpriv execs: this is the Python process
+        deadline = time.time() + 10
+        while time.time() < deadline and any(_alive(x) for x in tree):
+            time.sleep(0.05)
+        assert not [x for x in tree if _alive(x)]
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_killed_launcher_is_replaced(user: User, project: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import os, signal, sys, time, stockade
+        from stockade.linux import launcher
+        assert stockade.run(["true"], project=sys.argv[1]).returncode == 0
+        la = next(iter(launcher._launchers.values()))
+        os.kill(la.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        r = stockade.run(["sh", "-c", "echo ok"], project=sys.argv[1], capture_output=True)
+        assert r.stdout == b"ok\\n", r
+        assert next(iter(launcher._launchers.values())).pid != la.pid
+        print("fine")
+        """
+    )
+    r = subprocess.run([*user.prefix(), user.python, "-c", code, str(project)], cwd=project,
+                       env=user.env(), capture_output=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == b"fine", r.stderr.decode()
+
+
+def test_fork_child_gets_its_own_launcher(user: User, project: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import os, sys, stockade
+        from stockade.linux import launcher
+        assert stockade.run(["true"], project=sys.argv[1]).returncode == 0
+        parent_la = next(iter(launcher._launchers.values())).pid
+        pid = os.fork()
+        if pid == 0:
+            ok = not launcher._launchers and stockade.run(["true"], project=sys.argv[1]).returncode == 0
+            ok = ok and next(iter(launcher._launchers.values())).pid != parent_la
+            os._exit(0 if ok else 1)
+        _, st = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(st) == 0
+        assert stockade.run(["true"], project=sys.argv[1]).returncode == 0
+        assert next(iter(launcher._launchers.values())).pid == parent_la
+        print("fine")
+        """
+    )
+    r = subprocess.run([*user.prefix(), user.python, "-c", code, str(project)], cwd=project,
+                       env=user.env(), capture_output=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == b"fine", r.stderr.decode()
+
+
+def test_large_plan_goes_through_a_memfd(user: User, project: Path) -> None:
+    big = "x" * 100_000  # one string may not pass 128 KiB; three make the plan > 200 KiB
+    args = ["run", "--env", f"B1={big}", "--env", f"B2={big}", "--env", f"B3={big}", "--"]
+    r = user.cli([*args, "sh", "-c", 'printf %s "$B1$B2$B3" | wc -c'], cwd=project)
+    assert r.returncode == 0, r.stderr.decode()[:500]
+    assert r.stdout.strip() == b"300000"
