@@ -9,7 +9,7 @@ result or a SandboxError. Safe to call from many threads at once.
 from __future__ import annotations
 
 import os
-import selectors
+import select
 import signal
 import subprocess
 import sys
@@ -176,9 +176,9 @@ def _audit_run_start(sess: store.Session, run_no: int, argv: list[str], cwd: str
     pol = info["policy"]
     from .audit import AuditLog
 
-    log = AuditLog(sess)
+    log = AuditLog(sess, batch=True)
     try:
-        if not sess.events_path.exists():
+        if not os.path.exists(sess.events_path):
             log.session_start(pol, project=info.get("project", ""))
         log.run_start(run_no, argv, cwd, pol)
         if info.get("masked"):
@@ -187,6 +187,7 @@ def _audit_run_start(sess: store.Session, run_no: int, argv: list[str], cwd: str
             log.env_removed(run_no, info["removed"])
         if info.get("read_only"):
             log.read_only(run_no, info.get("project", ""))
+        log.flush()
     except OSError:
         pass
     if not quiet:
@@ -229,7 +230,8 @@ def _execute(
 ) -> RunResult:
     from .linux import native
 
-    run_no, run_dir = sess.new_run_dir()
+    run_no, run_path = sess.new_run_dir()
+    run_dir = str(run_path)
     started = time.time()
     record: dict[str, Any] = {
         "run": run_no,
@@ -285,23 +287,30 @@ def _execute(
     capture_err = stderr == PIPE
     dest_out = None if capture_out else _std_target(stdout, 1)
     dest_err = None if capture_err else _std_target(stderr if stderr != STDOUT else stdout, 2)
-    log_out = os.open(run_dir / "stdout.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    log_err = os.open(run_dir / "stderr.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    log_out = os.open(run_dir + "/stdout.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    log_err = os.open(run_dir + "/stderr.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
 
     cg = None
     child = None
+    reaped = False  # init reaped: with its own PID namespace, nothing of the sandbox is left
     try:
         if cg_manager is not None and limits is not None:
-            cg = cg_manager.create(f"{sess.id}-{run_no}", limits)
+            cg = cg_manager.create(f"{sess.id}-{run_no}", limits, pid_namespace="pid" in plan.namespaces)
         cg_fd = cg.clone_into_fd() if cg else None
         # Without CLONE_INTO_CGROUP (v1), attaching is slow: overlap it with the
         # child's mount setup; the child waits for a second "go" before exec.
         hold = cg is not None and cg_fd is None
-        lowered = native.Lowered(plan, (stdin_fd, out_w, err_w), cg_fd, pty=pty, console_sock=console[1], hold_before_exec=hold)
-        child = native.spawn(lowered)
+        child = native.start(plan, (stdin_fd, out_w, err_w), cg_fd, pty=pty, console_sock=console[1], hold_before_exec=hold)
         if native.go(child) and hold and cg is not None:
-            cg.attach(child.pid)
-            native.go(child)
+            try:
+                cg.attach(child.pid)
+            except Exception:
+                # a child that failed its setup is gone before we could attach it:
+                # its report says why (the supervisor reads it)
+                if not native.has_exited(child):
+                    raise
+            else:
+                native.go(child)
         if pty:
             for fd in console:
                 to_close.remove(fd)
@@ -322,11 +331,13 @@ def _execute(
                 sup.loop()
         else:
             sup.loop()
+        reaped = sup.init_done
     except BaseException:
         if child is not None:
             try:
                 signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
-                os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
+                child.reap()
+                reaped = True
             except (OSError, ChildProcessError):
                 pass
         raise
@@ -342,10 +353,11 @@ def _execute(
         if cg is not None:
             stats = None
             try:
-                cg.kill()
+                if not (reaped and "pid" in plan.namespaces):
+                    cg.kill()
                 stats = cg.stats()
             finally:
-                cg.remove()
+                cg.remove()  # a task still there (EBUSY) is killed then
             sup_stats = stats
         else:
             sup_stats = None
@@ -361,12 +373,13 @@ def _execute(
             if path.startswith(pre):
                 path = path[len(pre):] or "/"
         kind = None
-        if rep.step == "mount" and 0 <= rep.value < len(plan.mounts):
-            kind = plan.mounts[rep.value].kind
+        ops = child.lowered.mounts if child is not None and child.lowered is not None else plan.mounts
+        if rep.step == "mount" and 0 <= rep.value < len(ops):
+            kind = ops[rep.value].kind
         err = native.spawn_error(rep.step, rep.err, path, op_kind=kind)
         record["status"] = "setup-failed"
         record["error"] = str(err)
-        store.write_json_atomic(run_dir / "run.json", record)
+        store.write_json_new(run_dir + "/run.json", record)
         raise err
 
     returncode = sup.returncode
@@ -378,7 +391,7 @@ def _execute(
         record["log_truncated_bytes"] = sup.log_truncated  # past STOCKADE_LOG_MAX per stream
     if sup.exec_failed is not None:
         record["exec_failed"] = {"path": sup.exec_failed.path, "errno": sup.exec_failed.err}
-    store.write_json_atomic(run_dir / "run.json", record)
+    store.write_json_new(run_dir + "/run.json", record)
     _audit_call(sess, "outcome", run_no, str(outcome.get("outcome_kind", "exited")), outcome=outcome.get("outcome"),
                 exit_status=record["exit_status"], degraded=list(plan.degraded) or None,
                 seccomp=plan.seccomp_name, landlock_abi=record["landlock_abi"])
@@ -421,6 +434,42 @@ def _classify(sup: _Supervisor, stats: Any, returncode: int, limits: Any, unenfo
         "cpu_time": o.cpu_time,
         "exit_code": o.exit_status,
     }
+
+
+_READ = select.EPOLLIN
+_WRITE = select.EPOLLOUT
+
+
+class _Poller:
+    """The part of ``selectors.EpollSelector`` the supervisor uses, without its per-call
+    bookkeeping: ``select`` gives (fd, data) pairs."""
+
+    __slots__ = ("_data", "_ep")
+
+    def __init__(self) -> None:
+        self._ep = select.epoll()
+        self._data: dict[int, str] = {}
+
+    def register(self, fd: int, events: int, data: str) -> None:
+        self._ep.register(fd, events)
+        self._data[fd] = data
+
+    def unregister(self, fd: int) -> None:
+        del self._data[fd]
+        self._ep.unregister(fd)
+
+    def select(self, timeout: float | None) -> list[tuple[int, str]]:
+        data = self._data
+        while True:
+            try:
+                ready = self._ep.poll(-1 if timeout is None else timeout, max(len(data), 1))
+                break
+            except InterruptedError:  # pragma: no cover - PEP 475 retries already
+                continue
+        return [(fd, data[fd]) for fd, _ev in ready if fd in data]
+
+    def close(self) -> None:
+        self._ep.close()
 
 
 GRACE = 2.0  # seconds between SIGTERM and SIGKILL on timeout
@@ -494,8 +543,6 @@ class _Supervisor:
             except InterruptedError:
                 continue
             except BlockingIOError:
-                import select
-
                 select.select([], [fd], [])
                 continue
             mv = mv[n:]
@@ -517,18 +564,18 @@ class _Supervisor:
     def loop(self) -> None:
         from .linux import native
 
-        sel = selectors.DefaultSelector()
+        sel = _Poller()
         open_streams = 0
         for fd in (self.out_r, self.err_r):
             if fd >= 0:
-                sel.register(fd, selectors.EVENT_READ, "out")
+                sel.register(fd, _READ, "out")
                 open_streams += 1
-        sel.register(self.child.report_fd, selectors.EVENT_READ, "report")
-        sel.register(self.child.pidfd, selectors.EVENT_READ, "pidfd")
+        sel.register(self.child.report_fd, _READ, "report")
+        sel.register(self.child.exit_fd, _READ, "pidfd")
         relay_on = False
         if self.relay_in >= 0 and self.stdin_w >= 0:
             try:
-                sel.register(self.relay_in, selectors.EVENT_READ, "relay")
+                sel.register(self.relay_in, _READ, "relay")
                 relay_on = True
             except PermissionError:  # a regular file or /dev/null: nothing to relay
                 pass
@@ -552,7 +599,7 @@ class _Supervisor:
                 want_sink = self.stdin_w >= 0 and bool(self.pending)
                 if want_sink != sink_on:
                     if want_sink:
-                        sel.register(self.stdin_w, selectors.EVENT_WRITE, "stdin")
+                        sel.register(self.stdin_w, _WRITE, "stdin")
                     else:
                         sel.unregister(self.stdin_w)
                     sink_on = want_sink
@@ -560,7 +607,7 @@ class _Supervisor:
                     sel.unregister(self.relay_in)
                     relay_on = False
                 elif not relay_on and self.relay_in >= 0 and not self.input_eof and len(self.pending) < RELAY_MAX // 2 and self.stdin_w >= 0:
-                    sel.register(self.relay_in, selectors.EVENT_READ, "relay")
+                    sel.register(self.relay_in, _READ, "relay")
                     relay_on = True
                 if self.init_done and drain_until is None:
                     # init is gone, so is every process of the sandbox: drain what is buffered
@@ -572,9 +619,7 @@ class _Supervisor:
                 events = sel.select(max(0.0, min(waits)) if waits else None)
                 if not events:
                     continue
-                for key, _ in events:
-                    what = key.data
-                    fd = key.fd
+                for fd, what in events:
                     if what == "relay":
                         try:
                             data = os.read(fd, _CHUNK)
@@ -628,9 +673,7 @@ class _Supervisor:
                                 self.exit_status = r.value
                     elif what == "pidfd":
                         sel.unregister(fd)
-                        info = os.waitid(os.P_PIDFD, fd, os.WEXITED)
-                        if info is not None:
-                            self.init_status = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+                        self.init_status = self.child.reap()
                         self.init_done = True
         except KeyboardInterrupt:
             self._signal(signal.SIGINT)

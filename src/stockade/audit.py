@@ -58,8 +58,44 @@ def secret_name(name: str) -> bool:
     return any(fnmatch.fnmatchcase(up, g) for g in _SECRET_NAME_GLOBS) and up not in {"KEY", "AUTHOR", "AUTHORS"}
 
 
+_ANY_SECRET: re.Pattern[str] | None = None
+
+
+def _any_secret() -> re.Pattern[str]:
+    """One regex that finds whatever a redaction pattern would (the fast pre-check)."""
+    global _ANY_SECRET
+    if _ANY_SECRET is None:
+        from .policy.env import TOKEN_PATTERNS
+
+        alts = [f"(?:{rx.pattern})" for _label, rx in TOKEN_PATTERNS]
+        alts.append(r"(?i:\b(?:authorization|proxy-authorization|x-api-key|cookie)\s*:\s*\S)")
+        _ANY_SECRET = re.compile("|".join(alts))
+    return _ANY_SECRET
+
+
+# strings already checked (the same operations, paths, digests and reasons recur in
+# every run of a process): string -> its redacted form
+_REDACTED: dict[str, str] = {}
+_REDACTED_MAX = 4096
+_REDACTED_LEN = 512
+
+
 def redact_text(s: str) -> str:
     """Replace token-looking substrings of ``s``."""
+    hit = _REDACTED.get(s)
+    if hit is not None:
+        return hit
+    out = _redact(s)
+    if len(s) <= _REDACTED_LEN:
+        if len(_REDACTED) >= _REDACTED_MAX:
+            _REDACTED.clear()
+        _REDACTED[s] = out
+    return out
+
+
+def _redact(s: str) -> str:
+    if _any_secret().search(s) is None:
+        return s
     from .policy.env import TOKEN_PATTERNS
 
     for label, rx in TOKEN_PATTERNS:
@@ -90,6 +126,10 @@ def redact_argv(argv: Iterable[str]) -> list[str]:
     return out
 
 
+_SCALARS = (bool, int, float)
+_SEQUENCES = (list, tuple, set, frozenset)
+
+
 def cap(value: Any, depth: int = 0) -> Any:
     """Redact and length-cap a JSON-able value."""
     if isinstance(value, str):
@@ -97,7 +137,7 @@ def cap(value: Any, depth: int = 0) -> Any:
         if len(v) > MAX_FIELD:
             v = v[: MAX_FIELD - 20] + f"...[+{len(v) - MAX_FIELD + 20} chars]"
         return v
-    if isinstance(value, bool | int | float) or value is None:
+    if value is None or isinstance(value, _SCALARS):
         return value
     if isinstance(value, Path):
         return cap(str(value), depth)
@@ -109,7 +149,7 @@ def cap(value: Any, depth: int = 0) -> Any:
         if len(items) > MAX_ITEMS:
             out["_truncated"] = len(items) - MAX_ITEMS
         return out
-    if isinstance(value, list | tuple | set | frozenset):
+    if isinstance(value, _SEQUENCES):
         seq = list(value)
         capped = [cap(v, depth + 1) for v in seq[:MAX_ITEMS]]
         if len(seq) > MAX_ITEMS:
@@ -126,9 +166,11 @@ def _now() -> str:
 class AuditLog:
     """Appends events to a session's ``events.jsonl``."""
 
-    def __init__(self, session: _SessionLike) -> None:
+    def __init__(self, session: _SessionLike, *, batch: bool = False) -> None:
         self.session_id = session.id
-        self.path = Path(session.events_path)
+        self.path = session.events_path
+        # batch: events are kept until flush(), which appends them with one write
+        self._batch: list[bytes] | None = [] if batch else None
 
     def event(
         self,
@@ -155,7 +197,7 @@ class AuditLog:
         for k, v in extra.items():
             if k in rec:
                 raise ValueError(f"audit: extra field {k!r} collides with a standard field")
-            if k == "argv" and isinstance(v, list | tuple):
+            if k == "argv" and isinstance(v, (list, tuple)):
                 v = redact_argv(str(a) for a in v)
             elif k == "env" and isinstance(v, Mapping):
                 v = {n: ("[REDACTED]" if secret_name(str(n)) else val) for n, val in v.items()}
@@ -172,9 +214,24 @@ class AuditLog:
                 rec["target"] = str(rec["target"])[:256]
                 rec["reason"] = str(rec["reason"] or "")[:256]
                 data = json.dumps(rec, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        if self._batch is not None:
+            self._batch.append(data + b"\n")
+            return
+        self._append(data + b"\n")
+
+    def flush(self) -> None:
+        """Append the batched events (one write: O_APPEND keeps them together)."""
+        if self._batch:
+            data = b"".join(self._batch)
+            self._batch.clear()
+            self._append(data)
+
+    def _append(self, data: bytes) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, data + b"\n")
+            mv = memoryview(data)
+            while mv:
+                mv = mv[os.write(fd, mv):]
         finally:
             os.close(fd)
 

@@ -12,6 +12,7 @@ import functools
 import os
 import pwd
 import stat
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,20 +252,66 @@ def _etc_entry(name: str, extra: bool = False) -> tuple[str, str, str | bytes] |
     return entry
 
 
+# etc_extra -> (/etc's identity, [(path, identity) of the regular files copied], facts)
+_facts_memo: dict[tuple[str, ...], tuple[tuple[int, int, int], list[tuple[str, tuple[int, int, int, int]]], HostFacts]] = {}
+_RACY_NS = 2_000_000_000
+
+
+def _dir_sig(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def host_facts(etc_extra: Sequence[str] = ()) -> HostFacts:
+    """The host facts a plan depends on; the same object while they are unchanged.
+
+    /etc's entries appear, vanish or change type only through its directory (its
+    mtime changes); the content of the files copied in can change in place, so
+    those are checked one by one."""
+    key = tuple(etc_extra)
+    etc_sig = _dir_sig("/etc")
+    hit = _facts_memo.get(key)
+    euid, egid = os.geteuid(), os.getegid()
+    if hit is not None and etc_sig is not None and hit[0] == etc_sig and hit[2].euid == euid and hit[2].egid == egid:
+        for path, sig in hit[1]:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                break
+            if (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != sig:
+                break
+        else:
+            return hit[2]
+    started = time.time_ns()
     etc = []
+    files: list[tuple[str, tuple[int, int, int, int]]] = []
     for name in (*ETC_ALLOW, *etc_extra):
         e = _etc_entry(name)
         if e is not None:
             etc.append(e)
-    return HostFacts(
-        euid=os.geteuid(),
-        egid=os.getegid(),
+            if e[1] == "file":
+                try:
+                    st = os.lstat("/etc/" + name)
+                except OSError:
+                    continue
+                files.append(("/etc/" + name, (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)))
+    facts = HostFacts(
+        euid=euid,
+        egid=egid,
         system=_system_layout(),
         etc=tuple(etc),
         proc_entries=_proc_entries(),
         landlock_abi=landlock_abi(),
     )
+    # a directory changed within the timestamp granularity may change again unseen
+    if etc_sig is not None and etc_sig[1] < started - _RACY_NS and _dir_sig("/etc") == etc_sig:
+        if len(_facts_memo) > 16:
+            _facts_memo.clear()
+        _facts_memo[key] = (etc_sig, files, facts)
+    return facts
 
 
 @functools.lru_cache(maxsize=1)
@@ -382,18 +429,19 @@ class Request:
 
 
 def resolve_project(project: str | os.PathLike[str]) -> Path:
-    p = Path(project)
+    raw = os.fspath(project)
     try:
-        real = p.resolve(strict=True)
+        real = os.path.realpath(raw, strict=True)
+        is_dir = stat.S_ISDIR(os.stat(real).st_mode)
     except FileNotFoundError:
-        raise UsageError(f"project {str(p)!r} does not exist; pass --project DIR with an existing directory") from None
+        raise UsageError(f"project {raw!r} does not exist; pass --project DIR with an existing directory") from None
     except OSError as e:
-        raise UsageError(f"project {str(p)!r} cannot be resolved: {e.strerror}") from None
-    if not real.is_dir():
-        raise UsageError(f"project {str(p)!r} is not a directory; pass --project DIR")
-    if real == Path("/"):
+        raise UsageError(f"project {raw!r} cannot be resolved: {e.strerror}") from None
+    if not is_dir:
+        raise UsageError(f"project {raw!r} is not a directory; pass --project DIR")
+    if real == "/":
         raise UsageError("the project cannot be / ; pass --project DIR with a project directory")
-    return real
+    return Path(real)
 
 
 def resolve_cwd(project: Path, cwd: str | os.PathLike[str] | None) -> Path:

@@ -100,12 +100,14 @@ def _seccomp(spec: str, degraded_ok: frozenset[str], degraded: list[str]) -> tup
 
 # --------------------------------------------------------------------------- limits
 
-_LIMITS: dict[tuple[Any, ...], tuple[list[str], list[str], tuple[tuple[int, int, int], ...]]] = {}
+_LIMITS: dict[tuple[Any, ...], tuple[list[str], list[str], tuple[tuple[int, int, int], ...], tuple[tuple[int, int], ...]]] = {}
 _DEFAULT_LIMITS: list[Any] = []
 
 
 def _limits(limits: Any, requested: set[str] | None, allow: bool) -> tuple[Any, Any, list[str], list[str], tuple[tuple[int, int, int], ...]]:
     """(limits, cgroup manager, unenforced and refused-unless-allowed, degraded, rlimits)."""
+    import resource
+
     from .cgroups import base as cgbase
     from .cgroups import detect as cgdetect
 
@@ -117,17 +119,15 @@ def _limits(limits: Any, requested: set[str] | None, allow: bool) -> tuple[Any, 
         limits = _DEFAULT_LIMITS[0]
     manager = cgdetect.detect()
     req = frozenset(requested or ())
-    import resource
-
-    # rlimits are clamped to this process's hard limits, which it may lower at any time
-    hard = tuple(resource.getrlimit(r)[1] for r in (resource.RLIMIT_FSIZE, resource.RLIMIT_NOFILE, resource.RLIMIT_CPU, resource.RLIMIT_DATA, resource.RLIMIT_NPROC))
-    key = (limits, id(manager), req, allow, hard)
+    key = (limits, id(manager), req, allow)
     hit = _LIMITS.get(key)
-    if hit is None:
+    # rlimits are clamped to this process's hard limits, which it may lower at any time
+    if hit is None or any(resource.getrlimit(r)[1] != h for r, h in hit[3]):
         checked = cgbase.check_enforceable(limits, manager, requested=set(req), allow_degraded=allow)
         unenforced = cgbase.degraded_limits(limits, manager)
+        hard = tuple((r, resource.getrlimit(r)[1]) for r, _s, _h in cgbase.rlimits_for(limits, manager))
         rl = tuple(cgbase.rlimits_for(limits, manager))
-        hit = (checked, unenforced, rl)
+        hit = (checked, unenforced, rl, hard)
         if len(_LIMITS) > 64:
             _LIMITS.clear()
         _LIMITS[key] = hit
@@ -136,7 +136,7 @@ def _limits(limits: Any, requested: set[str] | None, allow: bool) -> tuple[Any, 
 
 # --------------------------------------------------------------------------- plans
 
-_PLANS: dict[tuple[Any, ...], tuple[planmod.HostFacts, planmod.Plan]] = {}
+_PLANS: dict[tuple[Any, ...], tuple[planmod.HostFacts, planmod.Plan, tuple[Any, ...]]] = {}
 
 
 def _passwd_sig() -> tuple[Any, ...]:
@@ -150,34 +150,65 @@ def _passwd_sig() -> tuple[Any, ...]:
     return tuple(out)
 
 
+def _with(plan: planmod.Plan, **changes: Any) -> planmod.Plan:
+    """A copy of a (frozen) plan with some fields changed, without re-running its __init__."""
+    p = object.__new__(planmod.Plan)
+    p.__dict__.update(plan.__dict__)
+    for k, v in changes.items():
+        object.__setattr__(p, k, v)
+    return p
+
+
 def _build(req: planmod.Request) -> planmod.Plan:
-    """``plan.build(req)``, reusing the plan of an equal request on unchanged host facts."""
+    """``plan.build(req)``, reusing the plan of an equal request on unchanged host facts.
+
+    The command, and the session's layers (the overlay's upper, work and lower dirs),
+    are not part of the match: a plan for another command or session is a copy with
+    those replaced."""
     facts = planmod.host_facts(req.etc_extra)
     owner: Any = None
     if facts.euid == 0 and req.user is None:
         st = os.stat(req.project)
         owner = (st.st_uid, st.st_gid)
     key = (
-        str(req.project), str(req.cwd), tuple(req.env.items()), req.lower_layers, req.upper, req.work,
+        str(req.project), str(req.cwd), tuple(req.env.items()), bool(req.lower_layers), req.upper is None, req.work is None,
         req.root, req.user, req.read_only, req.network, req.hostname, req.keep_fds, req.masked, req.grants,
         req.exec_allow, req.etc_extra, req.landlock, req.seccomp_name, req.seccomp_bpf, req.rlimits,
         req.degraded, req.stage_dir, owner, _passwd_sig(),
     )
+    layers = (req.lower_layers, req.upper, req.work)
     hit = _PLANS.get(key)
     if hit is not None and hit[0] == facts:
-        plan = hit[1]
-        if plan.argv == req.argv:
-            return plan
-        # the same plan for another command: a copy with the new argv
-        p = object.__new__(planmod.Plan)
-        p.__dict__.update(plan.__dict__)
-        object.__setattr__(p, "argv", tuple(req.argv))
-        return p
+        _facts, plan, built_layers = hit
+        if layers != built_layers:
+            plan = _with(plan, mounts=_relayered(plan, req))
+        if plan.argv != req.argv:
+            plan = _with(plan, argv=tuple(req.argv))
+        return plan
     plan = planmod.build(req, facts)
     if len(_PLANS) > 32:
         _PLANS.clear()
-    _PLANS[key] = (facts, plan)
+    _PLANS[key] = (facts, plan, layers)
     return plan
+
+
+def _relayered(plan: planmod.Plan, req: planmod.Request) -> tuple[planmod.MountOp, ...]:
+    """The plan's mounts with the project's overlay made of ``req``'s layers."""
+    project = str(req.project)
+    lower = (*(str(p) for p in req.lower_layers), project)
+    upper = None if req.upper is None else str(req.upper)
+    work = None if req.work is None else str(req.work)
+    ops = list(plan.mounts)
+    for i, m in enumerate(ops):
+        if m.kind == "overlay" and m.target == project:
+            op = object.__new__(planmod.MountOp)
+            op.__dict__.update(m.__dict__)
+            object.__setattr__(op, "lower", lower)
+            object.__setattr__(op, "upper", upper)
+            object.__setattr__(op, "work", work)
+            ops[i] = op
+            break
+    return tuple(ops)
 
 
 def clear_caches() -> None:
@@ -198,7 +229,7 @@ def load_policy(project: Path, sess: store.Session | None, cli: Any, env: Mappin
     from . import policy as polmod
 
     if cli is None:
-        cli = polmod.CliPolicy(env=dict(env or {}))
+        cli = polmod.CliPolicy(env=dict(env)) if env else None
     elif env:
         import dataclasses
 

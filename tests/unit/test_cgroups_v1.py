@@ -75,6 +75,19 @@ def test_only_needed_hierarchies_are_used(tmp_path: Path) -> None:
     run.remove()
 
 
+def test_run_with_its_own_pid_namespace_needs_no_freezer(tmp_path: Path) -> None:
+    """Its processes die with its init: no freezer cgroup to create, attach and remove."""
+    fs, m, roots = build(tmp_path)
+    run = m.create("r", Limits(memory=64 * MiB, pids=10), pid_namespace=True)
+    used = {c for h, _p in run.dirs for c in h.controllers}
+    assert used == {"memory", "pids", "cpuacct"}
+    run.attach(7)
+    run.kill()  # still kills (without freezing) when asked
+    assert fs.signals == [(7, signal.SIGKILL)]
+    run.remove()
+    assert run_dirs(roots) == []
+
+
 def test_comounted_cpu_cpuacct_made_once(tmp_path: Path) -> None:
     fs, m, roots = build(tmp_path, comount_cpu=True)
     run = m.create("r", Limits(cpus=0.5))

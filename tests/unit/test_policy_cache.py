@@ -95,11 +95,18 @@ def test_secret_added_and_removed_between_calls(env: dict[str, Path]) -> None:
     assert masked(policy.load_cached(proj, env["sess"]), proj) == ["sub/id_rsa"]
 
 
-def test_home_entry_becoming_a_symlink_into_the_project(env: dict[str, Path]) -> None:
-    """~/.ssh is denied by default; once it is a symlink into the project, its target is masked."""
+@pytest.mark.parametrize("settled", [False, True], ids=["recent-dirs", "settled-dirs"])
+def test_home_entry_becoming_a_symlink_into_the_project(env: dict[str, Path], settled: bool) -> None:
+    """~/.ssh is denied by default; once it is a symlink into the project, its target is masked.
+
+    settled: the directories on the way were last changed long ago, so the cache
+    trusts their mtimes (recent ones are checked entry by entry)."""
     proj, home = env["proj"], env["home"]
     (proj / "keys").mkdir()
     (proj / "keys" / "config").write_text("Host x\n")
+    if settled:
+        for d in (home, home / ".config", home.parent):
+            os.utime(d, ns=(1_000_000_000, 1_000_000_000))
     assert masked(policy.load_cached(proj, env["sess"]), proj) == []
     (home / ".ssh").symlink_to(proj / "keys")
     assert masked(policy.load_cached(proj, env["sess"]), proj) == ["keys"]

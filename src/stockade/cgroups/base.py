@@ -275,7 +275,11 @@ class RunCgroup(Protocol):
 class Manager(Protocol):
     kind: str  # "v2" | "v1" | "none" | "hybrid"
 
-    def create(self, name: str, limits: Limits) -> RunCgroup: ...
+    def create(self, name: str, limits: Limits, *, pid_namespace: bool = False) -> RunCgroup:
+        """The cgroup(s) of one run. ``pid_namespace``: the run has its own PID namespace,
+        so its processes all die with its init (the kernel kills them, and the init is
+        reaped only once they are gone); teardown need not freeze them first."""
+        ...
 
     def enforcement(self, limits: Limits) -> dict[str, str]: ...
 

@@ -46,9 +46,11 @@ class CgroupFS:
             chunks = []
             while True:
                 b = os.read(fd, 65536)
-                if not b:
-                    break
                 chunks.append(b)
+                # cgroupfs (seq_file) fills the buffer unless the file ends: a short
+                # read is the end, no second read(2) to see 0 bytes
+                if len(b) < 65536:
+                    break
             return b"".join(chunks).decode()
         finally:
             os.close(fd)

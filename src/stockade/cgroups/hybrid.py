@@ -64,10 +64,10 @@ class HybridManager:
     v1: V1Manager
     kind: str = "hybrid"
 
-    def create(self, name: str, limits: Limits) -> HybridRunCgroup:
-        a = self.v2.create(name, limits)
+    def create(self, name: str, limits: Limits, *, pid_namespace: bool = False) -> HybridRunCgroup:
+        a = self.v2.create(name, limits, pid_namespace=pid_namespace)
         try:
-            b = self.v1.create(name, limits)
+            b = self.v1.create(name, limits, pid_namespace=pid_namespace)
         except BaseException:
             a.remove()
             raise

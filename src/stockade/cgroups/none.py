@@ -40,7 +40,7 @@ class NoneManager:
     nproc_safe: bool = False
     kind: str = "none"
 
-    def create(self, name: str, limits: Limits) -> NoRunCgroup:
+    def create(self, name: str, limits: Limits, *, pid_namespace: bool = False) -> NoRunCgroup:
         return NoRunCgroup()
 
     def enforcement(self, limits: Limits) -> dict[str, str]:

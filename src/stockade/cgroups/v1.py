@@ -53,10 +53,14 @@ class V1Manager:
     kind: str = "v1"
     _files: dict[str, bool] = field(default_factory=dict)
 
-    def _needed(self, limits: Limits) -> list[Hierarchy]:
-        """Distinct hierarchies a run needs: memory/cpuacct/freezer always (accounting,
-        teardown), pids only with a pids limit, cpu only with a cpus limit."""
-        want = ["memory", "cpuacct", "freezer"]
+    def _needed(self, limits: Limits, pid_namespace: bool = False) -> list[Hierarchy]:
+        """Distinct hierarchies a run needs: memory/cpuacct always (accounting), freezer
+        for a race-free teardown unless the run has its own PID namespace (its init's
+        death takes every process with it), pids only with a pids limit, cpu only with
+        a cpus limit."""
+        want = ["memory", "cpuacct"]
+        if not pid_namespace:
+            want.append("freezer")
         if limits.pids is not None:
             want.append("pids")
         if limits.cpus is not None:
@@ -68,11 +72,11 @@ class V1Manager:
                 out.append(h)
         return out
 
-    def create(self, name: str, limits: Limits) -> V1RunCgroup:
+    def create(self, name: str, limits: Limits, *, pid_namespace: bool = False) -> V1RunCgroup:
         dirname = run_dir_name(name)
         run = V1RunCgroup(fs=self.fs, dirname=dirname, manager=self)
         try:
-            for h in self._needed(limits):
+            for h in self._needed(limits, pid_namespace):
                 path = os.path.join(h.own_dir, dirname)
                 try:
                     self.fs.mkdir(path)

@@ -9,7 +9,6 @@ so the command never runs a single instruction outside its limits; ``attach`` wr
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -42,7 +41,7 @@ def run_dir_name(name: str) -> str:
     """``stockade-<name>-<pid>-<random>``: unique, recognisable, safe as one path part."""
     if not name or len(name) > 80 or not set(name) <= _NAME_OK or name.startswith("."):
         raise ValueError(f"cgroup name {name!r}: use 1-80 characters from [A-Za-z0-9._-]")
-    return f"stockade-{name}-{os.getpid()}-{secrets.token_hex(3)}"
+    return f"stockade-{name}-{os.getpid()}-{os.urandom(3).hex()}"
 
 
 def cpu_max(cpus: float) -> str:
@@ -62,7 +61,7 @@ class V2Manager:
     note: str = ""
     kind: str = "v2"
 
-    def create(self, name: str, limits: Limits) -> V2RunCgroup:
+    def create(self, name: str, limits: Limits, *, pid_namespace: bool = False) -> V2RunCgroup:
         dirname = run_dir_name(name)
         path = os.path.join(self.parent, dirname)
         try:

@@ -338,7 +338,7 @@ class Effective:
     # ---- commands ------------------------------------------------------------------
     def check_command(self, argv: list[str]) -> str | None:
         """Reason the top-level command is refused, or None. Advisory for what a shell starts."""
-        if not argv:
+        if not argv or not self.command_entries:
             return None
         head = [os.path.basename(argv[0]), *argv[1:]]
         for c in self.command_entries:
@@ -598,12 +598,19 @@ def _read_bytes(path: str) -> bytes | None:
 class _Cached:
     """One cached policy and what it depends on."""
 
-    def __init__(self, eff: Effective, files: list[tuple[str, Any, bytes | None]], notes: list[tuple[str, str, object]]) -> None:
+    def __init__(self, eff: Effective, files: list[tuple[str, Any, bytes | None]], notes: list[tuple[str, str, object]], started_ns: int) -> None:
+        import stat as _stat
+
         self.eff = eff
         # (file, stat signature, content while racy)
         self.files = files
-        self.no_symlinks: list[str] = []  # paths none of whose components may become a symlink
-        self.resolved: list[tuple[str, str]] = []  # (raw, realpath) re-resolved every time
+        # A path with no symlink along it keeps resolving to itself while each directory
+        # on the way keeps its identity and mtime (an entry cannot become a symlink
+        # without its directory changing). Directories changed within RACY_NS of now
+        # may change again unseen: the entries below them are checked one by one.
+        self.dirs: dict[str, tuple[int, int, int]] = {}
+        self.entries: list[str] = []  # must not be symlinks
+        self.resolved: list[tuple[str, str]] = []  # (raw, realpath) resolved again each time
         self.exists: list[tuple[str, bool]] = []
         seen: set[str] = set()
         for kind, raw, result in notes:
@@ -614,12 +621,29 @@ class _Cached:
             if result != norm or not raw.startswith("/"):
                 self.resolved.append((raw, str(result)))
                 continue
-            cur = ""
-            for part in norm.split("/")[1:]:
-                cur = f"{cur}/{part}"
-                if cur not in seen:
-                    seen.add(cur)
-                    self.no_symlinks.append(cur)
+            parts = norm.split("/")[1:]
+            cur = "/"
+            for i, part in enumerate(parts):
+                if cur not in self.dirs:
+                    try:
+                        st = os.lstat(cur)
+                    except OSError:
+                        self.resolved.append((raw, str(result)))
+                        break
+                    self.dirs[cur] = (st.st_dev, st.st_ino, st.st_mtime_ns)
+                child = os.path.join(cur, part)
+                if self.dirs[cur][2] >= started_ns - RACY_NS and child not in seen:
+                    seen.add(child)
+                    self.entries.append(child)
+                if i == len(parts) - 1:
+                    break
+                try:
+                    st = os.lstat(child)
+                except OSError:
+                    break  # missing: its parent's mtime covers its appearance
+                if not _stat.S_ISDIR(st.st_mode):
+                    break
+                cur = child
 
     def valid(self, sigs: list[Any]) -> bool:
         """Still the policy loading would give now? ``sigs``: the files' signatures now."""
@@ -635,7 +659,14 @@ class _Cached:
                     return False
                 if sig is not None and sig[3] < now - RACY_NS:
                     self.files[i] = (path, sig, None)
-        for p in self.no_symlinks:
+        for d, dsig in self.dirs.items():
+            try:
+                st = os.lstat(d)
+            except OSError:
+                return False
+            if (st.st_dev, st.st_ino, st.st_mtime_ns) != dsig:
+                return False
+        for p in self.entries:
             try:
                 if _stat.S_ISLNK(os.lstat(p).st_mode):
                     return False
@@ -649,6 +680,10 @@ class _Cached:
 
 _CACHE: dict[tuple[Any, ...], _Cached] = {}
 _CACHE_MAX = 64
+_ENV_KEYS_B = tuple(os.fsencode(k) for k in _ENV_KEYS)
+_FILES: dict[tuple[Any, ...], list[str]] = {}
+_CLI_KEYS: dict[int, tuple[CliPolicy, tuple[Any, ...]]] = {}
+_DEFAULT_CLI = CliPolicy()
 
 
 def _cli_key(cli: CliPolicy) -> tuple[Any, ...]:
@@ -664,23 +699,33 @@ def load_cached(project: Path, session_dir: Path | None, cli: CliPolicy | None =
     The result is a fresh copy: its secret masks are recomputed on first use."""
     import time
 
-    cli = cli or CliPolicy()
+    cli = cli or _DEFAULT_CLI
     proj = str(project)
-    spath = str(_config.session_policy_path(session_dir)) if session_dir is not None else None
-    files = [str(_config.global_config_path()), os.path.join(proj, ".stockade.toml"), os.path.join(proj, "pyproject.toml")]
-    if spath is not None:
-        files.append(spath)
+    sdir = str(session_dir) if session_dir is not None else None
+    raw_env = getattr(os.environ, "_data", None)
+    if isinstance(raw_env, dict):
+        env_key: tuple[Any, ...] = tuple(raw_env.get(k) for k in _ENV_KEYS_B)
+    else:  # pragma: no cover - os.environ without its bytes mapping
+        env_key = tuple(os.environ.get(k) for k in _ENV_KEYS)
+    fkey = (proj, env_key)
+    common = _FILES.get(fkey)
+    if common is None:
+        common = [str(_config.global_config_path()), os.path.join(proj, ".stockade.toml"), os.path.join(proj, "pyproject.toml")]
+        if len(_FILES) > 256:
+            _FILES.clear()
+        _FILES[fkey] = common
+    files = common if sdir is None else [*common, sdir + "/policy.json"]
     sigs = [_file_sig(f) for f in files]
     # the session tier is part of the key only when the session has a policy file
-    has_session_policy = spath is not None and sigs[-1] is not None
+    has_session_policy = sdir is not None and sigs[-1] is not None
     needs_cwd = bool(cli.allow_paths or cli.deny_paths or cli.exec_allow) and cli.cwd is None
-    key = (
-        proj,
-        str(session_dir) if has_session_policy else None,
-        _cli_key(cli),
-        os.getcwd() if needs_cwd else None,
-        tuple(os.environ.get(k) for k in _ENV_KEYS),
-    )
+    ck = _CLI_KEYS.get(id(cli))
+    if ck is None or ck[0] is not cli:
+        ck = (cli, _cli_key(cli))
+        if len(_CLI_KEYS) > 64:
+            _CLI_KEYS.clear()
+        _CLI_KEYS[id(cli)] = ck
+    key = (proj, sdir if has_session_policy else None, ck[1], os.getcwd() if needs_cwd else None, env_key)
     hit = _CACHE.get(key)
     if hit is not None and hit.valid(sigs):
         return hit.eff._fresh(session_dir)
@@ -696,7 +741,7 @@ def load_cached(project: Path, session_dir: Path | None, cli: CliPolicy | None =
     eff.matcher()  # shared by the copies
     if len(_CACHE) >= _CACHE_MAX:
         _CACHE.clear()
-    _CACHE[key] = _Cached(eff, recorded, notes)
+    _CACHE[key] = _Cached(eff, recorded, notes, started)
     return eff._fresh(session_dir)
 
 
@@ -705,4 +750,6 @@ def clear_cache() -> None:
     from . import secrets
 
     _CACHE.clear()
+    _FILES.clear()
+    _CLI_KEYS.clear()
     secrets._SCANS.clear()

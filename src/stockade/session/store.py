@@ -15,10 +15,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import os
 import re
-import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,12 +52,31 @@ def validate_name(name: str) -> str:
     return name
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.write("\n")
+def write_json_atomic(path: Path | str, data: Any) -> None:
+    path = str(path)
+    head, name = os.path.split(path)
+    tmp = os.path.join(head, f".{name}.{os.getpid()}.tmp")
+    _write_new(tmp, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), os.O_TRUNC)
     os.replace(tmp, path)
+
+
+def write_json_new(path: Path | str, data: Any) -> None:
+    """Write a record into a file that no reader has yet, in one write.
+
+    For a run's ``run.json`` in its fresh ``runs/<n>/``: a reader that comes at the
+    wrong moment (or after a crash) finds it empty or short, which ``Session.runs``
+    reports as an incomplete run, as when the file is missing."""
+    _write_new(str(path), (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), os.O_TRUNC)
+
+
+def _write_new(path: str, data: bytes, flags: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o666)
+    try:
+        mv = memoryview(data)
+        while mv:
+            mv = mv[os.write(fd, mv):]
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -66,27 +85,27 @@ class Session:
     dir: Path
 
     # ---- paths ------------------------------------------------------------
-    @property
+    @functools.cached_property
     def upper(self) -> Path:
         return self.dir / "upper"
 
-    @property
+    @functools.cached_property
     def work(self) -> Path:
         return self.dir / "work"
 
-    @property
+    @functools.cached_property
     def layers_dir(self) -> Path:
         return self.dir / "layers"
 
-    @property
+    @functools.cached_property
     def meta_path(self) -> Path:
         return self.dir / "meta.json"
 
-    @property
+    @functools.cached_property
     def events_path(self) -> Path:
         return self.dir / "events.jsonl"
 
-    @property
+    @functools.cached_property
     def runs_dir(self) -> Path:
         return self.dir / "runs"
 
@@ -123,13 +142,21 @@ class Session:
 
     # ---- runs ---------------------------------------------------------------
     def new_run_dir(self) -> tuple[int, Path]:
-        self.runs_dir.mkdir(exist_ok=True)
-        n = len(os.listdir(self.runs_dir)) + 1
+        """``runs/<n>`` for the next run (called under the session lock)."""
+        runs = str(self.runs_dir)
+        try:
+            # a directory's link count is 2 + its subdirectories: no listing of every run
+            n = os.stat(runs).st_nlink - 1
+        except FileNotFoundError:
+            os.mkdir(runs)
+            n = 1
+        if n < 2:  # a filesystem that does not count (btrfs), or an empty runs/
+            n = len(os.listdir(runs)) + 1
         while True:
-            d = self.runs_dir / str(n)
+            d = f"{runs}/{n}"
             try:
-                d.mkdir()
-                return n, d
+                os.mkdir(d)
+                return n, Path(d)
             except FileExistsError:
                 n += 1
 
@@ -167,7 +194,7 @@ class Session:
 
 
 def _new_id() -> str:
-    return time.strftime("%m%d") + "-" + secrets.token_hex(3)
+    return time.strftime("%m%d") + "-" + os.urandom(3).hex()
 
 
 def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | None = None) -> Session:
@@ -177,12 +204,17 @@ def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | N
     that exists is complete: concurrent creators and crashes leave no half-made one.
     """
     root = sessions_dir()
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = root / f".new-{os.getpid()}-{secrets.token_hex(6)}"
-    tmp.mkdir(mode=0o700)
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = root / f".new-{os.getpid()}-{os.urandom(6).hex()}"
+    os.mkdir(tmp, 0o700)
     try:
         for sub in ("upper", "work", "layers", "runs"):
-            (tmp / sub).mkdir(mode=0o755 if sub == "upper" else 0o700)
+            os.mkdir(os.path.join(tmp, sub), 0o755 if sub == "upper" else 0o700)
         for _ in range(100):
             sid = validate_name(name) if name else _new_id()
             now = time.time_ns()
@@ -196,7 +228,8 @@ def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | N
             }
             if owner is not None:
                 meta["sandbox_uid"], meta["sandbox_gid"] = owner
-            write_json_atomic(tmp / "meta.json", meta)
+            # the whole directory appears at once (rename below): no need for a temporary file
+            write_json_new(tmp / "meta.json", meta)
             try:
                 # rename(2) of a directory fails with EEXIST/ENOTEMPTY onto an existing one
                 os.rename(tmp, root / sid)
