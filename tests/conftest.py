@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+# shared launchers started by CLI runs in tests end two seconds after their last use
+os.environ.setdefault("STOCKADE_LAUNCHER_IDLE", "2")
+
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 MUST_WORK = os.environ.get("STOCKADE_MUST_WORK") == "1"

@@ -33,6 +33,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -424,6 +425,20 @@ static void reap_children(void)
     }
 }
 
+/* A sandbox runs as the same user, so the uid alone does not tell it from its
+ * owner: a sandbox that could reach the socket (a grant that exposes the state
+ * dir) must not be able to ask for an unconfined run. Every sandbox has its own
+ * PID namespace; our clients share ours (the host's, seen at /oldroot/proc). */
+static int same_pid_ns(pid_t pid)
+{
+    char path[64];
+    struct stat a, b;
+    snprintf(path, sizeof path, "/oldroot/proc/%d/ns/pid", (int)pid);
+    if (pid <= 0 || stat(path, &a) < 0 || stat("/oldroot/proc/self/ns/pid", &b) < 0)
+        return 0;
+    return a.st_ino == b.st_ino && a.st_dev == b.st_dev;
+}
+
 /* Only our own user (as this user namespace sees it) may ask for runs. */
 static void accept_client(void)
 {
@@ -433,7 +448,7 @@ static void accept_client(void)
     struct ucred cr;
     socklen_t len = sizeof cr;
     if (nclients >= MAX_CLIENTS || getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cr, &len) < 0 ||
-        cr.uid != getuid()) {
+        cr.uid != getuid() || !same_pid_ns(cr.pid)) {
         close(c);
         return;
     }

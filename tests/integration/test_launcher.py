@@ -214,3 +214,32 @@ def test_large_plan_goes_through_a_memfd(user: User, project: Path) -> None:
     r = user.cli([*args, "sh", "-c", 'printf %s "$B1$B2$B3" | wc -c'], cwd=project)
     assert r.returncode == 0, r.stderr.decode()[:500]
     assert r.stdout.strip() == b"300000"
+
+
+def test_a_sandbox_cannot_use_the_shared_launcher(user: User, project: Path) -> None:
+    """Even with the state dir granted (so the socket is reachable), a sandboxed
+    process (same uid) is refused: it is not in the host's PID namespace."""
+    assert user.cli(["run", "--", "true"], cwd=project).returncode == 0  # makes the shared launcher
+    socks = list((user.state / "launchers").glob("*.sock"))
+    assert len(socks) == 1
+    (project / ".stockade.toml").write_text(f'[[paths]]\npath = "{user.state}"\naccess = "ro"\n')
+    user.own(project)
+    probe = textwrap.dedent(
+        f"""
+        import socket
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect({str(socks[0])!r})
+        s.settimeout(5)
+        try:
+            data = s.recv(16)
+        except TimeoutError:
+            data = b"still open"
+        print("closed" if data == b"" else data)
+        """
+    )
+    r = user.cli(["run", "--", "python3", "-c", probe], cwd=project)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.strip() == b"closed"
+    # the owner, on the host, still gets runs from it
+    r = user.cli(["run", "--", "echo", "ok"], cwd=project)
+    assert r.stdout.strip() == b"ok"

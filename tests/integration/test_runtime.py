@@ -263,7 +263,8 @@ def test_state_dir_without_overlay_support(project: Path, user: User) -> None:
         (base / d).mkdir()
     subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"lowerdir={base}/l,upperdir={base}/u,workdir={base}/w", str(base / "m")], check=True)
     try:
-        r = user.cli(["run", "--", "touch", "x"], cwd=project, env={"STOCKADE_STATE_DIR": str(base / "m" / "state")})
+        # private launcher: a shared one's socket would keep the state dir's mount busy for a while
+        r = user.cli(["run", "--", "touch", "x"], cwd=project, env={"STOCKADE_STATE_DIR": str(base / "m" / "state"), "STOCKADE_LAUNCHER": "private"})
         assert r.returncode == 2, r.stderr.decode()
         err = r.stderr.decode().strip()
         assert len(err.splitlines()) == 1

@@ -371,31 +371,37 @@ def _shared(plan: Plan, base: tuple[MountOp, ...]) -> Launcher:
     h.update(repr((plan.uid_map, plan.gid_map, plan.deny_setgroups, st.st_ino, st.st_mtime_ns, st.st_size)).encode())
     d = store.state_dir() / "launchers"
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = str(d / (h.hexdigest()[:24] + ".sock"))
+    name = h.hexdigest()[:24] + ".sock"
+    # a socket path is at most 107 bytes: reach the directory through an fd
+    dfd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        return Launcher.connect(path)
-    except (FileNotFoundError, ConnectionRefusedError):
-        pass
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
-    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
+        via = f"/proc/self/fd/{dfd}/"
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
+            return Launcher.connect(via + name)
+        except (FileNotFoundError, ConnectionRefusedError):
             pass
-        lst.bind(tmp)
-        lst.listen(64)
-        idle = int(os.environ.get("STOCKADE_LAUNCHER_IDLE", "300") or 300)
-        la = Launcher(plan, base, listen=lst, idle=max(1, idle))
-        os.rename(tmp, path)  # atomic: a racing creator's launcher just idles out
-    except BaseException:
+        tmp = f"{name}.{os.getpid()}.{threading.get_ident() % 100000}"
+        lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            lst.bind(via + tmp)
+            lst.listen(64)
+            idle = int(os.environ.get("STOCKADE_LAUNCHER_IDLE", "300") or 300)
+            la = Launcher(plan, base, listen=lst, idle=max(1, idle))
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # atomic: a racing creator's launcher idles out
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            raise
+        finally:
+            lst.close()
     finally:
-        lst.close()
+        os.close(dfd)
     return la
 
 
