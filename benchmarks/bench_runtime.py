@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,6 +51,15 @@ def main() -> None:
         sb = stockade.Sandbox(proj)
         fns["stockade Sandbox.run(['true'])"] = lambda: sb.run(["true"])
         fns["  same, no Landlock/seccomp"] = lambda: sb.run(["true"], landlock=False, seccomp="off", allow_degraded=("landlock", "seccomp"))
+
+        def cold() -> object:
+            os.environ["STOCKADE_LAUNCHER"] = "0"
+            try:
+                return sb.run(["true"])
+            finally:
+                del os.environ["STOCKADE_LAUNCHER"]
+
+        fns["  same, cold start (no launcher)"] = cold
         results = interleaved(fns, N)
         # the same run with cgroups off (rlimits only), to show what the backend's attach costs
         os.environ["STOCKADE_CGROUP"] = "none"
@@ -60,11 +70,20 @@ def main() -> None:
         exe = shutil.which("stockade") or ""
         cli = [exe, "run", "--project", str(proj), "--session", "cli", "--", "true"] if exe else [sys.executable, "-m", "stockade", "run", "--project", str(proj), "--session", "cli", "--", "true"]
         pyc = [sys.executable, "-I", "-S", "-c", "pass"]
+        os.environ["STOCKADE_LAUNCHER_IDLE"] = "5"  # the CLI's shared launcher ends soon after the bench
+        # a CLI run that finds no shared launcher makes one (a fresh state dir each time)
+        firsts = []
+        for i in range(5):
+            env = {**os.environ, "STOCKADE_STATE_DIR": str(base / f"first{i}")}
+            t0 = time.perf_counter()
+            subprocess.run(cli, stderr=subprocess.DEVNULL, env=env)
+            firsts.append(time.perf_counter() - t0)
         more = interleaved({
             "`stockade run -- true` (CLI)": lambda: subprocess.run(cli, stderr=subprocess.DEVNULL),
             "python -I -S -c pass (interpreter floor)": lambda: subprocess.run(pyc),
         }, max(20, N // 5))
         results.update(more)
+        results["  CLI, first run (makes the shared launcher)"] = firsts
         ref = median(results["bubblewrap (subprocess.run)"]) if bw else None
         print(f"== launch cost (median of {N}, candidates interleaved; ratio vs bubblewrap; cgroup backend {cgdetect.detect().kind})")
         for name, xs in results.items():

@@ -61,6 +61,7 @@
 #define MAX_FDS 250
 #define INLINE_MAX (256 * 1024)
 #define MAX_CLIENTS 64
+#define SK_SO_PEERPIDFD 77 /* Linux 6.5 */
 
 struct sk_msg_hdr {
     uint32_t magic, type, flags, reserved;
@@ -431,12 +432,31 @@ static void reap_children(void)
  * PID namespace; our clients share ours (the host's, seen at /oldroot/proc). */
 static int same_pid_ns(pid_t pid)
 {
-    char path[64];
-    struct stat a, b;
-    snprintf(path, sizeof path, "/oldroot/proc/%d/ns/pid", (int)pid);
-    if (pid <= 0 || stat(path, &a) < 0 || stat("/oldroot/proc/self/ns/pid", &b) < 0)
+    /* /proc/PID/status is readable without ptrace rights (which a launcher in
+     * its own user namespace never has over host processes); its NSpid line
+     * lists one pid per PID namespace from the host's down to the process's. */
+    char path[64], buf[4096];
+    snprintf(path, sizeof path, "/oldroot/proc/%d/status", (int)pid);
+    int fd = pid > 0 ? open(path, O_RDONLY | O_CLOEXEC) : -1;
+    if (fd < 0)
         return 0;
-    return a.st_ino == b.st_ino && a.st_dev == b.st_dev;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    char *l = strstr(buf, "\nNSpid:");
+    if (!l)
+        return 0;
+    l += 7;
+    int fields = 0, in = 0;
+    for (; *l && *l != '\n'; l++) {
+        int digit = *l >= '0' && *l <= '9';
+        if (digit && !in)
+            fields++;
+        in = digit;
+    }
+    return fields == 1;
 }
 
 /* Only our own user (as this user namespace sees it) may ask for runs. */
@@ -451,6 +471,19 @@ static void accept_client(void)
         cr.uid != getuid() || !same_pid_ns(cr.pid)) {
         close(c);
         return;
+    }
+    /* The pid was the peer's at connect time; with a pidfd (Linux 6.5+) make
+     * sure it still is (not exited and reused while we looked). */
+    int pfd = -1;
+    socklen_t plen = sizeof pfd;
+    if (getsockopt(c, SOL_SOCKET, SK_SO_PEERPIDFD, &pfd, &plen) == 0 && pfd >= 0) {
+        struct pollfd pp = {.fd = pfd, .events = POLLIN};
+        int gone = poll(&pp, 1, 0) != 0;
+        close(pfd);
+        if (gone) {
+            close(c);
+            return;
+        }
     }
     clients[nclients++] = c;
 }
