@@ -257,6 +257,7 @@ static void __attribute__((noreturn)) child_rest(const struct sk_plan *p, int sy
         _exit(125);
     if (p->seccomp_len && sk_seccomp_child(p->seccomp_bpf, p->seccomp_len, rep) < 0)
         _exit(125);
+    prctl(PR_SET_NAME, "stockade-init", 0, 0, 0);
     sk_init_child(p, rep);
 }
 

@@ -264,6 +264,7 @@ static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int
     long pid = syscall(SYS_clone3, &ca, sizeof ca);
     if (pid == 0) {
         /* C2: the sandbox's init. */
+        prctl(PR_SET_NAME, "stockade-init", 0, 0, 0);
         close(st);
         if (cgfd >= 0)
             close(cgfd);
@@ -331,6 +332,7 @@ static void c1_start(void)
 {
     if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != self_pid)
         _exit(1);
+    prctl(PR_SET_NAME, "stockade-run", 0, 0, 0);
     close_launcher_fds();
     signal(SIGCHLD, SIG_DFL);
 }
