@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import textwrap
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import User
+from tests.conftest import User, world_tmpdir
 
 VIEW = (
     "cat /proc/self/mountinfo; hostname; grep -E 'Cap|NoNewPrivs|Seccomp' /proc/self/status; "
@@ -243,3 +244,28 @@ def test_a_sandbox_cannot_use_the_shared_launcher(user: User, project: Path) -> 
     # the owner, on the host, still gets runs from it
     r = user.cli(["run", "--", "echo", "ok"], cwd=project)
     assert r.stdout.strip() == b"ok"
+
+
+def test_an_unusable_launcher_means_a_cold_start(user: User, project: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import sys, stockade
+        from pathlib import Path
+        from stockade.linux import launcher
+        launcher.PATH = Path(sys.argv[2])  # exists, not executable: its exec fails
+        r = stockade.run(["sh", "-c", "echo cold"], project=sys.argv[1], capture_output=True)
+        assert r.returncode == 0 and r.stdout == b"cold\\n", r
+        assert not launcher._launchers and launcher._unavailable
+        print("fine")
+        """
+    )
+    d = world_tmpdir("stockade-bogus-")
+    try:
+        bogus = d / "not-a-launcher"
+        bogus.write_text("#!/bin/false\n")
+        bogus.chmod(0o644)
+        r = subprocess.run([*user.prefix(), user.python, "-c", code, str(project), str(bogus)], cwd=project,
+                           env=user.env(), capture_output=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == b"fine", r.stderr.decode()
+    finally:
+        shutil.rmtree(d)

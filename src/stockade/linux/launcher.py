@@ -54,7 +54,13 @@ SHARED = False  # the CLI sets this: launchers outlive the process and are found
 
 
 def enabled() -> bool:
-    return os.environ.get("STOCKADE_LAUNCHER", "1") != "0" and PATH.exists()
+    if os.environ.get("STOCKADE_LAUNCHER", "1") == "0":
+        return False
+    try:
+        os.stat(PATH)
+    except OSError:  # not built, or not reachable by this user: cold starts
+        return False
+    return True
 
 
 def _under(p: str, roots: list[str]) -> bool:
@@ -333,6 +339,7 @@ class Launcher:
 
 _lock = threading.Lock()
 _launchers: OrderedDict[tuple[Any, ...], Launcher] = OrderedDict()
+_unavailable: dict[tuple[Any, ...], str] = {}  # bases whose launcher could not start, and why
 
 
 def _forget_after_fork() -> None:
@@ -348,6 +355,7 @@ def _forget_after_fork() -> None:
             os.close(la.pidfd)
             la.pidfd = -1
     _launchers.clear()
+    _unavailable.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -442,7 +450,16 @@ def start(
             if la is not None:
                 _launchers.move_to_end(key)
         if la is None:
-            la = _shared(plan, base) if SHARED else Launcher(plan, base)
+            if key in _unavailable:
+                return None
+            try:
+                la = _shared(plan, base) if SHARED else Launcher(plan, base)
+            except (OSError, SandboxError) as e:
+                # No launcher for this base (its executable unreachable, a base mount
+                # refused...): start cold, which is as strong and reports any real
+                # failure of the plan with its own step and remedy.
+                _unavailable[key] = str(e)
+                return None
             with _lock:
                 old = _launchers.get(key)
                 if old is not None:  # another thread made one meanwhile: use it
