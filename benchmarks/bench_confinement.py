@@ -1,26 +1,40 @@
 """Confinement overhead: syscall-heavy workloads under the full sandbox, the same
-sandbox with Landlock and seccomp off, and bare; plus seccomp compile cost
-(uncached, disk-cached, in-process) and its effect on launch time.
+sandbox with Landlock and seccomp off, each of the two alone, and bare; what one
+syscall and one open cost under each wall; plus seccomp compile cost (uncached,
+disk-cached, in-process) and its effect on launch time.
 
 Budget (issue 4): full vs no-confinement overhead <= 3%.
-Environment: BENCH_CONF_N (runs per workload and mode, default 15),
-BENCH_CONF_FILES (files in the git repository, default 10000).
+
+Like with like: every sandboxed mode runs the same plan (same mounts, project,
+cwd, environment, cgroup accounting) and differs only in Landlock and seccomp
+(checked below); each mode gets a warm-up run (page cache, dentries); the modes
+run round-robin, the order rotated each round, so drift and background load hit
+them alike; figures are medians. CPU time is the sandbox cgroup's (every process
+of the command, the sandbox's init included), or rusage for the bare run.
+
+Environment: BENCH_CONF_N (rounds per workload, default 15), BENCH_CONF_UNIT_N
+(rounds of the per-operation loops, default 9), BENCH_CONF_FILES (files in the git
+repository, default 10000).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ._util import bench, median, ms
 
 N = int(os.environ.get("BENCH_CONF_N", "15"))
+UNIT_N = int(os.environ.get("BENCH_CONF_UNIT_N", "9"))
 FILES = int(os.environ.get("BENCH_CONF_FILES", "10000"))
 
 STDLIB = (
@@ -34,6 +48,26 @@ WORKLOADS: list[tuple[str, list[str]]] = [
     ("find /usr -type f | wc -l", ["sh", "-c", "find /usr -type f | wc -l"]),
     ("python3 -c 'import <21 stdlib modules>'", ["/usr/bin/python3", "-I", "-c", STDLIB]),
 ]
+
+DEGRADED = {"allow_degraded": ["seccomp", "landlock"]}
+# (label, Sandbox options); "bare" is plain subprocess.run
+MODES: list[tuple[str, dict[str, Any] | None]] = [
+    ("bare", None),
+    ("no Landlock/seccomp", {"seccomp": "off", "landlock": False, **DEGRADED}),
+    ("Landlock only", {"seccomp": "off", **DEGRADED}),
+    ("seccomp only", {"landlock": False, **DEGRADED}),
+    ("full sandbox", {}),
+]
+OFF, FULL = "no Landlock/seccomp", "full sandbox"
+
+# A filter that allows everything (only its own architecture prologue): what any
+# filter costs at all, the kernel's floor for a seccomp-confined task.
+ALLOW_ALL = {
+    "description": "benchmark only: allow every syscall",
+    "defaultAction": "SCMP_ACT_ALLOW",
+    "architectures": ["SCMP_ARCH_NATIVE"],
+    "syscalls": [],
+}
 
 
 def _make_repo(proj: Path) -> None:
@@ -58,15 +92,19 @@ def _interleaved(fns: list[Callable[[], object]], n: int) -> list[list[float]]:
 def _interleaved_cpu(
     fns: list[Callable[[], object]], n: int
 ) -> tuple[list[list[float]], list[list[float]]]:
-    """Wall times and CPU times (what a function returns as float, when it does)."""
+    """Wall times and CPU times (what a function returns as float, when it does).
+    One warm-up run each; then n rounds, each running every function once, the
+    order rotated round by round (no mode always runs right after another)."""
     for fn in fns:
         fn()
     wall: list[list[float]] = [[] for _ in fns]
     cpu: list[list[float]] = [[] for _ in fns]
-    for _ in range(n):
-        for i, fn in enumerate(fns):
+    k = len(fns)
+    for r in range(n):
+        for j in range(k):
+            i = (j + r) % k
             t = time.perf_counter()
-            c = fn()
+            c = fns[i]()
             wall[i].append(time.perf_counter() - t)
             if isinstance(c, float):
                 cpu[i].append(c)
@@ -76,6 +114,150 @@ def _interleaved_cpu(
 def _children_cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
+
+
+def _pct(a: float, b: float) -> str:
+    return f"{(a / b - 1) * 100:+6.2f}%"
+
+
+def _check_like_with_like(proj: Path) -> None:
+    """The sandboxed modes' plans differ in Landlock and seccomp only."""
+    import dataclasses
+
+    try:
+        from stockade.api import plan_for
+    except ImportError:
+        print("  (plan comparison skipped: stockade.api.plan_for is gone)")
+        return
+    plans = [plan_for(["true"], project=proj, **opts).plan for _, opts in MODES if opts is not None]
+    ignore = {"landlock", "seccomp_name", "seccomp_bpf", "degraded"}
+    for p in plans[1:]:
+        for f in dataclasses.fields(p):
+            if f.name not in ignore and getattr(p, f.name) != getattr(plans[0], f.name):
+                raise AssertionError(f"benchmark modes differ in {f.name}, not only in Landlock/seccomp")
+
+
+def _workloads(proj: Path, sandboxes: dict[str, Any]) -> None:
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    print(f"== confinement overhead (median of {N} rounds, modes interleaved, order rotated)")
+    print(f"  {'workload / mode':<42} {'wall':>11} {'CPU':>11}   vs no Landlock/seccomp (wall / CPU)")
+    worst_wall = worst_cpu = -1.0
+    for label, argv in WORKLOADS:
+        if shutil.which(argv[0]) is None:
+            print(f"  {label:<42} skipped: {argv[0]} missing")
+            continue
+        env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1"}
+        fns: list[Callable[[], float | None]] = []
+        for mode, _opts in MODES:
+            if mode == "bare":
+
+                def fn(argv: list[str] = argv, env: dict[str, str] = env) -> float | None:
+                    c0 = _children_cpu()
+                    subprocess.run(argv, cwd=proj, env=env, check=True, **quiet)  # type: ignore[call-overload]
+                    return _children_cpu() - c0
+
+            else:
+
+                def fn(argv: list[str] = argv, sb: Any = sandboxes[mode]) -> float | None:
+                    r = sb.run(argv, **quiet)
+                    assert r.returncode == 0, r
+                    return r.cpu_time  # type: ignore[no-any-return]
+
+            fns.append(fn)
+        wall, cpu = _interleaved_cpu(fns, N)
+        names = [m for m, _ in MODES]
+        w = {m: median(x) for m, x in zip(names, wall, strict=True)}
+        c = {m: median(x) for m, x in zip(names, cpu, strict=True) if x}
+        print(f"  {label}")
+        for m in names:
+            cs = f"{c[m] * 1e3:8.1f} ms" if m in c else f"{'-':>11}"
+            rel = ""
+            if m not in ("bare", OFF):
+                rel = f"{_pct(w[m], w[OFF])} / {_pct(c[m], c[OFF]) if m in c and OFF in c else '-'}"
+            print(f"    {m:<40} {w[m] * 1e3:8.1f} ms {cs}   {rel}")
+        worst_wall = max(worst_wall, w[FULL] / w[OFF] - 1)
+        if FULL in c and OFF in c:
+            worst_cpu = max(worst_cpu, c[FULL] / c[OFF] - 1)
+    for what, worst in (("wall", worst_wall), ("CPU ", worst_cpu)):
+        if worst > -1:
+            verdict = "within" if worst <= 0.03 else "OVER"
+            print(f"  worst confinement overhead, {what} {worst * 100:+.2f}% ({verdict} the 3% budget)")
+    print(
+        f"  (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: wall times are noisy under load)"
+    )
+
+
+def _unit_costs(proj: Path, sandboxes: dict[str, Any], allow_all: Any) -> None:
+    """Per-operation cost of each wall: CPU of a loop of one operation, minus the
+    same loop without the wall, divided by the count."""
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    py = "/usr/bin/python3"
+    if not os.path.exists(py):
+        return
+    calls = 300_000
+    opens = 20_000
+    # a directory a few levels below /usr (the system python's json package), and /usr
+    r = subprocess.run(
+        [py, "-I", "-S", "-c", "import json, os; print(os.path.dirname(json.__file__))"],
+        capture_output=True,
+        text=True,
+    )
+    deep = r.stdout.strip()
+    if not (deep.startswith("/usr/") and os.path.isdir(deep)):
+        deep = "/usr/share"
+    shallow = "/usr"
+    in_proj = str(proj / "d000")
+
+    def loop(code: str, sb: Any) -> Callable[[], float | None]:
+        argv = [py, "-I", "-S", "-c", code]
+
+        def fn() -> float | None:
+            r = sb.run(argv, **quiet)
+            assert r.returncode == 0, r
+            return r.cpu_time  # type: ignore[no-any-return]
+
+        return fn
+
+    syscall_code = f"import os\nfor _ in range({calls}): os.getppid()"
+    base_code = f"for _ in range({calls}): pass"
+
+    def open_code(d: str) -> str:
+        return f"import os\nfor _ in range({opens}): os.close(os.open({d!r}, os.O_RDONLY | os.O_DIRECTORY))"
+
+    print(f"== per-operation cost (CPU, median of {UNIT_N} rounds, interleaved)")
+    off, ll, sc = sandboxes[OFF], sandboxes["Landlock only"], sandboxes["seccomp only"]
+    _, cpu = _interleaved_cpu(
+        [loop(base_code, off), loop(syscall_code, off), loop(syscall_code, sc), loop(syscall_code, allow_all)],
+        UNIT_N,
+    )
+    if all(cpu):
+        b, o, s, a = (median(x) for x in cpu)
+        print(f"  getppid() without seccomp                  {(o - b) / calls * 1e9:7.0f} ns per call (loop overhead removed)")
+        print(f"  seccomp, default profile                   {(s - o) / calls * 1e9:+7.0f} ns per call")
+        print(
+            f"  seccomp, a filter allowing everything      {(a - o) / calls * 1e9:+7.0f} ns per call "
+            "(the kernel's floor for any filter)"
+        )
+    dirs = [(shallow, "Landlock, open a dir at /usr"), (deep, f"Landlock, open {deep}"), (in_proj, "Landlock, open a dir in the project")]
+    fns: list[Callable[[], float | None]] = []
+    for d, _ in dirs:
+        fns += [loop(open_code(d), off), loop(open_code(d), ll)]
+    _, cpu = _interleaved_cpu(fns, UNIT_N)
+    if all(cpu):
+        for i, (_d, what) in enumerate(dirs):
+            o, w = median(cpu[2 * i]), median(cpu[2 * i + 1])
+            print(f"  {what:<42} {(w - o) / opens * 1e9:+7.0f} ns per open+close ({(o / opens) * 1e9:.0f} ns without)")
+
+
+def _forget_prepared_profiles() -> None:
+    """Run preparation keeps compiled profiles in memory too (stockade.prepare)."""
+    try:
+        from stockade import prepare
+    except ImportError:
+        return
+    cache = getattr(prepare, "_SECCOMP", None)
+    if isinstance(cache, dict):
+        cache.clear()
 
 
 def _compile_rows() -> None:
@@ -116,6 +298,7 @@ def _compile_rows() -> None:
 
         def launch_uncached() -> None:
             seccomp.clear_memory_cache()
+            _forget_prepared_profiles()
             shutil.rmtree(seccomp.cache_dir(), ignore_errors=True)
             stockade.run(["true"], project=proj, session="launch")
 
@@ -143,63 +326,18 @@ def main() -> None:
         t = time.perf_counter()
         _make_repo(proj)
         print(f"(setup: {FILES}-file git repository in {time.perf_counter() - t:.1f} s)")
-        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-        full = stockade.Sandbox(proj, session="conf-full")
-        off = stockade.Sandbox(
-            proj,
-            session="conf-off",
-            seccomp="off",
-            landlock=False,
-            allow_degraded=["seccomp", "landlock"],
-        )
-        print(f"== confinement overhead (median of {N}, modes interleaved)")
-        print(
-            f"  {'workload':<42} {'bare':>11} {'sandbox, no LL/seccomp':>24} {'full sandbox':>13}  overhead"
-        )
-        worst = 0.0
-        worst_cpu = -2.0
-        for label, argv in WORKLOADS:
-            if shutil.which(argv[0]) is None:
-                print(f"  {label:<42} skipped: {argv[0]} missing")
-                continue
-            env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1"}
-
-            def bare(argv: list[str] = argv, env: dict[str, str] = env) -> float:
-                c0 = _children_cpu()
-                subprocess.run(argv, cwd=proj, env=env, check=True, **quiet)  # type: ignore[call-overload]
-                return _children_cpu() - c0
-
-            def run_full(argv: list[str] = argv) -> float | None:
-                r = full.run(argv, **quiet)
-                assert r.returncode == 0, r
-                return r.cpu_time
-
-            def run_off(argv: list[str] = argv) -> float | None:
-                r = off.run(argv, **quiet)
-                assert r.returncode == 0, r
-                return r.cpu_time
-
-            (b, o, f), (bc, oc, fc) = _interleaved_cpu([bare, run_off, run_full], N)
-            over = median(f) / median(o) - 1
-            worst = max(worst, over)
-            print(f"  {label:<42} {ms(b)} {ms(o):>24} {ms(f):>13}  {over * 100:+6.2f}%")
-            if oc and fc:
-                cover = median(fc) / median(oc) - 1
-                worst_cpu = max(worst_cpu, cover)
-                bcs = ms(bc) if bc else "-"
-                print(
-                    f"  {'  (CPU time of the command)':<42} {bcs} {ms(oc):>24} {ms(fc):>13}  {cover * 100:+6.2f}%"
-                )
-        verdict = "within" if worst <= 0.03 else "OVER"
-        print(f"  worst confinement overhead, wall {worst * 100:+.2f}% ({verdict} the 3% budget)")
-        if worst_cpu > -1:
-            verdict = "within" if worst_cpu <= 0.03 else "OVER"
-            print(
-                f"  worst confinement overhead, CPU  {worst_cpu * 100:+.2f}% ({verdict} the 3% budget)"
-            )
-        print(
-            f"  (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: wall times are noisy under load)"
-        )
+        _check_like_with_like(proj)
+        sandboxes = {
+            mode: stockade.Sandbox(proj, session=f"conf-{i}", **opts)
+            for i, (mode, opts) in enumerate(MODES)
+            if opts is not None
+        }
+        _workloads(proj, sandboxes)
+        profile = base / "allow-all.json"
+        profile.write_text(json.dumps(ALLOW_ALL))
+        allow_all = stockade.Sandbox(proj, session="conf-allow-all", seccomp=str(profile), landlock=False, **DEGRADED)
+        _unit_costs(proj, sandboxes, allow_all)
+        sys.stdout.flush()
         _compile_rows()
     finally:
         shutil.rmtree(base, ignore_errors=True)
