@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from .errors import PolicyError, SandboxError, SessionBusy, StockadeError, UsageError
+
+TYPE_CHECKING = False  # not typing's: importing typing costs the CLI milliseconds
 
 __all__ = [
     "PolicyError",
@@ -17,6 +17,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from .api import Sandbox, run
 
 

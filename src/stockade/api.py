@@ -49,6 +49,7 @@ class RunResult(subprocess.CompletedProcess[Any]):
         self.peak_memory = None
         self.cpu_time = None
         self.degraded = ()
+        self.cg_manager: Any = None  # the cgroup backend the run used
 
     @property
     def exit_status(self) -> int:
@@ -412,6 +413,7 @@ def _execute(
     res.peak_memory = outcome.get("peak_memory")
     res.cpu_time = outcome.get("cpu_time")
     res.degraded = plan.degraded
+    res.cg_manager = cg_manager
     res.exec_failed = sup.exec_failed  # type: ignore[attr-defined]
     if sup.timed_out and raise_timeout and timeout is not None:
         # subprocess.run compatibility; the result rides along for callers that want the outcome

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import _tokens
+
 if TYPE_CHECKING:
     from .policy import Effective, Masked
 
@@ -62,12 +64,10 @@ _ANY_SECRET: re.Pattern[str] | None = None
 
 
 def _any_secret() -> re.Pattern[str]:
-    """One regex that finds whatever a redaction pattern would (the fast pre-check)."""
+    """One regex that finds whatever a redaction pattern would."""
     global _ANY_SECRET
     if _ANY_SECRET is None:
-        from .policy.env import TOKEN_PATTERNS
-
-        alts = [f"(?:{rx.pattern})" for _label, rx in TOKEN_PATTERNS]
+        alts = [f"(?:{src})" for _label, src in _tokens.SOURCES]
         alts.append(r"(?i:\b(?:authorization|proxy-authorization|x-api-key|cookie)\s*:\s*\S)")
         _ANY_SECRET = re.compile("|".join(alts))
     return _ANY_SECRET
@@ -94,11 +94,9 @@ def redact_text(s: str) -> str:
 
 
 def _redact(s: str) -> str:
-    if _any_secret().search(s) is None:
+    if not _tokens.may_hold_secret(s) or _any_secret().search(s) is None:
         return s
-    from .policy.env import TOKEN_PATTERNS
-
-    for label, rx in TOKEN_PATTERNS:
+    for label, rx in _tokens.patterns():
         if label == "url-password":
             s = rx.sub(lambda m: re.sub(r":[^/\s:@]+@$", ":[REDACTED]@", m.group(0)), s)
         else:

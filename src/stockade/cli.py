@@ -1,18 +1,109 @@
 """Command-line front end: argparse only, no logic. Imports stay lazy so the
-`run` path loads nothing it does not need."""
+`run` path loads nothing it does not need: a `stockade run` with the common options
+is even parsed without argparse (``_fast_run``)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, exit 2
-        sys.stderr.write(f"stockade: {message} (see `{self.prog} --help`)\n")
-        raise SystemExit(2)
+def _parser_class() -> type[argparse.ArgumentParser]:
+    import argparse
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> Any:  # one line, exit 2
+            sys.stderr.write(f"stockade: {message} (see `{self.prog} --help`)\n")
+            raise SystemExit(2)
+
+    return _Parser
+
+
+# `stockade run` options the fast parser knows: option -> (key, takes a value)
+_FAST_OPTS: dict[str, tuple[str, bool]] = {
+    "--project": ("project", True), "-p": ("project", True),
+    "--session": ("session", True), "-s": ("session", True),
+    "--cwd": ("cwd", True), "--net": ("net", True), "--seccomp": ("seccomp", True), "--env": ("env", True),
+    "--root": ("root", False), "--no-wait": ("no_wait", False),
+    "--read-only": ("read_only", False), "--no-read-only": ("no_read_only", False),
+}
+
+
+def _fast_run(argv: list[str]) -> dict[str, Any] | None:
+    """``run [common options] [--] CMD...`` parsed as argparse would, without it (nor
+    the modules its parser needs); None for anything else, which argparse handles
+    (help, errors, the other options)."""
+    if len(argv) < 2 or argv[0] != "run":
+        return None
+    v: dict[str, Any] = {"project": ".", "session": None, "cwd": None, "net": "none", "seccomp": "default",
+                         "root": False, "no_wait": False, "read_only": None}
+    env: dict[str, str] = {}
+    cmd: list[str] | None = None
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            cmd = argv[i + 1:]
+            break
+        if not a.startswith("-") or a == "-":
+            cmd = argv[i:]
+            break
+        name, eq, val = a.partition("=") if a.startswith("--") else (a, "", "")
+        spec = _FAST_OPTS.get(name)
+        if spec is None:
+            return None
+        key, takes = spec
+        if not takes:
+            if eq:
+                return None
+            if key == "read_only":
+                v["read_only"] = True
+            elif key == "no_read_only":
+                v["read_only"] = False
+            else:
+                v[key] = True
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                return None
+            val = argv[i + 1]
+            i += 1
+        i += 1
+        if key == "env":
+            if "=" not in val:
+                return None
+            k, ev = val.split("=", 1)
+            env[k] = ev
+        elif key == "net" and val not in ("none", "host"):
+            return None
+        else:
+            v[key] = val
+    if not cmd:
+        return None
+    from .prepare import CliSpec
+
+    return {
+        "args": cmd,
+        "project": v["project"],
+        "session": v["session"],
+        "cwd": v["cwd"],
+        "root": v["root"],
+        "user": None,
+        "network": v["net"],
+        "pass_fds": (),
+        "seccomp": v["seccomp"],
+        "landlock": True,
+        "allow_degraded": (),
+        "no_wait": v["no_wait"],
+        # what cli_policy_from_args makes of these flags
+        "policy": CliSpec(read_only=v["read_only"], env=env, cwd=os.getcwd()),
+    }
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -40,6 +131,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--read-only", action="store_true", help="mount the project read-only")
     else:
         add_policy_arguments(p)
+    import argparse
+
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
 
 
@@ -89,17 +182,21 @@ def _run_kwargs(args: argparse.Namespace, default_cmd: list[str] | None = None) 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    return _run(_run_kwargs(args))
+
+
+def _run(kw: dict[str, Any]) -> int:
     from . import api
     from .errors import SandboxError
     from .linux import launcher
 
     # each command is a new process: share a launcher between them (it idles out)
     launcher.SHARED = os.environ.get("STOCKADE_LAUNCHER", "1") != "private"
-    kw = _run_kwargs(args)
     argv = kw.pop("args")
     project = kw.pop("project")
     session = kw.pop("session")
-    res = api.run(argv, project=project, session=session, forward_signals=True, quiet=False, **kw)
+    # persist: what this run was prepared from and into is kept for the next command
+    res = api.run(argv, project=project, session=session, forward_signals=True, quiet=False, persist=True, **kw)
     ef = getattr(res, "exec_failed", None)
     if ef is not None:
         import errno as _e
@@ -109,7 +206,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             sys.stderr.write(f"stockade: {ef.path}: cannot execute: {os.strerror(ef.err)}\n")
     _after_run(res)
-    _sweep_stale_cgroups()
+    _sweep_stale_cgroups(getattr(res, "cg_manager", None))
     del SandboxError
     status: int = res.exit_status
     kind = getattr(res, "outcome_kind", "")
@@ -127,13 +224,17 @@ def _after_run(res: Any) -> None:
         lines.append(f"stockade: run {res.run} of session {res.session} ended: {res.outcome}")
     if res.degraded:
         lines.append("stockade: DEGRADED sandbox: " + ", ".join(res.degraded))
-    try:
-        from .changes.cli import summary_line
-        from .session import store
+    line = None
+    from .session import store
 
-        line = summary_line(store.open_session(res.session))
-    except ImportError:
-        line = None
+    sess = store.open_session(res.session)
+    if _has_changes(sess):
+        try:
+            from .changes.cli import summary_line
+
+            line = summary_line(sess)
+        except ImportError:
+            line = None
     if line:
         lines.append(line)
     elif res.run == 1:
@@ -142,12 +243,28 @@ def _after_run(res: Any) -> None:
         sys.stderr.write(ln + "\n")
 
 
-def _sweep_stale_cgroups() -> None:
+def _has_changes(sess: Any) -> bool:
+    """Does any layer of the session hold anything (else there is no change to count)?"""
+    for layer in sess.lower_stack():
+        try:
+            with os.scandir(layer) as it:
+                for _ in it:
+                    return True
+        except FileNotFoundError:
+            continue
+    return False
+
+
+def _sweep_stale_cgroups(manager: Any = None) -> None:
     """Run cgroups of supervisors that were SIGKILLed cannot remove themselves: the next run does."""
     try:
-        from .cgroups import detect
+        from .cgroups.sweep import sweep_stale
 
-        detect.sweep_stale(detect.detect())
+        if manager is None:
+            from .cgroups import detect
+
+            manager = detect.detect()
+        sweep_stale(manager)
     except OSError:
         pass
 
@@ -164,6 +281,7 @@ _LEAN_VERBS = ("run", "explain", "shell")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    _Parser = _parser_class()
     parser = _Parser(prog="stockade", description="Run untrusted commands in a Linux sandbox; review their writes as a change set.")
     parser.add_argument("--version", action="version", version="stockade 0.1.0")
     sub = parser.add_subparsers(dest="verb", metavar="COMMAND", parser_class=_Parser)
@@ -202,6 +320,17 @@ def _lazy(module: str, name: str) -> Any:
 def main(argv: list[str] | None = None) -> int:
     from .errors import StockadeError
 
+    fast = _fast_run(sys.argv[1:] if argv is None else argv)
+    if fast is not None:
+        try:
+            return _run(fast)
+        except StockadeError as e:
+            sys.stderr.write(f"stockade: {e.one_line()}\n")
+            return e.exit_status
+        except KeyboardInterrupt:
+            return 130
+        except BrokenPipeError:
+            return 141
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

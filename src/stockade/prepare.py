@@ -225,9 +225,30 @@ def clear_caches() -> None:
 # --------------------------------------------------------------------------- prepare
 
 
+class CliSpec:
+    """Policy flags of the command line, made a ``CliPolicy`` only when a run is
+    prepared in full (importing the policy package is what a warm CLI run avoids)."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, **fields: Any) -> None:
+        self.fields = fields
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in self.fields.items()))
+
+    def build(self) -> Any:
+        from .policy import CliPolicy
+
+        return CliPolicy(**self.fields)
+
+
 def load_policy(project: Path, sess: store.Session | None, cli: Any, env: Mapping[str, str] | None) -> Any:
     from . import policy as polmod
 
+    if isinstance(cli, CliSpec):
+        cli = cli.build()
     if cli is None:
         cli = polmod.CliPolicy(env=dict(env)) if env else None
     elif env:
@@ -258,8 +279,29 @@ def prepare(
     requested_limits: set[str] | None = None,
     policy: Any = None,
     explain_only: bool = False,
+    persist: bool = False,
 ) -> Prepared:
+    """The plan and everything else a run of ``args`` in ``sess`` needs.
+
+    ``persist`` (the CLI): keep the result on disk for later processes (``stockade.warm``)."""
     argv = argv_of(args, shell)
+    wkey: tuple[Any, ...] | None = None
+    if persist and argv and not explain_only and limits is None and requested_limits is None and (policy is None or isinstance(policy, CliSpec)):
+        from . import warm
+
+        wkey = (
+            "run", str(project), None if cwd is None else os.fspath(cwd), timeout, shell, root, user, read_only, network,
+            tuple(pass_fds), seccomp, tuple(allow_degraded), landlock, None if policy is None else policy.key,
+            None if not env else tuple(sorted(env.items())),
+        )
+        hit = warm.load(wkey, sess, argv)
+        if hit is not None:
+            for fd in pass_fds:
+                try:
+                    os.fstat(fd)
+                except OSError:
+                    raise UsageError(f"--pass-fd {fd}: not an open file descriptor") from None
+            return hit
     if network not in ("none", "host"):
         raise UsageError(f"--net {network!r} is not a network mode; use none or host")
     degraded_ok = frozenset(allow_degraded)
@@ -316,6 +358,7 @@ def prepare(
 
     lower_layers: list[Path] = [] if read_only else sess.layers()[::-1]
     masked_l: list[Any] = list(pol.masked(project))
+    items: list[tuple[str, bool, bool]] = []
     grant_masks: list[Any] = []
     for g in pol.grants:
         grant_masks.extend(pol.masked(g.host_path))
@@ -328,7 +371,7 @@ def prepare(
         else:
             from .session.masklayer import ensure_mask_layer
 
-            items = [(m.path, bool(m.is_dir), bool(m.is_symlink)) for m in masked_l]
+            items = [(str(m.path), bool(m.is_dir), bool(m.is_symlink)) for m in masked_l]
             lower_layers.append(ensure_mask_layer(sess, items, project, pol.mask_mode))
     masked = tuple((str(m.path), bool(m.is_dir)) for m in grant_masks if not m.is_symlink)
     masked_l = masked_l + grant_masks
@@ -376,4 +419,9 @@ def prepare(
             raise UsageError(f"--pass-fd {fd}: not an open file descriptor") from None
     info = {"policy": pol, "masked": masked_l, "removed": removed, "read_only": read_only, "project": str(project),
             "unenforced": tuple(unenforced)}
-    return Prepared(plan, cg_manager, lim, timeout, info)
+    prep = Prepared(plan, cg_manager, lim, timeout, info)
+    if wkey is not None:
+        from . import warm
+
+        warm.save(wkey, prep, seccomp=seccomp, masked_items=items, mask_mode=pol.mask_mode, read_only=read_only)
+    return prep

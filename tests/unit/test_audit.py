@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from stockade import audit
+from stockade import _tokens, audit
 
 
 @dataclass(frozen=True)
@@ -140,3 +142,19 @@ def test_policy_helpers(log: audit.AuditLog, tmp_path: Path) -> None:
     assert [r["target"] for r in recs[:2]] == ["./.env", "AWS_SECRET_ACCESS_KEY"]
     assert all(r["result"] == "blocked" for r in recs)
     assert "t0ken" not in log.path.read_text()
+
+
+@pytest.mark.parametrize("label,src", _tokens.SOURCES)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_needles_cover_every_token_pattern(label: str, src: str, data: st.DataObject) -> None:
+    """The redactor's cheap pre-check never skips a string a pattern would redact."""
+    s = data.draw(st.from_regex(src))
+    assert _tokens.may_hold_secret(s), (label, s)
+
+
+@given(st.from_regex(r"(?i)(authorization|proxy-authorization|x-api-key|cookie)\s*:\s*\S.*", fullmatch=True))
+@settings(max_examples=200, deadline=None)
+def test_needles_cover_secret_headers(s: str) -> None:
+    assert _tokens.may_hold_secret(s)
+    assert audit.redact_text(s) != s

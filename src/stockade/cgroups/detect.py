@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import errno as _errno
 import os
-import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -311,40 +310,6 @@ def reset() -> None:
     _detect_cached.cache_clear()
 
 
-_RUN_DIR = re.compile(r"^stockade-.+-(\d+)-[0-9a-f]{6}$")
+from stockade.cgroups.sweep import run_parents, sweep_stale  # noqa: E402  (re-exported)
 
-
-def run_parents(manager: Manager) -> list[str]:
-    """Directories under which ``manager`` creates run cgroups."""
-    if isinstance(manager, V2Manager):
-        return [manager.parent]
-    if isinstance(manager, V1Manager):
-        return sorted({h.own_dir for h in manager.hierarchies.values()})
-    if isinstance(manager, HybridManager):
-        return run_parents(manager.v2) + run_parents(manager.v1)
-    return []
-
-
-def sweep_stale(manager: Manager, fs: CgroupFS | None = None) -> list[str]:
-    """Remove *empty* run cgroups whose creating process is gone (a supervisor that
-    was SIGKILLed cannot clean up after itself). Cgroups with tasks, or whose
-    creator pid is alive (even if reused by another process), are left alone.
-    Returns the removed paths; call it from ``stockade doctor`` or at start-up."""
-    fs = fs or CgroupFS()
-    removed: list[str] = []
-    for parent in run_parents(manager):
-        try:
-            names = fs.subdirs(parent)
-        except OSError:
-            continue
-        for name in names:
-            m = _RUN_DIR.match(name)
-            if not m or os.path.exists(f"/proc/{m.group(1)}"):
-                continue
-            path = os.path.join(parent, name)
-            try:
-                fs.rmdir(path)  # EBUSY when tasks (or child cgroups) remain: keep it
-            except OSError:
-                continue
-            removed.append(path)
-    return removed
+__all__ = ["CHOICES", "ENV", "Detection", "HostView", "detect", "detect_from", "detection", "reset", "run_parents", "sweep_stale"]

@@ -237,3 +237,13 @@ def proc_cgroup_lines(pid: int) -> list[tuple[str, str, str]]:
         if len(parts) == 3:
             out.append((parts[0], parts[1], parts[2]))
     return out
+
+
+_NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def run_dir_name(name: str) -> str:
+    """``stockade-<name>-<pid>-<random>``: unique, recognisable, safe as one path part."""
+    if not name or len(name) > 80 or not set(name) <= _NAME_OK or name.startswith("."):
+        raise ValueError(f"cgroup name {name!r}: use 1-80 characters from [A-Za-z0-9._-]")
+    return f"stockade-{name}-{os.getpid()}-{os.urandom(3).hex()}"

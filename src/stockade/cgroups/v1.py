@@ -26,8 +26,8 @@ from stockade.cgroups.fs import (
     parse_pids,
     proc_cgroup_lines,
     remove_tree,
+    run_dir_name,
 )
-from stockade.cgroups.v2 import run_dir_name
 from stockade.errors import SandboxError
 
 #: Controllers stockade uses in v1, in creation order.

@@ -28,21 +28,14 @@ from stockade.cgroups.fs import (
     parse_pids,
     proc_cgroup_lines,
     remove_tree,
+    run_dir_name,
 )
 from stockade.errors import SandboxError
 
+__all__ = ["V2_CONTROLLERS", "V2Manager", "V2RunCgroup", "cpu_max", "run_dir_name"]
+
 #: Controllers stockade uses in v2.
 V2_CONTROLLERS = ("memory", "pids", "cpu")
-
-_NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-
-
-def run_dir_name(name: str) -> str:
-    """``stockade-<name>-<pid>-<random>``: unique, recognisable, safe as one path part."""
-    if not name or len(name) > 80 or not set(name) <= _NAME_OK or name.startswith("."):
-        raise ValueError(f"cgroup name {name!r}: use 1-80 characters from [A-Za-z0-9._-]")
-    return f"stockade-{name}-{os.getpid()}-{os.urandom(3).hex()}"
-
 
 def cpu_max(cpus: float) -> str:
     quota = max(1000, round(cpus * CPU_PERIOD_US))

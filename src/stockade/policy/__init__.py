@@ -275,6 +275,8 @@ class Effective:
         self._real_trees = frozenset([str(self.project), *(str(g.host_path) for g in self.grants)])
         self._base_warnings = tuple(self.warnings)
         self._env_memo: list[Any] = [None]
+        self.scan_deps: dict[str, tuple[dict[str, Any], list[tuple[str, bool, bool, bool]], bool]] = {}
+        self.cached_by: _Cached | None = None  # set on the copies load_cached hands out
 
     def _fresh(self, session_dir: Path | None) -> Effective:
         """A copy for one more run: shares the merged rules, resets per-run state."""
@@ -284,6 +286,7 @@ class Effective:
         e.warnings = list(self._base_warnings)
         e._masked = {}
         e.scan_stats = {}
+        e.scan_deps = {}
         return e
 
     # ---- settings --------------------------------------------------------------
@@ -378,19 +381,23 @@ class Effective:
         denies = [d for d in self.paths.denies if is_under(d.path, root) and d.path != root]
         skip = [d.path for d in denies if os.path.isdir(d.path) and not os.path.islink(d.path)]
         scanner = secrets.Scanner(m, skip_dirs=skip)
-        hits, err = secrets.scan_cached(scanner, root, persist=self.session_dir is not None)
+        hits, err, scan = secrets.scan_cached(scanner, root, persist=self.session_dir is not None)
         if err is not None:
             self.warnings.append(err)
         self.scan_stats[root] = dict(scanner.stats)
         self.warnings += [f"secret scan: cannot list {e}" for e in scanner.errors]
         out: dict[str, Masked] = {}
+        facts: list[tuple[str, bool, bool, bool]] = []  # (deny, lexists, islink, isdir)
         for d in denies:
-            if not os.path.lexists(d.path):
+            exists = os.path.lexists(d.path)
+            is_link = exists and os.path.islink(d.path)
+            is_dir = exists and os.path.isdir(d.path)
+            facts.append((d.path, exists, is_link, is_dir))
+            if not exists:
                 continue
-            is_link = os.path.islink(d.path)
-            out[d.path] = Masked(
-                Path(d.path), os.path.isdir(d.path) and not is_link, d.path, d.origin.layer, str(d.origin), is_link
-            )
+            out[d.path] = Masked(Path(d.path), is_dir and not is_link, d.path, d.origin.layer, str(d.origin), is_link)
+        # what the result depends on, for stockade.warm (a later process revalidates it)
+        self.scan_deps[root] = (scan, facts, bool(scanner.errors))
         for h in hits:
             p = os.path.join(root, h.rel)
             if any(is_under(p, q) for q in skip) or p in out:
@@ -604,15 +611,15 @@ class _Cached:
         self.eff = eff
         # (file, stat signature, content while racy)
         self.files = files
-        # A path with no symlink along it keeps resolving to itself while each directory
-        # on the way keeps its identity and mtime (an entry cannot become a symlink
-        # without its directory changing). Directories changed within RACY_NS of now
-        # may change again unseen: the entries below them are checked one by one.
-        self.dirs: dict[str, tuple[int, int, int]] = {}
-        self.entries: list[str] = []  # must not be symlinks
+        # A path with no symlink along it keeps resolving to itself while none of its
+        # components is a symlink. A directory whose identity and mtime are unchanged
+        # has the same entries (none can have been replaced by a symlink); one that
+        # changed (or changed within RACY_NS of the recording, so may change again
+        # unseen) has the entries on the recorded paths checked one by one.
+        # dir -> [(dev, ino, mtime) or None when racy, entries of it on the paths]
+        self.dirs: dict[str, list[Any]] = {}
         self.resolved: list[tuple[str, str]] = []  # (raw, realpath) resolved again each time
         self.exists: list[tuple[str, bool]] = []
-        seen: set[str] = set()
         for kind, raw, result in notes:
             if kind == "lexists":
                 self.exists.append((raw, bool(result)))
@@ -624,30 +631,30 @@ class _Cached:
             parts = norm.split("/")[1:]
             cur = "/"
             for i, part in enumerate(parts):
-                if cur not in self.dirs:
+                ent = self.dirs.get(cur)
+                if ent is None:
                     try:
                         st = os.lstat(cur)
                     except OSError:
                         self.resolved.append((raw, str(result)))
                         break
-                    self.dirs[cur] = (st.st_dev, st.st_ino, st.st_mtime_ns)
+                    racy = st.st_mtime_ns >= started_ns - RACY_NS
+                    ent = self.dirs[cur] = [None if racy else (st.st_dev, st.st_ino, st.st_mtime_ns), []]
                 child = os.path.join(cur, part)
-                if self.dirs[cur][2] >= started_ns - RACY_NS and child not in seen:
-                    seen.add(child)
-                    self.entries.append(child)
+                if child not in ent[1]:
+                    ent[1].append(child)
                 if i == len(parts) - 1:
                     break
                 try:
                     st = os.lstat(child)
                 except OSError:
-                    break  # missing: its parent's mtime covers its appearance
+                    break  # missing: it cannot appear without its parent changing
                 if not _stat.S_ISDIR(st.st_mode):
                     break
                 cur = child
 
     def valid(self, sigs: list[Any]) -> bool:
         """Still the policy loading would give now? ``sigs``: the files' signatures now."""
-        import stat as _stat
         import time
 
         if [s for _f, s, _c in self.files] != sigs:
@@ -659,23 +666,32 @@ class _Cached:
                     return False
                 if sig is not None and sig[3] < now - RACY_NS:
                     self.files[i] = (path, sig, None)
-        for d, dsig in self.dirs.items():
-            try:
-                st = os.lstat(d)
-            except OSError:
+        if not paths_hold(self.dirs):
+            return False
+        for raw, real in self.resolved:
+            if os.path.realpath(raw) != real:
                 return False
-            if (st.st_dev, st.st_ino, st.st_mtime_ns) != dsig:
-                return False
-        for p in self.entries:
+        return all(os.path.lexists(p) == e for p, e in self.exists)
+
+
+def paths_hold(dirs: Mapping[str, Any]) -> bool:
+    """``_Cached.dirs`` still says what it said: no entry on the paths became a symlink."""
+    import stat as _stat
+
+    for d, (sig, entries) in dirs.items():
+        try:
+            st = os.lstat(d)
+        except OSError:
+            return False
+        if sig is not None and (st.st_dev, st.st_ino, st.st_mtime_ns) == tuple(sig):
+            continue
+        for p in entries:
             try:
                 if _stat.S_ISLNK(os.lstat(p).st_mode):
                     return False
             except OSError:
                 continue
-        for raw, real in self.resolved:
-            if os.path.realpath(raw) != real:
-                return False
-        return all(os.path.lexists(p) == e for p, e in self.exists)
+    return True
 
 
 _CACHE: dict[tuple[Any, ...], _Cached] = {}
@@ -728,7 +744,9 @@ def load_cached(project: Path, session_dir: Path | None, cli: CliPolicy | None =
     key = (proj, sdir if has_session_policy else None, ck[1], os.getcwd() if needs_cwd else None, env_key)
     hit = _CACHE.get(key)
     if hit is not None and hit.valid(sigs):
-        return hit.eff._fresh(session_dir)
+        out = hit.eff._fresh(session_dir)
+        out.cached_by = hit
+        return out
     # contents of files changed within the timestamp granularity are read *before*
     # loading: a later change then shows up as a difference
     started = time.time_ns()
@@ -741,8 +759,10 @@ def load_cached(project: Path, session_dir: Path | None, cli: CliPolicy | None =
     eff.matcher()  # shared by the copies
     if len(_CACHE) >= _CACHE_MAX:
         _CACHE.clear()
-    _CACHE[key] = _Cached(eff, recorded, notes, started)
-    return eff._fresh(session_dir)
+    entry = _CACHE[key] = _Cached(eff, recorded, notes, started)
+    out = eff._fresh(session_dir)
+    out.cached_by = entry
+    return out
 
 
 def clear_cache() -> None:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import re
 from dataclasses import dataclass
 
+from .. import _tokens
 from .config import Origin
+
+__all__ = ["DEFAULT_ALLOW", "DEFAULT_BLOCK", "TOKEN_PATTERNS", "EnvDecision", "EnvFilter", "EnvRule", "name_matches", "token_kind"]
 
 DEFAULT_ALLOW: tuple[str, ...] = (
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TERM",
@@ -34,23 +36,7 @@ DEFAULT_BLOCK: tuple[str, ...] = (
     "SSH_AUTH_SOCK", "GPG_AGENT_INFO",
 )
 
-# (label, regex) of token formats found in values; also used by the audit redactor.
-TOKEN_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("github-token", re.compile(r"\bgh[pousr]_[A-Za-z0-9]{30,}")),
-    ("github-token", re.compile(r"\bgithub_pat_[A-Za-z0-9_]{22,}")),
-    ("aws-access-key-id", re.compile(r"\b(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA)[A-Z0-9]{16}\b")),
-    ("api-key", re.compile(r"\bsk-(?:ant-|proj-)?[A-Za-z0-9_-]{20,}")),
-    ("stripe-key", re.compile(r"\b[rs]k_(?:live|test)_[A-Za-z0-9]{16,}")),
-    ("slack-token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}")),
-    ("gitlab-token", re.compile(r"\bglpat-[A-Za-z0-9_-]{20,}")),
-    ("google-api-key", re.compile(r"\bAIza[0-9A-Za-z_-]{35}")),
-    ("npm-token", re.compile(r"\bnpm_[A-Za-z0-9]{36}")),
-    ("pypi-token", re.compile(r"\bpypi-AgE[A-Za-z0-9_-]{50,}")),
-    ("huggingface-token", re.compile(r"\bhf_[A-Za-z0-9]{30,}")),
-    ("private-key", re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")),
-    ("jwt", re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")),
-    ("url-password", re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:[^/\s@]+@")),
-)
+TOKEN_PATTERNS = _tokens.patterns()
 
 
 @functools.lru_cache(maxsize=4096)

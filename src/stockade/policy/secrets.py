@@ -428,12 +428,13 @@ def _same_scan(a: dict[str, Any], b: dict[str, Any]) -> bool:
 _SCANS: dict[tuple[str, str, tuple[str, ...]], tuple[dict[str, Any], bool]] = {}
 
 
-def scan_cached(scanner: Scanner, root: str, *, persist: bool) -> tuple[list[Hit], str | None]:
+def scan_cached(scanner: Scanner, root: str, *, persist: bool) -> tuple[list[Hit], str | None, dict[str, Any]]:
     """``scanner.scan(root)`` against the latest cache of this process (else the disk's).
 
     The newest scan stays in memory (so its racy window moves on); the disk copy is
     rewritten only when its content would change, and only with ``persist`` (a run,
-    not ``explain``). Returns (hits, a warning when the disk cache cannot be written)."""
+    not ``explain``). Returns (hits, a warning when the disk cache cannot be written,
+    the scan cache now)."""
     skip = tuple(sorted(scanner.skip))
     key = (root, scanner.m.fingerprint, skip)
     ent = _SCANS.get(key)
@@ -455,4 +456,4 @@ def scan_cached(scanner: Scanner, root: str, *, persist: bool) -> tuple[list[Hit
         except OSError as e:
             err = f"cannot write the secret-scan cache {path}: {e.strerror}"
     _SCANS[key] = (new, on_disk)
-    return hits, err
+    return hits, err, new

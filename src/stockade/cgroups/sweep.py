@@ -1,0 +1,70 @@
+"""Removing run cgroups left behind by supervisors that were SIGKILLed.
+
+Kept apart from ``detect`` so that the CLI can sweep with the manager its run used,
+without importing every backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from stockade.cgroups.base import Manager
+    from stockade.cgroups.fs import CgroupFS
+
+
+def _is_run_dir(name: str) -> int | None:
+    """The creator pid of ``stockade-<name>-<pid>-<6 hex>``, or None."""
+    if not name.startswith("stockade-"):
+        return None
+    head, _, tail = name.rpartition("-")
+    if len(tail) != 6 or not all(c in "0123456789abcdef" for c in tail):
+        return None
+    rest, _, pid = head.rpartition("-")
+    if not pid.isdigit() or not pid.isascii() or len(rest) <= len("stockade-"):
+        return None
+    return int(pid)
+
+
+def run_parents(manager: Manager) -> list[str]:
+    """Directories under which ``manager`` creates run cgroups."""
+    kind = getattr(manager, "kind", "")
+    if kind == "v2":
+        return [manager.parent]  # type: ignore[attr-defined]
+    if kind == "v1":
+        return sorted({h.own_dir for h in manager.hierarchies.values()})  # type: ignore[attr-defined]
+    if kind == "hybrid":
+        return run_parents(manager.v2) + run_parents(manager.v1)  # type: ignore[attr-defined]
+    return []
+
+
+def sweep_stale(manager: Manager, fs: CgroupFS | None = None) -> list[str]:
+    """Remove *empty* run cgroups whose creating process is gone (a supervisor that
+    was SIGKILLed cannot clean up after itself). Cgroups with tasks, or whose
+    creator pid is alive (even if reused by another process), are left alone.
+    Returns the removed paths; call it from ``stockade doctor`` or at start-up."""
+    parents = run_parents(manager)
+    if not parents:
+        return []
+    if fs is None:
+        from stockade.cgroups.fs import CgroupFS
+
+        fs = CgroupFS()
+    removed: list[str] = []
+    for parent in parents:
+        try:
+            names = fs.subdirs(parent)
+        except OSError:
+            continue
+        for name in names:
+            pid = _is_run_dir(name)
+            if pid is None or os.path.exists(f"/proc/{pid}"):
+                continue
+            path = os.path.join(parent, name)
+            try:
+                fs.rmdir(path)  # EBUSY when tasks (or child cgroups) remain: keep it
+            except OSError:
+                continue
+            removed.append(path)
+    return removed

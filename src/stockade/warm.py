@@ -1,0 +1,419 @@
+"""Prepared runs kept on disk, for the CLI.
+
+Every ``stockade run`` is a new process, so the caches of ``stockade.prepare`` start
+empty and each command would load the policy, filter the environment, compile the
+seccomp profile, detect the cgroup backend and build the plan again (and import
+everything that takes). Instead, after preparing a run the CLI stores, under
+``<state>/cache/warm-<key>.bin``, what came out (the plan, limits, audit facts) and
+everything it came from; a later command with the same options reuses it when all
+of that still holds, checked as the in-process caches check it:
+
+* the policy's tier files (stat), the directories on the way to every path the
+  policy resolved (identity and mtime), the existence of granted paths;
+* the secret scan: each directory of every visible tree (inode and mtime), and the
+  denied paths inside them;
+* the environment (a digest: no value is written down), the working directory,
+  the user and group ids, the hard rlimits the plan's are clamped to;
+* /etc (its directory, and each file copied into the sandbox), /etc/passwd and
+  /etc/group, the project's owner, the seccomp profile file, the Landlock ABI,
+  this process's cgroups;
+* the code that prepares runs (its source files).
+
+Anything that cannot be checked that way (a file changed within the timestamp
+granularity, a directory of a tree changed so recently that a scan would list it
+again, conditional secret files, command rules, a seccomp profile given as a
+path) means no entry is written, and the run is prepared in full. The session's
+own layers (snapshots, the mask layer) are applied to the stored plan per run.
+
+Only os, marshal and the blake2 digest are imported to check an entry.
+"""
+
+from __future__ import annotations
+
+import marshal
+import os
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from .prepare import Prepared
+    from .session.store import Session
+
+VERSION = 1
+RACY_NS = 2_000_000_000
+_PKG = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = (
+    "plan.py", "prepare.py", "warm.py", "policy/__init__.py", "policy/config.py", "policy/env.py",
+    "policy/rules.py", "policy/secrets.py", "cgroups/base.py", "cgroups/detect.py", "cgroups/rlimit.py",
+    "cgroups/v1.py", "cgroups/v2.py", "cgroups/hybrid.py", "cgroups/none.py", "linux/seccomp.py",
+    "session/masklayer.py",
+)
+
+
+def _sig(path: str) -> tuple[int, int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _digest(data: bytes) -> str:
+    try:
+        from _blake2 import blake2b
+    except ImportError:  # pragma: no cover - a Python without the builtin module
+        from hashlib import blake2b
+    return blake2b(data, digest_size=16).hexdigest()
+
+
+def _env_digest() -> str:
+    raw = getattr(os.environ, "_data", None)
+    items = sorted(raw.items()) if isinstance(raw, dict) else sorted((os.fsencode(k), os.fsencode(v)) for k, v in os.environ.items())
+    return _digest(b"\0".join(k + b"=" + v for k, v in items))
+
+
+def _code() -> tuple[Any, ...]:
+    return tuple(_sig(os.path.join(_PKG, f)) for f in _SOURCES)
+
+
+def _proc_cgroup() -> bytes:
+    try:
+        with open("/proc/self/cgroup", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def path_for(key: tuple[Any, ...]) -> str:
+    from .session.store import state_dir
+
+    return os.path.join(state_dir(), "cache", f"warm-{_digest(marshal.dumps(key))}.bin")
+
+
+# --------------------------------------------------------------------------- plans as data
+
+
+def _enc(v: Any) -> Any:
+    if hasattr(v, "__dataclass_fields__"):
+        return ("\0dc", type(v).__name__, {k: _enc(getattr(v, k)) for k in v.__dataclass_fields__})
+    if isinstance(v, tuple):
+        return tuple(_enc(x) for x in v)
+    if isinstance(v, list):
+        return [_enc(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _enc(x) for k, x in v.items()}
+    return v
+
+
+def _dec(v: Any, ns: Any) -> Any:
+    if isinstance(v, tuple):
+        if len(v) == 3 and v[0] == "\0dc":
+            cls = getattr(ns, v[1])
+            return cls(**{k: _dec(x, ns) for k, x in v[2].items()})
+        return tuple(_dec(x, ns) for x in v)
+    if isinstance(v, list):
+        return [_dec(x, ns) for x in v]
+    if isinstance(v, dict):
+        return {k: _dec(x, ns) for k, x in v.items()}
+    return v
+
+
+def _manager_desc(m: Any) -> Any:
+    from .cgroups.hybrid import HybridManager
+    from .cgroups.none import NoneManager
+    from .cgroups.v1 import V1Manager
+    from .cgroups.v2 import V2Manager
+
+    t = type(m)
+    if t is V1Manager:
+        return ("v1", {c: (tuple(sorted(h.controllers)), h.own_dir, h.own_rel) for c, h in m.hierarchies.items()}, m.note)
+    if t is V2Manager:
+        return ("v2", m.parent, tuple(sorted(m.controllers)), m.rel_parent, m.note)
+    if t is HybridManager:
+        a, b = _manager_desc(m.v2), _manager_desc(m.v1)
+        return None if a is None or b is None else ("hybrid", a, b)
+    if t is NoneManager:
+        return ("none", m.reason, m.nproc_safe)
+    return None
+
+
+def _manager(desc: Any) -> Any:
+    kind = desc[0]
+    if kind == "v1":
+        from .cgroups.v1 import Hierarchy, V1Manager
+
+        hs: dict[str, Hierarchy] = {}
+        made: dict[tuple[Any, ...], Hierarchy] = {}
+        for c, h in desc[1].items():
+            if h not in made:  # co-mounted controllers share one Hierarchy
+                made[h] = Hierarchy(controllers=frozenset(h[0]), own_dir=h[1], own_rel=h[2])
+            hs[c] = made[h]
+        return V1Manager(hierarchies=hs, note=desc[2])
+    if kind == "v2":
+        from .cgroups.v2 import V2Manager
+
+        return V2Manager(parent=desc[1], controllers=frozenset(desc[2]), rel_parent=desc[3], note=desc[4])
+    if kind == "hybrid":
+        from .cgroups.hybrid import HybridManager
+
+        return HybridManager(_manager(desc[1]), _manager(desc[2]))
+    from .cgroups.none import NoneManager
+
+    return NoneManager(reason=desc[1], nproc_safe=desc[2])
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save(key: tuple[Any, ...], prep: Prepared, *, seccomp: str, masked_items: list[tuple[str, bool, bool]], mask_mode: str, read_only: bool) -> bool:
+    """Write the entry for ``key`` after a full preparation; False when it cannot be
+    revalidated later (nothing is written then)."""
+    from . import plan as planmod
+    from . import prepare as prepmod
+
+    pol = prep.audit["policy"]
+    entry = pol.cached_by
+    if entry is None or pol.command_entries or any(c is not None for _f, _s, c in entry.files):
+        return False
+    scans: dict[str, Any] = {}
+    for root, (scan, deny_facts, errors) in pol.scan_deps.items():
+        if errors:
+            return False
+        racy_before = int(scan.get("scanned_ns", 0)) - RACY_NS
+        dirs = []
+        for rel, ent in scan.get("dirs", {}).items():
+            if ent[4] or ent[0] >= racy_before:  # conditional files, or a directory changed too recently
+                return False
+            dirs.append((rel, ent[0], ent[1]))
+        scans[root] = (tuple(dirs), tuple(deny_facts))
+    facts = planmod._facts_memo.get(tuple(pol.etc_extra))
+    if facts is None:
+        return False
+    sc = None
+    if seccomp != "off":
+        hit = prepmod._SECCOMP.get(seccomp)
+        if hit is None:
+            return False
+        sc = (hit[1], hit[2])
+    manager = _manager_desc(prep.cg_manager)
+    limits_hit = prepmod._LIMITS.get((prep.limits, id(prep.cg_manager), frozenset(), False))
+    if manager is None or limits_hit is None:
+        return False
+    plan = prep.plan
+    owner = None
+    if os.geteuid() == 0:
+        st = os.stat(plan.project)
+        owner = (st.st_uid, st.st_gid)
+    m = prep.audit.get("masked") or []
+    data = {
+        "version": VERSION,
+        "deps": {
+            "code": _code(),
+            "env": _env_digest(),
+            "cwd": os.getcwd(),
+            "ids": (os.geteuid(), os.getegid()),
+            "policy_files": tuple((f, s) for f, s, _c in entry.files),
+            # the session tier: a run in another session reuses this only if that one
+            # has no policy file either (or is this session, with this file)
+            "session_policy": (str(pol.session_dir), _sig(os.path.join(pol.session_dir, "policy.json"))) if pol.session_dir else None,
+            "policy_dirs": {k: (v[0], tuple(v[1])) for k, v in entry.dirs.items()},
+            "policy_resolved": tuple(entry.resolved),
+            "policy_exists": tuple(entry.exists),
+            "scans": scans,
+            "etc": (facts[0], tuple(facts[1])),
+            "passwd": prepmod._passwd_sig(),
+            "owner": owner,
+            "seccomp": sc,
+            "cgroup": _proc_cgroup(),
+            "rlimits": tuple(limits_hit[3]),
+            "landlock": planmod.landlock_abi(),
+        },
+        "plan": _enc(plan),
+        "manager": manager,
+        "limits": _enc(prep.limits),
+        "timeout": prep.timeout,
+        "audit": {
+            "digest": pol.digest,
+            "files": tuple(pol.files),
+            "read_only": bool(pol.read_only),
+            "warnings": tuple(pol.warnings),
+            "masked": tuple((str(x.path), bool(x.is_dir), x.rule, x.source, x.origin, bool(x.is_symlink)) for x in m),
+            "removed": tuple(prep.audit.get("removed") or ()),
+            "run_read_only": bool(prep.audit.get("read_only")),
+            "project": prep.audit.get("project", ""),
+            "unenforced": tuple(prep.audit.get("unenforced") or ()),
+        },
+        "masks": (tuple(masked_items), mask_mode),
+        "read_only": read_only,
+    }
+    path = path_for(key)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, marshal.dumps(data))
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _paths_hold(dirs: dict[str, Any]) -> bool:
+    """``stockade.policy.paths_hold``, without importing the policy package."""
+    import stat as _stat
+
+    for d, (sig, entries) in dirs.items():
+        try:
+            st = os.lstat(d)
+        except OSError:
+            return False
+        if sig is not None and (st.st_dev, st.st_ino, st.st_mtime_ns) == tuple(sig):
+            continue
+        for p in entries:
+            try:
+                if _stat.S_ISLNK(os.lstat(p).st_mode):
+                    return False
+            except OSError:
+                continue
+    return True
+
+
+def _deps_hold(d: dict[str, Any]) -> bool:
+    if d["ids"] != (os.geteuid(), os.getegid()) or d["cwd"] != os.getcwd() or d["env"] != _env_digest():
+        return False
+    if d["code"] != _code() or d["cgroup"] != _proc_cgroup():
+        return False
+    for f, s in d["policy_files"]:
+        if _sig(f) != s:
+            return False
+    if not _paths_hold(d["policy_dirs"]):
+        return False
+    for raw, real in d["policy_resolved"]:
+        if os.path.realpath(raw) != real:
+            return False
+    for p, e in d["policy_exists"]:
+        if os.path.lexists(p) != e:
+            return False
+    for root, (dirs, deny_facts) in d["scans"].items():
+        for rel, mtime, ino in dirs:
+            try:
+                st = os.lstat(f"{root}/{rel}" if rel else root)
+            except OSError:
+                return False
+            if st.st_mtime_ns != mtime or st.st_ino != ino:
+                return False
+        for path, exists, is_link, is_dir in deny_facts:
+            e = os.path.lexists(path)
+            if e != exists or (e and (os.path.islink(path) != is_link or os.path.isdir(path) != is_dir)):
+                return False
+    etc_sig, files = d["etc"]
+    try:
+        st = os.stat("/etc")
+    except OSError:
+        return False
+    if (st.st_ino, st.st_mtime_ns, st.st_ctime_ns) != tuple(etc_sig):
+        return False
+    for path, sig in files:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        if (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != tuple(sig):
+            return False
+    from .prepare import _passwd_sig
+
+    if d["passwd"] != _passwd_sig():
+        return False
+    if d["seccomp"] is not None and _sig(d["seccomp"][0]) != tuple(d["seccomp"][1]):
+        return False
+    import resource
+
+    return all(resource.getrlimit(r)[1] == h for r, h in d["rlimits"])
+
+
+class _Policy:
+    """What the run's audit events need of the policy."""
+
+    __slots__ = ("digest", "files", "read_only", "warnings")
+
+    def __init__(self, a: dict[str, Any]) -> None:
+        self.digest = a["digest"]
+        self.files = [tuple(x) for x in a["files"]]
+        self.read_only = a["read_only"]
+        self.warnings = list(a["warnings"])
+
+
+class _Masked:
+    __slots__ = ("is_dir", "is_symlink", "origin", "path", "rule", "source")
+
+    def __init__(self, path: str, is_dir: bool, rule: str, source: str, origin: str, is_symlink: bool) -> None:
+        from pathlib import Path
+
+        self.path, self.is_dir, self.rule, self.source, self.origin, self.is_symlink = Path(path), is_dir, rule, source, origin, is_symlink
+
+
+def load(key: tuple[Any, ...], sess: Session, argv: tuple[str, ...]) -> Prepared | None:
+    """The stored preparation for ``key``, for ``argv`` in ``sess``, if it still holds."""
+    path = path_for(key)
+    try:
+        with open(path, "rb") as f:
+            data = marshal.loads(f.read())
+    except (OSError, ValueError, EOFError, TypeError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != VERSION:
+        return None
+    d = data["deps"]
+    sp = d.get("session_policy")
+    if sp is None:
+        return None
+    if sp[1] is None:
+        if _sig(os.path.join(sess.dir, "policy.json")) is not None:
+            return None
+    elif sp[0] != str(sess.dir) or _sig(os.path.join(sess.dir, "policy.json")) != tuple(sp[1]):
+        return None
+    if not _deps_hold(d):
+        return None
+    from . import plan as planmod
+    from .prepare import Prepared, _relayered, _with
+
+    if d["owner"] is not None:
+        st = os.stat(data["audit"]["project"])
+        if (st.st_uid, st.st_gid) != tuple(d["owner"]):
+            return None
+    if planmod.landlock_abi() != d["landlock"]:
+        return None
+    from .cgroups import base as cgbase
+
+    plan = _dec(data["plan"], planmod)
+    limits = _dec(data["limits"], cgbase)
+    manager = _manager(data["manager"])
+    a = data["audit"]
+    items, mode = data["masks"]
+    lower: list[Any] = [] if data["read_only"] else sess.layers()[::-1]
+    if items:
+        from .session.masklayer import ensure_mask_layer
+
+        lower.append(ensure_mask_layer(sess, [tuple(i) for i in items], plan.project, mode))
+    from pathlib import Path
+
+    req = planmod.Request(
+        argv=argv, project=Path(plan.project), cwd=Path(plan.cwd), env={}, lower_layers=tuple(lower),
+        upper=None if data["read_only"] else sess.upper, work=None if data["read_only"] else sess.work,
+    )
+    plan = _with(plan, mounts=_relayered(plan, req), argv=tuple(argv))
+    info = {
+        "policy": _Policy(a),
+        "masked": [_Masked(*m) for m in a["masked"]],
+        "removed": list(a["removed"]),
+        "read_only": a["run_read_only"],
+        "project": a["project"],
+        "unenforced": tuple(a["unenforced"]),
+    }
+    return Prepared(plan, manager, limits, data["timeout"], info)
