@@ -249,6 +249,13 @@ int sk_mounts_finish(int rep, int detached)
         sk_report(rep, SK_REP_ERROR, SK_STEP_PIVOT_ROOT, errno, 0, "/newroot");
         return -1;
     }
+    /* The binds were slaves of the host's mounts, so a mount the host made under
+     * a read-only grant during the run (a writable one, say) would appear inside.
+     * From here on the sandbox's tree is its own. */
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) {
+        sk_report(rep, SK_REP_ERROR, SK_STEP_MOUNT_PRIVATE, errno, 0, "/");
+        return -1;
+    }
     return 0;
 }
 

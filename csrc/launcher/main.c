@@ -138,7 +138,14 @@ static ssize_t recv_msg(int sock, int *fds, int *nfds)
     return n;
 }
 
+static void send_report2(int sock, int kind, int step, int err, int value, const char *path, int fd, int fd2);
+
 static void send_report(int sock, int kind, int step, int err, int value, const char *path, int fd)
+{
+    send_report2(sock, kind, step, err, value, path, fd, -1);
+}
+
+static void send_report2(int sock, int kind, int step, int err, int value, const char *path, int fd, int fd2)
 {
     struct sk_report r;
     memset(&r, 0, sizeof r);
@@ -154,19 +161,21 @@ static void send_report(int sock, int kind, int step, int err, int value, const 
     }
     struct iovec iov = {.iov_base = &r, .iov_len = sizeof r};
     union {
-        char buf[CMSG_SPACE(sizeof(int))];
+        char buf[CMSG_SPACE(2 * sizeof(int))];
         struct cmsghdr align;
     } u;
     memset(&u, 0, sizeof u);
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
-    if (fd >= 0) {
+    int fds[2] = {fd, fd2};
+    size_t nf = fd < 0 ? 0 : (fd2 < 0 ? 1 : 2);
+    if (nf) {
         msg.msg_control = u.buf;
-        msg.msg_controllen = sizeof u.buf;
+        msg.msg_controllen = CMSG_SPACE(nf * sizeof(int));
         struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
         c->cmsg_level = SOL_SOCKET;
         c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &fd, sizeof(int));
+        c->cmsg_len = CMSG_LEN(nf * sizeof(int));
+        memcpy(CMSG_DATA(c), fds, nf * sizeof(int));
     }
     while (sendmsg(sock, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR)
         ;
@@ -299,7 +308,13 @@ static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int
         send_report(st, SK_REP_ERROR, SK_STEP_CLONE, e, 0, NULL, -1);
         _exit(1);
     }
-    send_report(st, SK_REP_INIT, 0, 0, (int)pid, NULL, pidfd);
+    /* With init's pidfd goes ours: the run is over for the requester only when
+     * this process is gone, for its mount namespace (the overlay on the session's
+     * upper layer) goes with it; the next run of the session mounts that layer. */
+    int self_fd = (int)syscall(SYS_pidfd_open, getpid(), 0);
+    send_report2(st, SK_REP_INIT, 0, 0, (int)pid, NULL, pidfd, self_fd);
+    if (self_fd >= 0)
+        close(self_fd);
     /* Whoever asked for this run may vanish (killed): then so does the run. */
     struct pollfd pf[2] = {{.fd = pidfd, .events = POLLIN}, {.fd = st, .events = POLLRDHUP}};
     for (;;) {

@@ -269,3 +269,28 @@ def test_an_unusable_launcher_means_a_cold_start(user: User, project: Path) -> N
         assert r.returncode == 0 and r.stdout.strip() == b"fine", r.stderr.decode()
     finally:
         shutil.rmtree(d)
+
+
+def test_a_run_returns_only_once_its_overlay_is_gone(user: User, project: Path, state_dir: Path) -> None:
+    """The next run of a session mounts the same upper layer: the previous overlay
+    must be unmounted by then (overlayfs warns of, and does not define, two live
+    mounts on one upper dir). Checked in every process's mount table."""
+    import stockade
+
+    if user.name != "root":
+        pytest.skip("in-process API run: the root case covers the launcher's protocol")
+
+    with stockade.Sandbox(project) as sb:
+        upper = str(sb.session.upper)
+        for _ in range(10):
+            assert sb.run(["true"]).returncode == 0
+            holders = []
+            for d in Path("/proc").iterdir():
+                if not d.name.isdigit():
+                    continue
+                try:
+                    if upper in (d / "mountinfo").read_text():
+                        holders.append(d.name)
+                except OSError:
+                    continue
+            assert holders == []

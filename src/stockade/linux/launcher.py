@@ -129,9 +129,12 @@ class LauncherChild(native.Child):
 
     status_sock: socket.socket | None = None
     owner: Launcher | None = None
+    runner_fd: int = -1  # pidfd of the run child: readable once it and its namespaces are gone
 
     @property
     def exit_fd(self) -> int:
+        if self.runner_fd >= 0:
+            return self.runner_fd
         return self.status_sock.fileno() if self.status_sock is not None else self.pidfd
 
     def reap(self) -> int | None:
@@ -142,6 +145,14 @@ class LauncherChild(native.Child):
             data = s.recv(native.REPORT.size)
         except OSError:
             data = b""
+        if self.runner_fd >= 0:
+            # the run child exits right after reporting: wait until its mount
+            # namespace (and the overlay on the session's upper layer) is gone
+            import select
+
+            p = select.poll()
+            p.register(self.runner_fd, select.POLLIN)
+            p.poll()
         reps, _ = native.parse_reports(data)
         for r in reps:
             if r.kind == native.REP_INIT_EXIT:
@@ -151,6 +162,9 @@ class LauncherChild(native.Child):
 
     def close(self) -> None:
         super().close()
+        if self.runner_fd >= 0:
+            os.close(self.runner_fd)
+            self.runner_fd = -1
         if self.status_sock is not None:
             self.status_sock.close()
             self.status_sock = None
@@ -283,7 +297,7 @@ class Launcher:
                 os.close(rep_w)
                 os.close(sync_r)
                 st_theirs.close()
-            msg, got, _flags, _addr = socket.recv_fds(st, native.REPORT.size, 1)
+            msg, got, _flags, _addr = socket.recv_fds(st, native.REPORT.size, 2)
             for fd in got:
                 os.set_inheritable(fd, False)
             reps, _ = native.parse_reports(msg)
@@ -295,6 +309,8 @@ class Launcher:
                     raise native.spawn_error(r.step, r.err, r.path or None)
                 raise SandboxError("launcher", errno=0, remedy=native._REMEDIES["launcher"])
             child = LauncherChild(r.value, got[0], rep_r, sync_w, low, free_gos=1)
+            if len(got) > 1:
+                child.runner_fd = got[1]
             child.status_sock = st
             child.owner = self
             ok = True
