@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 import select
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from . import plan as planmod
 from .errors import UsageError
@@ -24,37 +23,65 @@ from .prepare import Prepared
 from .prepare import prepare as _prepare
 from .session import store
 
-PIPE = subprocess.PIPE
-DEVNULL = subprocess.DEVNULL
-STDOUT = subprocess.STDOUT
+if TYPE_CHECKING:
+    from .result import RunResult
+
+# subprocess's values (api.PIPE == subprocess.PIPE ...), without importing it
+PIPE = -1
+STDOUT = -2
+DEVNULL = -3
 
 _CHUNK = 1 << 16
 
 
-class RunResult(subprocess.CompletedProcess[Any]):
-    """A CompletedProcess plus what stockade knows about the run."""
+class RunDetails:
+    """What stockade knows about a run besides the exit status and the output."""
 
+    args: Any
+    returncode: int
     session: str
     run: int
     outcome: str
+    outcome_kind: str
     peak_memory: int | None
     cpu_time: float | None
     degraded: tuple[str, ...]
+    exec_failed: Any
+    cg_manager: Any  # the cgroup backend the run used
 
-    def __init__(self, args: Any, returncode: int, stdout: Any = None, stderr: Any = None) -> None:
-        super().__init__(args, returncode, stdout, stderr)
+    def _init_details(self) -> None:
         self.session = ""
         self.run = 0
         self.outcome = ""
+        self.outcome_kind = ""
         self.peak_memory = None
         self.cpu_time = None
         self.degraded = ()
-        self.cg_manager: Any = None  # the cgroup backend the run used
+        self.exec_failed = None
+        self.cg_manager = None
 
     @property
     def exit_status(self) -> int:
         """The shell-style status: the code, or 128+N when killed by signal N."""
         return self.returncode if self.returncode >= 0 else 128 - self.returncode
+
+
+class PlainResult(RunDetails):
+    """The CLI's result: the fields of a RunResult, without subprocess's class."""
+
+    def __init__(self, args: Any, returncode: int, stdout: Any = None, stderr: Any = None) -> None:
+        self.args, self.returncode, self.stdout, self.stderr = args, returncode, stdout, stderr
+        self._init_details()
+
+
+def __getattr__(name: str) -> Any:
+    # RunResult subclasses subprocess.CompletedProcess: importing subprocess is left
+    # to the API callers that get one (the CLI does not)
+    if name == "RunResult":
+        from .result import RunResult
+
+        return RunResult
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Sandbox:
@@ -120,6 +147,7 @@ def _run_in_session(
     quiet: bool = True,
     forward_signals: bool = False,
     pty: bool = False,
+    plain_result: bool = False,
     **opts: Any,
 ) -> RunResult:
     if capture_output:
@@ -138,7 +166,7 @@ def _run_in_session(
             text_mode=text_mode, encoding=encoding, errors=errors, timeout=prep.timeout, check=check,
             cg_manager=prep.cg_manager, limits=prep.limits, quiet=quiet,
             raise_timeout=raise_timeout and prep.timeout == timeout, forward_signals=forward_signals,
-            pty=pty, audit_info=prep.audit,
+            pty=pty, audit_info=prep.audit, plain_result=plain_result,
         )
 
 
@@ -228,7 +256,10 @@ def _execute(
     forward_signals: bool,
     pty: bool = False,
     audit_info: dict[str, Any] | None = None,
+    plain_result: bool = False,
 ) -> RunResult:
+    """Start, supervise and record one run. ``plain_result`` (the CLI): a PlainResult
+    with the same fields instead of a RunResult."""
     from .linux import native
 
     run_no, run_path = sess.new_run_dir()
@@ -405,24 +436,33 @@ def _execute(
             out_data = out_data.decode(enc, errors or "strict")
         if err_data is not None:
             err_data = err_data.decode(enc, errors or "strict")
-    res = RunResult(list(argv), returncode, out_data, err_data)
+    if plain_result:
+        res: Any = PlainResult(list(argv), returncode, out_data, err_data)
+    else:
+        from .result import RunResult
+
+        res = RunResult(list(argv), returncode, out_data, err_data)
     res.session = sess.id
     res.run = run_no
     res.outcome = str(outcome.get("outcome", ""))
-    res.outcome_kind = str(outcome.get("outcome_kind", ""))  # type: ignore[attr-defined]
+    res.outcome_kind = str(outcome.get("outcome_kind", ""))
     res.peak_memory = outcome.get("peak_memory")
     res.cpu_time = outcome.get("cpu_time")
     res.degraded = plan.degraded
     res.cg_manager = cg_manager
-    res.exec_failed = sup.exec_failed  # type: ignore[attr-defined]
+    res.exec_failed = sup.exec_failed
     if sup.timed_out and raise_timeout and timeout is not None:
         # subprocess.run compatibility; the result rides along for callers that want the outcome
+        import subprocess
+
         exc = subprocess.TimeoutExpired(list(argv), timeout, out_data, err_data)
         exc.result = res  # type: ignore[attr-defined]
         raise exc
     if check and returncode != 0:
+        import subprocess
+
         raise subprocess.CalledProcessError(returncode, list(argv), out_data, err_data)
-    return res
+    return cast("RunResult", res)  # (or its plain twin, for the CLI)
 
 
 def _classify(sup: _Supervisor, stats: Any, returncode: int, limits: Any, unenforced: tuple[str, ...]) -> dict[str, Any]:

@@ -196,7 +196,8 @@ def _run(kw: dict[str, Any]) -> int:
     project = kw.pop("project")
     session = kw.pop("session")
     # persist: what this run was prepared from and into is kept for the next command
-    res = api.run(argv, project=project, session=session, forward_signals=True, quiet=False, persist=True, **kw)
+    res = api.run(argv, project=project, session=session, forward_signals=True, quiet=False, persist=True,
+                  plain_result=True, **kw)
     ef = getattr(res, "exec_failed", None)
     if ef is not None:
         import errno as _e

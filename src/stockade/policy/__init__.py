@@ -274,7 +274,7 @@ class Effective:
         self.digest: str = self._digest()
         self._real_trees = frozenset([str(self.project), *(str(g.host_path) for g in self.grants)])
         self._base_warnings = tuple(self.warnings)
-        self._env_memo: list[Any] = [None]
+        self._env_memo: list[Any] = []
         self.scan_deps: dict[str, tuple[dict[str, Any], list[tuple[str, bool, bool, bool]], bool]] = {}
         self.cached_by: _Cached | None = None  # set on the copies load_cached hands out
 
@@ -328,14 +328,14 @@ class Effective:
         The last answer for ``os.environ`` is kept (shared by the copies ``load_cached``
         hands out): a process usually runs many commands with one environment."""
         raw = getattr(environ, "_data", None) if environ is os.environ else None
-        memo = self._env_memo
+        memo: list[Any] = self._env_memo  # the last few (environment, passed, removed), newest first
         if isinstance(raw, dict):
-            hit = memo[0]
-            if hit is not None and hit[0] == raw:
-                return dict(hit[1]), list(hit[2])
+            for hit in memo:
+                if hit[0] == raw:
+                    return dict(hit[1]), list(hit[2])
         passed, removed = self.env_filter().apply(dict(environ), dict(self.cli.env))
         if isinstance(raw, dict):
-            memo[0] = (dict(raw), passed, removed)
+            memo[:] = [(dict(raw), passed, removed), *memo[:3]]
         return dict(passed), list(removed)
 
     # ---- commands ------------------------------------------------------------------
