@@ -410,31 +410,70 @@ def landlock_plan(
 # request
 
 
-@dataclass(frozen=True)
 class Request:
-    argv: tuple[str, ...]
-    project: Path
-    cwd: Path
-    env: Mapping[str, str]
-    lower_layers: tuple[Path, ...] = ()  # snapshots (and masks), top first; the project is added last
-    upper: Path | None = None
-    work: Path | None = None
-    root: bool = False
-    user: int | None = None
-    read_only: bool = False
-    network: str = "none"
-    hostname: str = "stockade"
-    keep_fds: tuple[int, ...] = ()
-    masked: tuple[tuple[str, bool], ...] = ()  # (host path inside a visible tree, is_dir)
-    grants: tuple[tuple[str, bool], ...] = ()  # (host path, writable)
-    exec_allow: tuple[str, ...] | None = None
-    etc_extra: tuple[str, ...] = ()
-    landlock: bool = True
-    seccomp_name: str | None = None
-    seccomp_bpf: bytes = b""
-    rlimits: tuple[tuple[int, int, int], ...] = ()
-    degraded: tuple[str, ...] = ()
-    stage_dir: str = "/tmp"
+    """What to run and how: the input of ``build``.
+
+    A plain class, not a dataclass: a run that reuses a prepared plan never makes
+    one, and defining a 23-field dataclass costs every CLI start a couple of ms."""
+
+    __slots__ = (
+        "argv", "cwd", "degraded", "env", "etc_extra", "exec_allow", "grants", "hostname", "keep_fds",
+        "landlock", "lower_layers", "masked", "network", "project", "read_only", "rlimits", "root",
+        "seccomp_bpf", "seccomp_name", "stage_dir", "upper", "user", "work",
+    )
+
+    def __init__(
+        self,
+        argv: tuple[str, ...],
+        project: Path,
+        cwd: Path,
+        env: Mapping[str, str],
+        lower_layers: tuple[Path, ...] = (),  # snapshots (and masks), top first; the project is added last
+        upper: Path | None = None,
+        work: Path | None = None,
+        root: bool = False,
+        user: int | None = None,
+        read_only: bool = False,
+        network: str = "none",
+        hostname: str = "stockade",
+        keep_fds: tuple[int, ...] = (),
+        masked: tuple[tuple[str, bool], ...] = (),  # (host path inside a visible tree, is_dir)
+        grants: tuple[tuple[str, bool], ...] = (),  # (host path, writable)
+        exec_allow: tuple[str, ...] | None = None,
+        etc_extra: tuple[str, ...] = (),
+        landlock: bool = True,
+        seccomp_name: str | None = None,
+        seccomp_bpf: bytes = b"",
+        rlimits: tuple[tuple[int, int, int], ...] = (),
+        degraded: tuple[str, ...] = (),
+        stage_dir: str = "/tmp",
+    ) -> None:
+        self.argv = argv
+        self.project = project
+        self.cwd = cwd
+        self.env = env
+        self.lower_layers = lower_layers
+        self.upper = upper
+        self.work = work
+        self.root = root
+        self.user = user
+        self.read_only = read_only
+        self.network = network
+        self.hostname = hostname
+        self.keep_fds = keep_fds
+        self.masked = masked
+        self.grants = grants
+        self.exec_allow = exec_allow
+        self.etc_extra = etc_extra
+        self.landlock = landlock
+        self.seccomp_name = seccomp_name
+        self.seccomp_bpf = seccomp_bpf
+        self.rlimits = rlimits
+        self.degraded = degraded
+        self.stage_dir = stage_dir
+
+    def __repr__(self) -> str:
+        return "Request(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
 
 
 def resolve_project(project: str | os.PathLike[str]) -> Path:

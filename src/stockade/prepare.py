@@ -181,7 +181,7 @@ def _build(req: planmod.Request) -> planmod.Plan:
     if hit is not None and hit[0] == facts:
         _facts, plan, built_layers = hit
         if layers != built_layers:
-            plan = _with(plan, mounts=_relayered(plan, req))
+            plan = _with(plan, mounts=_relayered(plan, req.lower_layers, req.upper, req.work))
         if plan.argv != req.argv:
             plan = _with(plan, argv=tuple(req.argv))
         return plan
@@ -192,12 +192,12 @@ def _build(req: planmod.Request) -> planmod.Plan:
     return plan
 
 
-def _relayered(plan: planmod.Plan, req: planmod.Request) -> tuple[planmod.MountOp, ...]:
-    """The plan's mounts with the project's overlay made of ``req``'s layers."""
-    project = str(req.project)
-    lower = (*(str(p) for p in req.lower_layers), project)
-    upper = None if req.upper is None else str(req.upper)
-    work = None if req.work is None else str(req.work)
+def _relayered(plan: planmod.Plan, lower_layers: tuple[Any, ...], upper_dir: Any, work_dir: Any) -> tuple[planmod.MountOp, ...]:
+    """The plan's mounts with the project's overlay made of these layers."""
+    project = plan.project
+    lower = (*(str(p) for p in lower_layers), project)
+    upper = None if upper_dir is None else str(upper_dir)
+    work = None if work_dir is None else str(work_dir)
     ops = list(plan.mounts)
     for i, m in enumerate(ops):
         if m.kind == "overlay" and m.target == project:

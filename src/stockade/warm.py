@@ -401,13 +401,8 @@ def load(key: tuple[Any, ...], sess: Session, argv: tuple[str, ...]) -> Prepared
         from .session.masklayer import ensure_mask_layer
 
         lower.append(ensure_mask_layer(sess, [tuple(i) for i in items], plan.project, mode))
-    from pathlib import Path
-
-    req = planmod.Request(
-        argv=argv, project=Path(plan.project), cwd=Path(plan.cwd), env={}, lower_layers=tuple(lower),
-        upper=None if data["read_only"] else sess.upper, work=None if data["read_only"] else sess.work,
-    )
-    plan = _with(plan, mounts=_relayered(plan, req), argv=tuple(argv))
+    upper, work = (None, None) if data["read_only"] else (sess.upper, sess.work)
+    plan = _with(plan, mounts=_relayered(plan, tuple(lower), upper, work), argv=tuple(argv))
     info = {
         "policy": _Policy(a),
         "masked": [_Masked(*m) for m in a["masked"]],
