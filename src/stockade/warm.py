@@ -17,7 +17,7 @@ of that still holds, checked as the in-process caches check it:
 * /etc (its directory, and each file copied into the sandbox), /etc/passwd and
   /etc/group, the project's owner, the seccomp profile file, the Landlock ABI,
   this process's cgroups;
-* the code that prepares runs (its source files).
+* the code that prepares runs (its source files, the Python version, libseccomp).
 
 Anything that cannot be checked that way (a file changed within the timestamp
 granularity, a directory of a tree changed so recently that a scan would list it
@@ -74,7 +74,19 @@ def _env_digest() -> str:
 
 
 def _code() -> tuple[Any, ...]:
-    return tuple(_sig(os.path.join(_PKG, f)) for f in _SOURCES)
+    import sys
+
+    return (sys.hexversion, marshal.version, _libseccomp(), *(_sig(os.path.join(_PKG, f)) for f in _SOURCES))
+
+
+def _libseccomp() -> tuple[Any, ...] | None:
+    """The library that compiled the seccomp filter (as linux/seccomp.py finds it)."""
+    machine = os.uname().machine
+    for d in (f"/usr/lib/{machine}-linux-gnu", f"/lib/{machine}-linux-gnu", "/usr/lib64", "/lib64", "/usr/lib", "/lib"):
+        sig = _sig(f"{d}/libseccomp.so.2")
+        if sig is not None:
+            return sig
+    return None
 
 
 def _proc_cgroup() -> bytes:
