@@ -303,6 +303,34 @@ def test_sigkill_at_every_step_recovers_to_wholly_old_or_wholly_new(tmp_path: Pa
     assert seen_kill > 10 and seen_done == 1
 
 
+_ROLLBACK_CHILD = """
+import sys
+from stockade.changes.apply import rollback
+rollback(sys.argv[1])
+"""
+
+
+def test_sigkill_during_rollback_recovers_to_the_state_before_the_apply(tmp_path: Path, state_dir: Path) -> None:
+    n = 1
+    while True:
+        b = _changed(tmp_path / f"r{n}")
+        before = tree_snapshot(b.project)
+        view = {c.path for c in scan(b.session).changes}
+        res = scan(b.session).apply()
+        env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "STOCKADE_TEST_CRASH_AFTER": str(n)}
+        r = subprocess.run([sys.executable, "-c", _ROLLBACK_CHILD, str(res.apply_id)], env=env, capture_output=True)
+        if r.returncode == 0:
+            break
+        assert r.returncode == -9, r.stderr
+        msgs = recover_pending()
+        assert msgs and "rollback" in msgs[0], msgs
+        assert tree_snapshot(b.project) == before, n
+        assert {c.path for c in scan(b.session).changes} == view, n
+        n += 1
+        assert n < 100
+    assert n > 3
+
+
 def test_recover_pending_is_cheap_and_empty_when_nothing_pending(state_dir: Path) -> None:
     assert recover_pending() == []
     assert not (apply_mod.pending_dir()).exists() or not os.listdir(apply_mod.pending_dir())
@@ -336,3 +364,108 @@ def test_mode_bits_preserved_exactly(tmp_path: Path, state_dir: Path) -> None:
     assert stat.S_IMODE(os.stat(b.project / "n").st_mode) == 0o600
     rollback(res.apply_id)
     assert stat.S_IMODE(os.stat(b.project / "f").st_mode) == 0o640
+
+
+# ---- new files and directories (O_TMPFILE, whole-directory moves) -------------------------------------
+
+
+def test_new_directory_leaves_every_layer_whole_and_rollback_puts_it_back(tmp_path: Path, state_dir: Path) -> None:
+    b = Builder(tmp_path, {"keep": "k\n"})
+    b.new_session()
+    frozen = b.session.layers_dir / "001-s"
+    frozen.mkdir()
+    b.up("nd/a", "a\n", layer=frozen)
+    b.up("nd/gone", "g\n", layer=frozen)
+    b.up("nd/sub/b", "b\n")
+    b.whiteout("nd/gone")
+    b.up("other", "o\n")
+    before = tree_snapshot(b.project)
+    view = {c.path: c.letter for c in scan(b.session).changes}
+    assert view == {"nd": "A", "nd/a": "A", "nd/sub": "A", "nd/sub/b": "A", "other": "A"}
+    res = scan(b.session).apply()
+    assert (b.project / "nd" / "a").read_text() == "a\n" and (b.project / "nd" / "sub" / "b").read_text() == "b\n"
+    assert not (b.project / "nd" / "gone").exists()
+    assert not (frozen / "nd").exists() and not (b.upper / "nd").exists()
+    assert scan(b.session).changes == ()
+    rollback(res.apply_id)
+    assert tree_snapshot(b.project) == before
+    assert {c.path: c.letter for c in scan(b.session).changes} == view
+
+
+def test_rollback_merges_into_a_directory_a_later_run_made(tmp_path: Path, state_dir: Path) -> None:
+    b = Builder(tmp_path)
+    b.up("nd/a", "a\n")
+    b.up("nd/sub/b", "b\n")
+    res = scan(b.session).apply()
+    b.up("nd/c", "c\n")  # a later run writes into the (now applied) directory again
+    assert {c.path for c in scan(b.session).changes} == {"nd/c"}
+    rollback(res.apply_id)
+    assert not (b.project / "nd").exists()
+    assert {c.path for c in scan(b.session).changes} == {"nd", "nd/a", "nd/sub", "nd/sub/b", "nd/c"}
+    assert (b.upper / "nd" / "sub" / "b").read_text() == "b\n"
+
+
+def test_partial_apply_of_a_new_directory_moves_only_what_was_applied(tmp_path: Path, state_dir: Path) -> None:
+    b = Builder(tmp_path)
+    b.up("nd/a", "a\n")
+    b.up("nd/b", "b\n")
+    scan(b.session).apply(["nd/a"])
+    assert (b.project / "nd" / "a").exists() and not (b.project / "nd" / "b").exists()
+    assert {c.path for c in scan(b.session).changes} == {"nd/b"}
+    scan(b.session).apply()
+    assert scan(b.session).changes == ()
+
+
+def test_added_file_that_appears_on_the_host_meanwhile_is_not_replaced(
+    tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = Builder(tmp_path, {"keep": "k\n"})
+    b.new_session()
+    b.up("a", "a\n")
+    b.up("n", "sandbox\n")
+    b.up("z", "z\n")
+    build = apply_mod._Planner.build
+
+    def build_then_host_writes(self: apply_mod._Planner) -> list[dict[str, object]]:
+        ops = build(self)
+        (b.project / "n").write_text("host\n")
+        return ops
+
+    monkeypatch.setattr(apply_mod._Planner, "build", build_then_host_writes)
+    with pytest.raises(UsageError, match="appeared on the host"):
+        scan(b.session).apply()
+    assert (b.project / "n").read_text() == "host\n"
+    assert not (b.project / "a").exists() and not (b.project / "z").exists()
+    assert recover_pending() == []
+
+
+def test_apply_and_rollback_without_o_tmpfile(tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stockade.changes import _safefs
+
+    monkeypatch.setattr(_safefs, "_tmpfile_ok", False)
+    test_apply_all_then_nothing_left_and_rollback_restores_bytes_and_modes(tmp_path, state_dir)
+    test_new_directory_leaves_every_layer_whole_and_rollback_puts_it_back(tmp_path / "nd", state_dir)
+
+
+def test_parent_refuses_escaping_names(tmp_path: Path) -> None:
+    from stockade.changes._safefs import Root
+
+    (tmp_path / "a").mkdir()
+    with Root(tmp_path) as r:
+        r.dirfd("a")  # cached: the fast path must still check the final component
+        for bad in ("a/..", "/a", "a//b", "..", "a/./b", "a/", "", "../x", "a/../b"):
+            with pytest.raises(OSError):
+                r.parent(bad)
+        assert r.parent("a/b")[1] == "b" and r.parent("x")[1] == "x"
+
+
+def test_held_back_reason() -> None:
+    from stockade.changes.apply import held_back_reason
+
+    assert held_back_reason(".git") == ".git" and held_back_reason(".git/hooks/pre-commit") == ".git"
+    assert held_back_reason(".vscode/tasks.json") == ".vscode/tasks.json"
+    assert held_back_reason(".vscode/other.json") is None
+    assert held_back_reason(".idea/runConfigurations/x.xml") == ".idea/runConfigurations"
+    assert held_back_reason("src/.bashrc") == ".bashrc" and held_back_reason("a/b/c/x.pth") is not None
+    assert held_back_reason("src/.git") is None and held_back_reason("src/app.py") is None
+    assert held_back_reason(".gitx") is None

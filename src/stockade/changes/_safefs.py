@@ -96,6 +96,9 @@ def split_rel(rel: str) -> list[str]:
     return parts
 
 
+_ODD = frozenset(("", ".", ".."))
+
+
 class Root:
     """A directory opened once; every path below it is resolved without symlinks.
 
@@ -160,6 +163,10 @@ class Root:
 
     def parent(self, rel: str) -> tuple[int, str]:
         """(fd of the parent directory, final component) of ``rel``."""
+        head, _, name = rel.rpartition("/")
+        if name not in _ODD and not rel.startswith("/"):
+            fd = self._dirs.get(head)  # cached: ``head`` was checked when it was opened
+            return (fd if fd is not None else self.dirfd(head)), name
         parts = split_rel(rel)
         if not parts:
             raise OSError(errno.EINVAL, "the root itself", rel)
@@ -281,16 +288,56 @@ class Roots:
         return r
 
 
+def copy_fd(src_fd: int, out: int) -> None:
+    """Copy ``src_fd`` from its current offset to its end into ``out`` (short writes handled)."""
+    while b := os.read(src_fd, 1 << 16):
+        view = memoryview(b)
+        while view:
+            view = view[os.write(out, view):]
+
+
 def copy_to_new(src_fd: int, name: str, dir_fd: int, mode: int) -> None:
     """Copy ``src_fd`` into a file ``name`` that must not exist yet in ``dir_fd``
     (O_EXCL|O_NOFOLLOW: nothing planted there is followed), then set its mode."""
     out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
-        while b := os.read(src_fd, 1 << 20):
-            view = memoryview(b)
-            while view:
-                view = view[os.write(out, view):]
+        copy_fd(src_fd, out)
         os.fchmod(out, mode)
     finally:
         os.close(out)
 
+
+# O_TMPFILE + linkat: a new file appears under its final name all at once (linkat is
+# atomic and fails with EEXIST rather than replace anything), and a crash before the
+# link leaves nothing behind (the kernel frees the unnamed inode). The link goes
+# through /proc/self/fd/N with AT_SYMLINK_FOLLOW: linkat(AT_EMPTY_PATH) would need
+# CAP_DAC_READ_SEARCH. None = not probed yet.
+_tmpfile_ok: bool | None = None
+_TMPFILE_UNSUPPORTED = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
+
+
+def link_new(src_fd: int, name: str, dir_fd: int, mode: int) -> bool:
+    """Create ``name`` in ``dir_fd`` (it must not exist; nothing there is followed or
+    replaced: EEXIST) with the contents of ``src_fd`` and ``mode``, atomically.
+
+    Returns False, having done nothing, where O_TMPFILE or /proc is unavailable
+    (the caller then writes a temporary file and renames it)."""
+    global _tmpfile_ok
+    if _tmpfile_ok is None:
+        _tmpfile_ok = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
+    if not _tmpfile_ok:
+        return False
+    try:
+        out = os.open(".", os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno not in _TMPFILE_UNSUPPORTED:
+            raise
+        _tmpfile_ok = False  # this kernel or filesystem has no O_TMPFILE
+        return False
+    try:
+        copy_fd(src_fd, out)
+        os.fchmod(out, mode)
+        os.link(f"/proc/self/fd/{out}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+    finally:
+        os.close(out)
+    return True

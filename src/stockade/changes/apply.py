@@ -37,8 +37,10 @@ import secrets
 import shutil
 import signal
 import stat
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,7 @@ from typing import Any
 from ..errors import SessionNotFound, UsageError
 from ..session import store
 from ..session.store import Session
-from ._safefs import Root, Roots, copy_to_new, rmtree_at
+from ._safefs import Root, Roots, copy_to_new, link_new, rmtree_at
 from .layers import expose
 from .model import Change, ChangeSet, Kind, is_explicit, normalize_pathspec
 
@@ -81,11 +83,17 @@ HELD_BACK_NAMES: frozenset[str] = frozenset(
 )
 
 
+_HELD_BACK_SET = frozenset(HELD_BACK_PATTERNS)
+assert all(p.count("/") <= 1 for p in HELD_BACK_PATTERNS)  # held_back_reason looks 2 deep
+
+
 def held_back_reason(path: str) -> str | None:
-    for p in HELD_BACK_PATTERNS:
-        if path == p or path.startswith(p + "/"):
-            return p
-    base = path.rsplit("/", 1)[-1]
+    parts = path.split("/", 2)
+    if parts[0] in _HELD_BACK_SET:
+        return parts[0]
+    if len(parts) > 1 and (two := f"{parts[0]}/{parts[1]}") in _HELD_BACK_SET:
+        return two
+    base = parts[-1] if len(parts) < 3 else path.rsplit("/", 1)[-1]
     if base in HELD_BACK_NAMES:
         return base
     if base.endswith(".pth"):
@@ -118,17 +126,24 @@ class ApplyResult:
 # ---- crash hook (tests) ---------------------------------------------------------------
 
 _ticks = 0
+_crash_after: int | None = -1  # -1: not read from the environment yet
 
 
 def _tick() -> None:
     """``STOCKADE_TEST_CRASH_AFTER=N``: die by SIGKILL after N journaled operations."""
-    global _ticks
-    limit = os.environ.get("STOCKADE_TEST_CRASH_AFTER")
-    if not limit:
+    global _ticks, _crash_after
+    if _crash_after == -1:
+        limit = os.environ.get("STOCKADE_TEST_CRASH_AFTER")
+        _crash_after = int(limit) if limit else None
+    if _crash_after is None:
         return
     _ticks += 1
-    if _ticks >= int(limit):
+    if _ticks >= _crash_after:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _NotDone(UsageError):
+    """An operation failed before it changed anything (so undoing it must not touch its target)."""
 
 
 # ---- paths of the journal ---------------------------------------------------------------
@@ -176,9 +191,29 @@ def _syncfs(fd: int) -> None:
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.syncfs(ctypes.c_int(fd))
+        libc.syncfs(ctypes.c_int(fd))  # ctypes releases the GIL for the call
     except (OSError, AttributeError):  # pragma: no cover
         os.sync()
+
+
+def _flush_early(project: Path) -> threading.Thread | None:
+    """Start writing back what is already dirty on the project's filesystem (typically the
+    layer the sandbox just wrote) while apply scans and plans, so the ``syncfs`` at the
+    commit point has only the apply's own writes left. A flush has no other effect."""
+    try:
+        fd = os.open(project, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+    def run() -> None:
+        try:
+            _syncfs(fd)
+        finally:
+            os.close(fd)
+
+    t = threading.Thread(target=run, name="stockade-apply-flush", daemon=True)
+    t.start()
+    return t
 
 
 # ---- the plan -----------------------------------------------------------------------------
@@ -220,6 +255,7 @@ class _Planner:
         self.created_dirs: set[str] = set()
         self.dropped: set[str] = set()  # selected changes that cannot be applied (kept)
         self.ok_dirs: set[str] = set()
+        self.absent: set[str] = set()  # project paths found absent (or not directories) now
 
     def _check_parent(self, rel: str) -> None:
         """Every ancestor must be a real directory now, or one the plan creates."""
@@ -236,8 +272,16 @@ class _Planner:
                 raise UsageError(f"cannot apply {rel}: {anc} is {what} on the host")
             self.ok_dirs.add(anc)
 
+    def _lstat(self, rel: str) -> os.stat_result | None:
+        """``host.lstat``, without a lookup below a path already found absent or not a directory."""
+        parent = rel.rpartition("/")[0]
+        st = None if parent in self.absent else self.host.lstat(rel)
+        if st is None or not stat.S_ISDIR(st.st_mode):
+            self.absent.add(rel)
+        return st
+
     def _host_now(self, c: Change) -> os.stat_result | None:
-        st = self.host.lstat(c.path)
+        st = self._lstat(c.path)
         old_t = None if st is None else stat.S_IFMT(st.st_mode)
         exp_t = None if c.old_mode is None else stat.S_IFMT(c.old_mode)
         if old_t != exp_t:
@@ -303,7 +347,9 @@ class _Planner:
             if nm is None or stat.S_ISDIR(nm):
                 continue
             self._check_parent(c.path)
-            hst = None if c.path in self.removed_paths else self.host.lstat(c.path)
+            parent = c.path.rpartition("/")[0]
+            absent = c.path in self.removed_paths or parent in self.created_dirs or parent in self.absent
+            hst = None if absent else self.host.lstat(c.path)
             old = _old_of(hst, self.host, c.path)
             if old is not None and old["otype"] == "dir":
                 raise UsageError(f"cannot apply {c.path}: it is a directory on the host")
@@ -388,26 +434,32 @@ class _Exec(Roots):
             tmp = self.tmpname(n)
             src = self.layer(op["layer"]).open_read(path)
             try:
-                copy_to_new(src, tmp, pfd, stat.S_IMODE(op["mode"]))
+                mode = stat.S_IMODE(op["mode"])
+                if op["old"] is None:
+                    # a new file: O_TMPFILE + linkat, no temporary name, never replaces
+                    try:
+                        if link_new(src, name, pfd, mode):
+                            return
+                    except FileExistsError:
+                        raise _NotDone(f"cannot apply {path}: it appeared on the host while applying; "
+                                       "retry") from None
+                copy_to_new(src, tmp, pfd, mode)
             finally:
                 os.close(src)
-            self._check_target(pfd, name, path)
-            os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+            self._rename_into(tmp, name, pfd, path)
         elif kind == "symlink":
             tmp = self.tmpname(n)
             os.symlink(op["target"], tmp, dir_fd=pfd)
-            self._check_target(pfd, name, path)
-            os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+            self._rename_into(tmp, name, pfd, path)
         else:  # pragma: no cover
             raise AssertionError(kind)
 
-    def _check_target(self, pfd: int, name: str, path: str) -> None:
+    @staticmethod
+    def _rename_into(tmp: str, name: str, pfd: int, path: str) -> None:
         try:
-            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-        except FileNotFoundError:
-            return
-        if stat.S_ISDIR(st.st_mode):
-            raise UsageError(f"cannot apply {path}: it became a directory on the host")
+            os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+        except IsADirectoryError:  # rename(2) never replaces a directory with a non-directory
+            raise UsageError(f"cannot apply {path}: it became a directory on the host") from None
 
     # -- backward (idempotent; used by crash recovery and by rollback)
     def undo(self, n: int, op: dict[str, Any]) -> None:
@@ -588,10 +640,39 @@ def _conflicts(session: Session, host: Root, ops: list[dict[str, Any]]) -> list[
 # ---- layer cleanup after apply / discard -------------------------------------------------------
 
 
-def _layer_cleanup_items(stack: list[Path], changes: Sequence[Change]) -> list[list[Any]]:
-    """[path, layer index, is_dir_change, reveal] for each change leaving the layers."""
+def _whole_dirs(every: Sequence[Change], chosen: Sequence[Change], created: set[str]) -> set[str]:
+    """New directories that leave the session as a whole: created by the apply, and every
+    change below them is applied too. Each leaves every layer in one rename (not one
+    per entry): afterwards the project holds exactly what the merged view showed there."""
+    taken = {c.path for c in chosen}
+    incomplete: set[str] = set()
+    for c in every:
+        if c.path not in taken:
+            parts = c.path.split("/")
+            incomplete.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    return {c.path for c in chosen
+            if c.kind is Kind.ADDED and c.new_mode is not None and stat.S_ISDIR(c.new_mode)
+            and c.path in created and c.path not in incomplete}
+
+
+def _layer_cleanup_items(stack: list[Path], changes: Sequence[Change],
+                         whole: AbstractSet[str] = frozenset()) -> list[list[Any]]:
+    """[path, layer index, is_dir_change, reveal] for each change leaving the layers.
+
+    ``changes`` sorted by path; a directory in ``whole`` is one item (moved out with
+    everything in it: is_dir_change False) and the changes below it get none."""
     items: list[list[Any]] = []
+    moved: set[str] = set()
     for c in changes:
+        if moved:
+            parts = c.path.split("/")
+            if any("/".join(parts[:i]) in moved for i in range(1, len(parts))):
+                continue
+        if c.path in whole:
+            moved.add(c.path)
+            for li in range(len(stack)):
+                items.append([c.path, li, False, True])
+            continue
         dir_change = c.new_mode is not None and stat.S_ISDIR(c.new_mode)
         for li in range(len(stack)):
             items.append([c.path, li, dir_change, c.new_mode is not None])
@@ -739,6 +820,7 @@ def apply_changes(
         elif refused:
             why = f"; {len(refused)} refused (fifos, sockets, devices)"
         raise UsageError(f"nothing to apply in session {session.id}{why}")
+    flushing = None if dry_run else _flush_early(cs.project)
     with session.lock(wait=False), _global_lock():
         # re-scan under the lock so the plan matches the layers exactly
         from .scan import scan
@@ -765,18 +847,20 @@ def apply_changes(
         if dry_run:
             return ApplyResult(None, applied, tuple(held), tuple(refused), True, desc)
         apply_id = _new_apply_id()
-        _run_apply(apply_id, session, project, chosen, ops)
+        whole = _whole_dirs(fresh.changes, chosen, planner.created_dirs)
+        _run_apply(apply_id, session, project, chosen, ops, whole, flushing)
         return ApplyResult(apply_id, applied, tuple(held), tuple(refused), False, desc)
 
 
 def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Change],
-               ops: list[dict[str, Any]]) -> None:
+               ops: list[dict[str, Any]], whole: AbstractSet[str],
+               flushing: threading.Thread | None = None) -> None:
     adir = applies_dir() / apply_id
     (adir / "backups").mkdir(parents=True, mode=0o700)
     (adir / "removed").mkdir(mode=0o700)
     pending_dir().mkdir(parents=True, exist_ok=True, mode=0o700)
     stack = session.lower_stack()
-    moves = _layer_cleanup_items(stack, chosen)
+    moves = _layer_cleanup_items(stack, chosen, whole)
     plan: dict[str, Any] = {
         "schema_version": 1,
         "id": apply_id,
@@ -802,18 +886,23 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
         _fsync_path(adir / "backups")
         prog.note("s prepared", sync=True)
         _tick()
+        noted = -1
         for n, op in enumerate(ops):
-            prog.note(f"b {n}")
-            _tick()
+            if n > noted:
+                noted = _begin_upto(ops, n)
+                prog.note(f"b {noted}")
+                _tick()
             try:
                 ex.do(n, op)
-            except Exception:
-                _undo_all(ex, ops, n)
+            except Exception as e:
+                _undo_all(ex, ops, n - 1 if isinstance(e, _NotDone) else n)
                 prog.note("s undone", sync=True)
                 _record_applied(session, ex.host, [op["path"] for op in ops])
                 (pending_dir() / apply_id).unlink()
                 raise
             _tick()
+        if flushing is not None:
+            flushing.join()
         _syncfs(ex.host.fd)
         prog.note("s committed", sync=True)
         _tick()
@@ -826,6 +915,25 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
     finally:
         ex.close()
         prog.close()
+
+
+_BEGIN_BATCH = 128
+
+
+def _adds(op: dict[str, Any]) -> bool:
+    return op["op"] in ("write", "symlink") and op["old"] is None
+
+
+def _begin_upto(ops: list[dict[str, Any]], n: int) -> int:
+    """The last op the progress line written before op ``n`` may cover: a run of new
+    files (at most ``_BEGIN_BATCH``) shares one line, since undoing one that never ran
+    finds nothing to remove; any other op gets a line of its own."""
+    last = n
+    if _adds(ops[n]):
+        end = min(len(ops), n + _BEGIN_BATCH)
+        while last + 1 < end and _adds(ops[last + 1]):
+            last += 1
+    return last
 
 
 def _finish_moves(adir: Path, stack: list[Path], host: Root, moves: list[list[Any]],
@@ -919,8 +1027,8 @@ def _recover_one(apply_id: str) -> str:
             _finish_moves(adir, stack, ex.host, plan["moves"], moved, prog)
             prog.note("s done", sync=True)
             msg = f"apply {apply_id}: interrupted after it committed; finished"
-        elif state == "rolling-back":
-            _rollback_ops(ex, plan, adir, prog)
+        elif state in ("rolling-back", "undone-project"):
+            _rollback_ops(ex, plan, adir, prog, project_done=state == "undone-project")
             msg = f"rollback of apply {apply_id}: interrupted; finished"
         else:
             msg = f"apply {apply_id}: already {state}"
@@ -965,29 +1073,33 @@ def list_applies(session_id: str | None = None) -> list[ApplyRecord]:
     return out
 
 
-def _rollback_ops(ex: _Exec, plan: dict[str, Any], adir: Path, prog: _Progress) -> None:
+def _rollback_ops(ex: _Exec, plan: dict[str, Any], adir: Path, prog: _Progress,
+                  project_done: bool = False) -> None:
     ops = plan["ops"]
-    _undo_all(ex, ops, len(ops) - 1)
-    prog.note("s undone-project", sync=True)
-    _tick()
+    if not project_done:
+        _undo_all(ex, ops, len(ops) - 1)
+        prog.note("s undone-project", sync=True)
+        _tick()
     # put the applied entries back into the session's layers (when the session still exists)
     stack = [Path(p) for p in plan["stack"]]
     sdir = Path(plan["session_dir"])
-    for k, (p, li, _d, _r) in enumerate(plan["moves"]):
-        src = adir / "removed" / str(k)
-        if not (src.exists() or src.is_symlink()):
-            continue
-        if sdir.is_dir() and li < len(stack) and stack[li].is_dir():
-            try:
-                with Root(stack[li]) as lr:
-                    pfd, name = lr.parent(p)
-                    if lr.lstat(p) is None:
-                        os.rename(src, name, dst_dir_fd=pfd)
-                        continue
-            except OSError:
-                pass
-        _rm(src)
-        _tick()
+    (adir / "removed").mkdir(mode=0o700, exist_ok=True)
+    removed = os.open(adir / "removed", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for k, (p, li, _d, _r) in enumerate(plan["moves"]):
+            src = adir / "removed" / str(k)
+            if not (src.exists() or src.is_symlink()):
+                continue
+            if sdir.is_dir() and li < len(stack) and stack[li].is_dir():
+                try:
+                    with Root(stack[li]) as lr:
+                        _put_back(removed, str(k), lr, p)
+                except OSError:
+                    pass
+            _rm(src)
+            _tick()
+    finally:
+        os.close(removed)
     shutil.rmtree(adir / "backups", ignore_errors=True)
     prog.note("s rolled-back", sync=True)
     if sdir.is_dir():
@@ -995,6 +1107,30 @@ def _rollback_ops(ex: _Exec, plan: dict[str, Any], adir: Path, prog: _Progress) 
             s = Session(plan["session"], sdir)
             _record_applied(s, ex.host, [op["path"] for op in ops])
             _log_event(s, {"event": "rollback", "apply_id": plan["id"]})
+
+
+def _put_back(src_dir: int, src: str, lr: Root, p: str) -> None:
+    """Move ``src`` (in directory fd ``src_dir``) back to ``p`` in a layer. Where the layer
+    has a directory there again (a later run made it), put back what ``src`` holds entry
+    by entry; what is in the way stays (and the caller drops the rest). The entries came
+    from the sandbox: they are reached through directory fds, never through a path."""
+    pfd, name = lr.parent(p)
+    try:
+        cur = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+    except FileNotFoundError:
+        os.rename(src, name, src_dir_fd=src_dir, dst_dir_fd=pfd)
+        return
+    if not stat.S_ISDIR(cur.st_mode):
+        return
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_dir)
+    except OSError:
+        return  # not a directory
+    try:
+        for child in os.listdir(fd):
+            _put_back(fd, child, lr, f"{p}/{child}")
+    finally:
+        os.close(fd)
 
 
 def _rm(p: Path) -> None:

@@ -143,6 +143,9 @@ class Scanner:
         self.stack = session.lower_stack()
         self.classify = classify
         self.out: list[Change] = []
+        # project paths found absent or not directories: nothing below them needs a lookup
+        # (paths are visited parents first)
+        self._absent: set[str] = set()
 
     def _deleted_tree(self, host: Root, rel: str, st: os.stat_result, seen: dict[str, _Entry]) -> None:
         """``rel`` (present on the host) is gone from the merged view: it and all below."""
@@ -193,9 +196,11 @@ class Scanner:
         return ChangeSet(self.session, self.project, tuple(self.out))
 
     def _one(self, host: Root, layer: Root, p: str, e: _Entry, entries: dict[str, _Entry]) -> None:
-        hst = host.lstat(p)
+        hst = None if p.rpartition("/")[0] in self._absent else host.lstat(p)
+        if hst is None or not stat.S_ISDIR(hst.st_mode):
+            self._absent.add(p)
         new = e.st
-        src = os.path.join(layer.path, p)
+        src = f"{layer.path}/{p}"  # p is relative; layer.path comes from a Path (no trailing /)
         if e.whiteout:
             if hst is not None:
                 self._deleted_tree(host, p, hst, entries)
