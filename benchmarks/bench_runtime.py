@@ -91,8 +91,65 @@ def main() -> None:
             print(f"  {name:<44} {ms(xs)}  {ratio}")
         if not bw:
             print("  (bubblewrap not installed: `apt-get install bubblewrap` for the comparison)")
+        _python_share(sb, proj, N)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _python_share(sb: object, proj: Path, n: int) -> None:
+    """Sandbox.run and stockade.run split into the Python around the sandbox and the
+    rest (starting it, supervising it to its end, the v1 cgroup attach)."""
+    import functools
+
+    import stockade
+    from stockade import api
+    from stockade.cgroups import v1
+    from stockade.linux import native
+
+    spent: dict[str, float] = {}
+    saved: list[tuple[object, str, object]] = []
+
+    def wrap(obj: object, name: str, label: str) -> None:
+        if not hasattr(obj, name):
+            return
+        f = getattr(obj, name)
+        saved.append((obj, name, f))
+
+        @functools.wraps(f)
+        def g(*a: object, **k: object) -> object:
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, g)
+
+    for name in ("start", "spawn", "go", "Lowered"):
+        wrap(native, name, "start")
+    wrap(api._Supervisor, "loop", "supervise")
+    wrap(v1.V1RunCgroup, "attach", "attach")
+    try:
+        fns: dict[str, Callable[[], object]] = {
+            "Sandbox.run": lambda: sb.run(["true"]),  # type: ignore[attr-defined]
+            "stockade.run, new session": lambda: stockade.run(["true"], project=proj),
+        }
+        rows: dict[str, dict[str, list[float]]] = {k: {} for k in fns}
+        for _ in range(n):
+            for k, fn in fns.items():
+                spent.clear()
+                t = time.perf_counter()
+                fn()
+                total = time.perf_counter() - t
+                one = {"total": total, "python": total - sum(spent.values()), **spent}
+                for part, v in one.items():
+                    rows[k].setdefault(part, []).append(v)
+    finally:
+        for obj, name, f in saved:
+            setattr(obj, name, f)
+    print(f"== where the time goes (median of {n}): the Python around the sandbox vs starting it, supervising it, attaching its v1 cgroups")
+    for k, cols in rows.items():
+        print(f"  {k:<28} " + "  ".join(f"{part} {median(v) * 1e3:.2f} ms" for part, v in cols.items()))
 
 
 if __name__ == "__main__":
