@@ -455,5 +455,7 @@ def scan_cached(scanner: Scanner, root: str, *, persist: bool) -> tuple[list[Hit
             on_disk = True
         except OSError as e:
             err = f"cannot write the secret-scan cache {path}: {e.strerror}"
+    if key not in _SCANS and len(_SCANS) >= 16:
+        _SCANS.clear()  # a process working on many trees: keep memory bounded
     _SCANS[key] = (new, on_disk)
     return hits, err, new
