@@ -284,13 +284,15 @@ def list_sessions() -> list[Session]:
 
 def latest_session(project: Path | None = None) -> Session:
     """The most recently used session (of ``project`` when given)."""
-    best: tuple[float, Session] | None = None
+    best: tuple[tuple[int, int], Session] | None = None
     for s in list_sessions():
         try:
             if project is not None and s.project != project:
                 continue
-            t = s.meta_path.stat().st_mtime
-        except (OSError, KeyError, SessionNotFound):
+            # last use, then creation: two sessions touched within one clock tick
+            # still order the same way every time
+            t = (s.meta_path.stat().st_mtime_ns, int(s.meta().get("created_ns", 0)))
+        except (OSError, KeyError, ValueError, TypeError, SessionNotFound):
             continue
         if best is None or t > best[0]:
             best = (t, s)
