@@ -37,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -236,6 +237,25 @@ static unsigned long run_ns_flags(const struct sk_plan *p)
     return CLONE_NEWNS | (p->clone_flags & (CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID));
 }
 
+/* Unmount the plan's overlays in our mount namespace, which init pivoted into
+ * the sandbox's root (or not, if it failed before): 0, or the errno. */
+static int unmount_overlays(const struct sk_plan *p)
+{
+    int err = 0;
+    for (size_t i = 0; i < p->n_ops; i++) {
+        const struct sk_mount_op *op = &p->ops[i];
+        if (op->kind != SK_OP_OVERLAY || !op->target)
+            continue;
+        const char *t = op->target;
+        const char *inside = strncmp(t, "/newroot/", 9) == 0 ? t + 8 : t;
+        if (umount2(inside, 0) == 0 || umount2(t, 0) == 0)
+            continue;
+        if (errno != EINVAL && errno != ENOENT)
+            err = errno;
+    }
+    return err;
+}
+
 /* C1 after its namespaces exist: clone init and report on it until it is reaped. */
 static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int nfds, int unshare_err)
 {
@@ -308,9 +328,8 @@ static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int
         send_report(st, SK_REP_ERROR, SK_STEP_CLONE, e, 0, NULL, -1);
         _exit(1);
     }
-    /* With init's pidfd goes ours: the run is over for the requester only when
-     * this process is gone, for its mount namespace (the overlay on the session's
-     * upper layer) goes with it; the next run of the session mounts that layer. */
+    /* With init's pidfd goes ours, for the case where the session's overlay can
+     * only go with our mount namespace (see unmount_overlays below). */
     int self_fd = (int)syscall(SYS_pidfd_open, getpid(), 0);
     send_report2(st, SK_REP_INIT, 0, 0, (int)pid, NULL, pidfd, self_fd);
     if (self_fd >= 0)
@@ -339,7 +358,12 @@ static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int
             break;
         }
     }
-    send_report(st, SK_REP_INIT_EXIT, 0, 0, status, NULL, -1);
+    /* The overlay on the session's upper layer must be gone before the requester
+     * can start the session's next run: unmount it now (nothing of the sandbox is
+     * left to hold it) and leave the rest of the namespace to our exit. The
+     * requester waits for that exit only when this fails (err != 0). */
+    int err = unmount_overlays(p);
+    send_report(st, SK_REP_INIT_EXIT, 0, err, status, NULL, -1);
     _exit(0);
 }
 

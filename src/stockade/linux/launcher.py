@@ -129,12 +129,11 @@ class LauncherChild(native.Child):
 
     status_sock: socket.socket | None = None
     owner: Launcher | None = None
-    runner_fd: int = -1  # pidfd of the run child: readable once it and its namespaces are gone
+    runner_fd: int = -1  # pidfd of the run child: readable once it (and its mount namespace) is gone
 
     @property
     def exit_fd(self) -> int:
-        if self.runner_fd >= 0:
-            return self.runner_fd
+        # the status arrives once init is reaped and the session's overlay unmounted
         return self.status_sock.fileno() if self.status_sock is not None else self.pidfd
 
     def reap(self) -> int | None:
@@ -145,15 +144,16 @@ class LauncherChild(native.Child):
             data = s.recv(native.REPORT.size)
         except OSError:
             data = b""
-        if self.runner_fd >= 0:
-            # the run child exits right after reporting: wait until its mount
-            # namespace (and the overlay on the session's upper layer) is gone
+        reps, _ = native.parse_reports(data)
+        unmounted = any(r.kind == native.REP_INIT_EXIT and r.err == 0 for r in reps)
+        if self.runner_fd >= 0 and not unmounted:
+            # the run child could not unmount the session's overlay itself: it goes
+            # with the child's mount namespace, so wait for the child to be gone
             import select
 
             p = select.poll()
             p.register(self.runner_fd, select.POLLIN)
             p.poll()
-        reps, _ = native.parse_reports(data)
         for r in reps:
             if r.kind == native.REP_INIT_EXIT:
                 st = r.value
