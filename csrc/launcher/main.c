@@ -85,6 +85,7 @@ static int live;                       /* forked children not yet reaped (runs, 
 static pid_t spare_pid = -1;
 static int spare_sock = -1;            /* to the spare run child, when there is one */
 static unsigned long spare_flags;      /* the namespaces it made */
+static unsigned long last_flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID;
 
 /* A run child keeps none of the launcher's sockets. */
 static void close_launcher_fds(void)
@@ -460,11 +461,19 @@ static void reap_children(void)
     while (read(sigfd, &si, sizeof si) > 0)
         ;
     pid_t w;
+    int run_ended = 0;
     while ((w = waitpid(-1, NULL, WNOHANG)) > 0) {
         live--;
         if (w == spare_pid)
             spare_pid = -1;
+        else
+            run_ended = 1;
     }
+    /* The next run's namespaces are made when a run has ended, not while one
+     * starts: on a small machine that work would compete with the starting
+     * sandbox and its requester for the CPUs. */
+    if (run_ended && spare_sock < 0)
+        make_spare(last_flags);
 }
 
 /* A sandbox runs as the same user, so the uid alone does not tell it from its
@@ -595,6 +604,7 @@ int main(int argc, char **argv)
     sigfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sigfd < 0)
         return 1;
+    make_spare(last_flags);
     for (;;) {
         struct pollfd pf[2 + MAX_CLIENTS];
         int np = 0;
@@ -676,9 +686,7 @@ static int serve_one(int sock)
         spare_pid = -1; /* it is a run now */
     }
     close_all(fds, nfds);
-    /* the next run's namespaces, made while this one runs */
-    if (spare_sock < 0)
-        make_spare(want);
+    last_flags = want;
     sk_plan_free(&p);
     free(heap);
     return 1;

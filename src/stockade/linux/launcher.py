@@ -123,6 +123,13 @@ def _key(plan: Plan, base: tuple[MountOp, ...]) -> tuple[Any, ...]:
     return (base, plan.uid_map, plan.gid_map, plan.deny_setgroups)
 
 
+class _RunOps:
+    """What a launcher child's report indexes (``Child.lowered.mounts``)."""
+
+    def __init__(self, mounts: tuple[MountOp, ...]) -> None:
+        self.mounts = mounts
+
+
 class LauncherChild(native.Child):
     """A sandbox started by a launcher: init is the launcher's grandchild, so its
     exit status comes over the status socket instead of waitid."""
@@ -281,9 +288,9 @@ class Launcher:
             for fd in extra:
                 os.close(fd)
 
-    def start(self, low: native.Lowered, fds: list[int]) -> LauncherChild:
-        """Send one run; fds are the slots the lowered plan's fd fields index,
-        then its pass-through fds."""
+    def start(self, packed: bytes, mounts: tuple[MountOp, ...], fds: list[int]) -> LauncherChild:
+        """Send one run (a packed plan whose fd fields index ``fds``, followed by its
+        pass-through fds); ``mounts`` are the ops a mount step's index refers to."""
         rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
         sync_r, sync_w = os.pipe2(os.O_CLOEXEC)
         st, st_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -292,7 +299,7 @@ class Launcher:
             with self.lock:
                 self.inflight += 1
             try:
-                self._send(_RUN, low.pack(), [rep_w, sync_r, st_theirs.fileno(), *fds])
+                self._send(_RUN, packed, [rep_w, sync_r, st_theirs.fileno(), *fds])
             finally:
                 os.close(rep_w)
                 os.close(sync_r)
@@ -308,7 +315,7 @@ class Launcher:
                 if r is not None and r.kind == native.REP_ERROR:
                     raise native.spawn_error(r.step, r.err, r.path or None)
                 raise SandboxError("launcher", errno=0, remedy=native._REMEDIES["launcher"])
-            child = LauncherChild(r.value, got[0], rep_r, sync_w, low, free_gos=1)
+            child = LauncherChild(r.value, got[0], rep_r, sync_w, _RunOps(mounts), free_gos=1)
             if len(got) > 1:
                 child.runner_fd = got[1]
             child.status_sock = st
@@ -356,6 +363,8 @@ class Launcher:
 _lock = threading.Lock()
 _launchers: OrderedDict[tuple[Any, ...], Launcher] = OrderedDict()
 _unavailable: dict[tuple[Any, ...], str] = {}  # bases whose launcher could not start, and why
+# packed run plans by (plan object, fd layout): the plan is kept, so its id is not reused
+_packed: OrderedDict[tuple[Any, ...], tuple[Plan, tuple[MountOp, ...], tuple[Any, ...], tuple[MountOp, ...], bytes]] = OrderedDict()
 
 
 def _forget_after_fork() -> None:
@@ -372,6 +381,7 @@ def _forget_after_fork() -> None:
             la.pidfd = -1
     _launchers.clear()
     _unavailable.clear()
+    _packed.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -439,11 +449,6 @@ def start(
     hold_before_exec: bool,
 ) -> native.Child | None:
     """Start the plan through a launcher; None when this plan has to start cold."""
-    parts = split(plan)
-    if parts is None:
-        return None
-    base, run = parts
-    key = _key(plan, base)
     # fd slots: 0..2 are the report pipe, sync pipe and status socket (added by start)
     fds: list[int] = []
 
@@ -457,9 +462,25 @@ def start(
     cg_slot = slot(cgroup_fd)
     con_slot = slot(console_sock)
     fds.extend(plan.keep_fds)
-    low = native.Lowered(plan, slots, None, pty=pty, console_sock=con_slot,
-                         hold_before_exec=hold_before_exec, mounts=run, skip_first_go=True)
-    low.plan.cgroup_fd = cg_slot
+    shape = (id(plan), slots, cg_slot, con_slot, pty, hold_before_exec)
+    hit = _packed.get(shape)
+    if hit is not None and hit[0] is plan:
+        _p, base, key, run, packed = hit
+    else:
+        parts = split(plan)
+        if parts is None:
+            return None
+        base, run = parts
+        key = _key(plan, base)
+        low = native.Lowered(plan, slots, None, pty=pty, console_sock=con_slot,
+                             hold_before_exec=hold_before_exec, mounts=run, skip_first_go=True)
+        low.plan.cgroup_fd = cg_slot
+        packed = low.pack()
+        # the same plan object comes back for the next run of a Sandbox (prepare's cache)
+        with _lock:
+            _packed[shape] = (plan, base, key, run, packed)
+            while len(_packed) > 16:
+                _packed.popitem(last=False)
     for attempt in (0, 1):
         with _lock:
             la = _launchers.get(key)
@@ -487,7 +508,7 @@ def start(
                         _k, victim = _launchers.popitem(last=False)
                         victim.retire()
         try:
-            return la.start(low, fds)
+            return la.start(packed, run, fds)
         except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError):
             # the launcher died (killed from outside): make a new one, once
             with _lock:

@@ -249,7 +249,7 @@ class Child:
     pidfd: int
     report_fd: int
     sync_fd: int
-    lowered: Lowered | None
+    lowered: Any  # a Lowered (or anything with .mounts: what a mount step's index refers to)
     free_gos: int = 0  # "go" messages the child does not wait for
 
     @property
