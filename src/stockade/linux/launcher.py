@@ -25,7 +25,6 @@ or runs. A run it starts still ends with the process that asked for it.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import struct
@@ -397,6 +396,8 @@ def shutdown() -> None:
 
 def _shared(plan: Plan, base: tuple[MountOp, ...]) -> Launcher:
     """Connect to the shared launcher for this base, or make it."""
+    import hashlib  # only here: the CLI's import time counts
+
     from ..session import store
 
     st = os.stat(PATH)
