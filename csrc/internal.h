@@ -3,7 +3,20 @@
 #define SK_INTERNAL_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include "stockade_native.h"
+
+/* clone3(2), for headers that predate it (spawn.c, launcher/main.c). */
+#ifndef CLONE_PIDFD
+#define CLONE_PIDFD 0x00001000
+#endif
+#ifndef CLONE_INTO_CGROUP
+#define CLONE_INTO_CGROUP 0x200000000ULL
+#endif
+struct sk_clone_args {
+    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls,
+        set_tid, set_tid_size, cgroup;
+};
 
 /* Child side: every function here is async-signal-safe (no malloc, no stdio). */
 void sk_report(int fd, int kind, int step, int err, int value, const char *path);

@@ -30,18 +30,6 @@
 
 #include "internal.h"
 
-#ifndef CLONE_PIDFD
-#define CLONE_PIDFD 0x00001000
-#endif
-#ifndef CLONE_INTO_CGROUP
-#define CLONE_INTO_CGROUP 0x200000000ULL
-#endif
-
-struct sk_clone_args {
-    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls,
-        set_tid, set_tid_size, cgroup;
-};
-
 size_t sk_strlen(const char *s)
 {
     size_t n = 0;

@@ -48,13 +48,6 @@
 
 #include "../internal.h"
 
-#ifndef CLONE_PIDFD
-#define CLONE_PIDFD 0x00001000
-#endif
-#ifndef CLONE_INTO_CGROUP
-#define CLONE_INTO_CGROUP 0x200000000ULL
-#endif
-
 #define SK_MSG_MAGIC 0x314c4b53u /* "SKL1" */
 #define SK_MSG_BASE 1
 #define SK_MSG_RUN 2
@@ -66,11 +59,6 @@
 
 struct sk_msg_hdr {
     uint32_t magic, type, flags, reserved;
-};
-
-struct sk_clone_args {
-    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls,
-        set_tid, set_tid_size, cgroup;
 };
 
 static int ctl = -1;

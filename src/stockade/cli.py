@@ -229,7 +229,7 @@ def _after_run(res: Any) -> None:
     from .session import store
 
     sess = store.open_session(res.session)
-    if _has_changes(sess):
+    if sess.has_layer_entries():
         try:
             from .changes.cli import summary_line
 
@@ -244,16 +244,6 @@ def _after_run(res: Any) -> None:
         sys.stderr.write(ln + "\n")
 
 
-def _has_changes(sess: Any) -> bool:
-    """Does any layer of the session hold anything (else there is no change to count)?"""
-    for layer in sess.lower_stack():
-        try:
-            with os.scandir(layer) as it:
-                for _ in it:
-                    return True
-        except FileNotFoundError:
-            continue
-    return False
 
 
 def _sweep_stale_cgroups(manager: Any = None) -> None:

@@ -277,26 +277,6 @@ def save(key: tuple[Any, ...], prep: Prepared, *, seccomp: str, masked_items: li
 # --------------------------------------------------------------------------- load
 
 
-def _paths_hold(dirs: dict[str, Any]) -> bool:
-    """``stockade.policy.paths_hold``, without importing the policy package."""
-    import stat as _stat
-
-    for d, (sig, entries) in dirs.items():
-        try:
-            st = os.lstat(d)
-        except OSError:
-            return False
-        if sig is not None and (st.st_dev, st.st_ino, st.st_mtime_ns) == tuple(sig):
-            continue
-        for p in entries:
-            try:
-                if _stat.S_ISLNK(os.lstat(p).st_mode):
-                    return False
-            except OSError:
-                continue
-    return True
-
-
 def _deps_hold(d: dict[str, Any]) -> bool:
     if d["ids"] != (os.geteuid(), os.getegid()) or d["cwd"] != os.getcwd() or d["env"] != _env_digest():
         return False
@@ -305,7 +285,9 @@ def _deps_hold(d: dict[str, Any]) -> bool:
     for f, s in d["policy_files"]:
         if _sig(f) != s:
             return False
-    if not _paths_hold(d["policy_dirs"]):
+    from .pathsig import paths_hold
+
+    if not paths_hold(d["policy_dirs"]):
         return False
     for raw, real in d["policy_resolved"]:
         if os.path.realpath(raw) != real:

@@ -296,11 +296,4 @@ def scan(session: Session, *, classify: bool = True) -> ChangeSet:
 
 def layer_has_entries(session: Session) -> bool:
     """Cheap: does any layer hold anything at all?"""
-    for layer in session.lower_stack():
-        try:
-            with os.scandir(layer) as it:
-                for _ in it:
-                    return True
-        except FileNotFoundError:
-            continue
-    return False
+    return session.has_layer_entries()

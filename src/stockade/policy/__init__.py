@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PolicyError
+from ..pathsig import paths_hold
 from . import config as _config
 from .config import CommandEntry, Item, Layer, Origin, PathEntry
 from .env import DEFAULT_ALLOW as ENV_DEFAULT_ALLOW
@@ -672,26 +673,6 @@ class _Cached:
             if os.path.realpath(raw) != real:
                 return False
         return all(os.path.lexists(p) == e for p, e in self.exists)
-
-
-def paths_hold(dirs: Mapping[str, Any]) -> bool:
-    """``_Cached.dirs`` still says what it said: no entry on the paths became a symlink."""
-    import stat as _stat
-
-    for d, (sig, entries) in dirs.items():
-        try:
-            st = os.lstat(d)
-        except OSError:
-            return False
-        if sig is not None and (st.st_dev, st.st_ino, st.st_mtime_ns) == tuple(sig):
-            continue
-        for p in entries:
-            try:
-                if _stat.S_ISLNK(os.lstat(p).st_mode):
-                    return False
-            except OSError:
-                continue
-    return True
 
 
 _CACHE: dict[tuple[Any, ...], _Cached] = {}

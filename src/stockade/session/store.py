@@ -121,6 +121,17 @@ class Session:
         """Every layer the change set is made of, lowest first, upper last."""
         return [*self.layers(), self.upper]
 
+    def has_layer_entries(self) -> bool:
+        """Cheap: does any layer hold anything at all (else there is no change)?"""
+        for layer in self.lower_stack():
+            try:
+                with os.scandir(layer) as it:
+                    for _ in it:
+                        return True
+            except FileNotFoundError:
+                continue
+        return False
+
     # ---- metadata -----------------------------------------------------------
     def meta(self) -> dict[str, Any]:
         try:
