@@ -294,3 +294,22 @@ def test_a_run_returns_only_once_its_overlay_is_gone(user: User, project: Path, 
                 except OSError:
                     continue
             assert holders == []
+
+
+def test_cli_shares_a_launcher_and_sweeps_dead_sockets(user: User, project: Path) -> None:
+    import socket
+
+    d = user.state / "launchers"
+    d.mkdir(parents=True, exist_ok=True)
+    stale = d / "0123456789abcdef01234567.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(str(stale))
+    s.close()  # a socket file nobody listens on: what an idled-out launcher leaves
+    user.own(user.state)
+    assert user.cli(["run", "--", "true"], cwd=project).returncode == 0
+    socks = sorted(p.name for p in d.glob("*.sock"))
+    assert len(socks) == 1 and socks[0] != stale.name, socks
+    # the next command finds it: still one socket, and the run works through it
+    r = user.cli(["run", "--", "echo", "again"], cwd=project)
+    assert r.stdout == b"again\n"
+    assert sorted(p.name for p in d.glob("*.sock")) == socks

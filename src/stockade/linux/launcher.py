@@ -394,6 +394,25 @@ def shutdown() -> None:
         la.retire()
 
 
+def _sweep(dfd: int, via: str) -> None:
+    """Remove the sockets of launchers that idled out (nobody listens any more)."""
+    for n in os.listdir(via):
+        if not n.endswith(".sock"):
+            continue
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.connect(via + n)
+        except ConnectionRefusedError:
+            try:
+                os.unlink(n, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+        except OSError:
+            pass
+        finally:
+            s.close()
+
+
 def _shared(plan: Plan, base: tuple[MountOp, ...]) -> Launcher:
     """Connect to the shared launcher for this base, or make it."""
     import hashlib  # only here: the CLI's import time counts
@@ -402,7 +421,9 @@ def _shared(plan: Plan, base: tuple[MountOp, ...]) -> Launcher:
 
     st = os.stat(PATH)
     h = hashlib.sha256()
-    h.update(native.Lowered(plan, (-1, -1, -1), None, pty=False, mounts=base).pack())
+    for m in base:  # the base only: not the command, its environment or its session
+        h.update(repr((m.kind, m.target, m.source, m.data, sorted(m.flags), m.mode, m.lower,
+                       m.source_in_sandbox, m.source_in_stage)).encode())
     h.update(repr((plan.uid_map, plan.gid_map, plan.deny_setgroups, st.st_ino, st.st_mtime_ns, st.st_size)).encode())
     d = store.state_dir() / "launchers"
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -415,6 +436,7 @@ def _shared(plan: Plan, base: tuple[MountOp, ...]) -> Launcher:
             return Launcher.connect(via + name)
         except (FileNotFoundError, ConnectionRefusedError):
             pass
+        _sweep(dfd, via)
         tmp = f"{name}.{os.getpid()}.{threading.get_ident() % 100000}"
         lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
