@@ -361,6 +361,12 @@ static void c1_start(void)
     if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != self_pid)
         _exit(1);
     prctl(PR_SET_NAME, "stockade-run", 0, 0, 0);
+    /* Every signal blocked again, as after a cold clone: init takes the ones it
+     * forwards with sigwaitinfo (an unblocked SIGTERM from the requester would
+     * end init at once instead of reaching the command). */
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL);
     close_launcher_fds();
     signal(SIGCHLD, SIG_DFL);
 }
@@ -582,8 +588,14 @@ int main(int argc, char **argv)
         return 1; /* reported on ctl */
     sk_plan_free(&base);
     free(heap);
-    if (listen_fd >= 0)
-        setsid(); /* a shared launcher outlives its creator's terminal session */
+    /* Out of the caller's process group: a Ctrl-C meant for the caller must not
+     * end the launcher (and every run it holds); a shared one also outlives the
+     * caller's terminal session. An explicit SIGTERM does end it. */
+    setsid();
+    sigset_t term;
+    sigemptyset(&term);
+    sigaddset(&term, SIGTERM);
+    sigprocmask(SIG_UNBLOCK, &term, NULL);
     send_report(ctl, SK_REP_READY, 0, 0, 0, NULL, -1);
 
     sigset_t chld;
