@@ -20,6 +20,7 @@ struct sk_clone_args {
 
 /* Child side: every function here is async-signal-safe (no malloc, no stdio). */
 void sk_report(int fd, int kind, int step, int err, int value, const char *path);
+void sk_report_fill(struct sk_report *r, int kind, int step, int err, int value, const char *path);
 int sk_mounts_child(const struct sk_plan *p, int rep);
 int sk_landlock_child(const struct sk_landlock *ll, int rep);
 int sk_seccomp_child(const unsigned char *bpf, size_t len, int rep);

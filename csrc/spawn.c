@@ -38,20 +38,25 @@ size_t sk_strlen(const char *s)
     return n;
 }
 
+void sk_report_fill(struct sk_report *r, int kind, int step, int err, int value, const char *path)
+{
+    memset(r, 0, sizeof *r);
+    r->kind = kind;
+    r->step = step;
+    r->err = err;
+    r->value = value;
+    if (path) {
+        size_t n = sk_strlen(path);
+        if (n >= sizeof r->path)
+            n = sizeof r->path - 1;
+        memcpy(r->path, path, n);
+    }
+}
+
 void sk_report(int fd, int kind, int step, int err, int value, const char *path)
 {
     struct sk_report r;
-    memset(&r, 0, sizeof r);
-    r.kind = kind;
-    r.step = step;
-    r.err = err;
-    r.value = value;
-    if (path) {
-        size_t n = sk_strlen(path);
-        if (n >= sizeof r.path)
-            n = sizeof r.path - 1;
-        memcpy(r.path, path, n);
-    }
+    sk_report_fill(&r, kind, step, err, value, path);
     /* One record < PIPE_BUF: the write is atomic. */
     while (write(fd, &r, sizeof r) < 0 && errno == EINTR)
         ;

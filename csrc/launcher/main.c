@@ -138,17 +138,7 @@ static void send_report(int sock, int kind, int step, int err, int value, const 
 static void send_report2(int sock, int kind, int step, int err, int value, const char *path, int fd, int fd2)
 {
     struct sk_report r;
-    memset(&r, 0, sizeof r);
-    r.kind = kind;
-    r.step = step;
-    r.err = err;
-    r.value = value;
-    if (path) {
-        size_t n = strlen(path);
-        if (n >= sizeof r.path)
-            n = sizeof r.path - 1;
-        memcpy(r.path, path, n);
-    }
+    sk_report_fill(&r, kind, step, err, value, path);
     struct iovec iov = {.iov_base = &r, .iov_len = sizeof r};
     union {
         char buf[CMSG_SPACE(2 * sizeof(int))];
