@@ -188,6 +188,19 @@ def state_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.fixture
+def api_project(state_dir: Path) -> Iterator[Path]:
+    """A project with one file, for in-process API runs as the current user."""
+    d = world_tmpdir("stockade-api-")
+    p = d / "proj"
+    p.mkdir()
+    (p / "hello.txt").write_text("hello\n")
+    try:
+        yield p
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def tree_snapshot(root: Path) -> dict[str, tuple[int, bytes | str]]:
     """Every entry under root with its mode and content (or link target), for byte-identical checks."""
     out: dict[str, tuple[int, bytes | str]] = {}

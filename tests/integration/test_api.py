@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import stockade
-from tests.conftest import User, tree_snapshot, world_tmpdir
+from tests.conftest import User, tree_snapshot
 
 
 @pytest.fixture
-def proj(state_dir: Path) -> Iterator[Path]:
-    d = world_tmpdir("stockade-api-")
-    p = d / "proj"
-    p.mkdir()
-    (p / "hello.txt").write_text("hello\n")
-    try:
-        yield p
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+def proj(api_project: Path) -> Path:
+    return api_project
 
 
 def test_run_is_subprocess_compatible(proj: Path) -> None:

@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import stockade
-from tests.conftest import world_tmpdir
 
 
 @pytest.fixture
-def proj(state_dir: Path) -> Iterator[Path]:
-    d = world_tmpdir("stockade-cache-")
-    p = d / "proj"
-    p.mkdir()
-    (p / "hello.txt").write_text("hello\n")
-    try:
-        yield p
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+def proj(api_project: Path) -> Path:
+    return api_project
 
 
 def out(sb: stockade.Sandbox, script: str, **kw: object) -> str:
