@@ -37,16 +37,16 @@ static int set_attr(const char *target, uint64_t set, int recursive)
                         sizeof a);
 }
 
-/* mkdir -p with a stack buffer. */
-static int mkpath(const char *path, unsigned int mode)
+/* mkdir -p of the first n bytes of path, with a stack buffer. */
+static int mkpath_n(const char *path, size_t n, unsigned int mode)
 {
     char buf[4096];
-    size_t n = sk_strlen(path);
     if (n >= sizeof buf) {
         errno = ENAMETOOLONG;
         return -1;
     }
-    memcpy(buf, path, n + 1);
+    memcpy(buf, path, n);
+    buf[n] = '\0';
     for (size_t i = 1; i <= n; i++) {
         if (buf[i] == '/' || buf[i] == '\0') {
             char saved = buf[i];
@@ -59,21 +59,17 @@ static int mkpath(const char *path, unsigned int mode)
     return 0;
 }
 
+static int mkpath(const char *path, unsigned int mode)
+{
+    return mkpath_n(path, sk_strlen(path), mode);
+}
+
 static int mkparent(const char *path)
 {
-    char buf[4096];
     size_t n = sk_strlen(path);
-    if (n >= sizeof buf) {
-        errno = ENAMETOOLONG;
-        return -1;
-    }
-    memcpy(buf, path, n + 1);
-    while (n > 0 && buf[n] != '/')
+    while (n > 0 && path[n] != '/')
         n--;
-    if (n == 0)
-        return 0;
-    buf[n] = '\0';
-    return mkpath(buf, 0755);
+    return n == 0 ? 0 : mkpath_n(path, n, 0755);
 }
 
 static int ensure_file(const char *path)

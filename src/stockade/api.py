@@ -399,16 +399,8 @@ def _execute(
     record["ended"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ended))
     record["duration"] = round(ended - started, 4)
     if sup.error is not None:
-        rep = sup.error
-        path = rep.path
-        for pre in (native.NEW, native.OLD):
-            if path.startswith(pre):
-                path = path[len(pre):] or "/"
-        kind = None
         ops = child.lowered.mounts if child is not None and child.lowered is not None else plan.mounts
-        if rep.step == "mount" and 0 <= rep.value < len(ops):
-            kind = ops[rep.value].kind
-        err = native.spawn_error(rep.step, rep.err, path, op_kind=kind)
+        err = native.report_error(sup.error, ops)
         record["status"] = "setup-failed"
         record["error"] = str(err)
         store.write_json_new(run_dir + "/run.json", record)

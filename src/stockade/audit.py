@@ -225,13 +225,9 @@ class AuditLog:
             self._append(data)
 
     def _append(self, data: bytes) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            mv = memoryview(data)
-            while mv:
-                mv = mv[os.write(fd, mv):]
-        finally:
-            os.close(fd)
+        from .session.store import write_file
+
+        write_file(str(self.path), data, os.O_APPEND, 0o600)
 
     # ---- the standard policy events -------------------------------------------------
     def session_start(self, eff: Effective, *, project: str) -> None:

@@ -309,28 +309,30 @@ def _lazy(module: str, name: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .errors import StockadeError
-
     fast = _fast_run(sys.argv[1:] if argv is None else argv)
     if fast is not None:
-        try:
-            return _run(fast)
-        except StockadeError as e:
-            sys.stderr.write(f"stockade: {e.one_line()}\n")
-            return e.exit_status
-        except KeyboardInterrupt:
-            return 130
-        except BrokenPipeError:
-            return 141
+        return _guarded(lambda: _run(fast))
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
-    try:
+
+    def verb() -> int:
         if args.verb not in ("run", "explain", "shell", "recover"):
             _recover_quietly()
         rc: int = args.func(args)
+        return rc
+
+    return _guarded(verb)
+
+
+def _guarded(fn: Any) -> int:
+    """Run a verb: our errors as one line and their exit status, Ctrl-C as 130, EPIPE as 141."""
+    from .errors import StockadeError
+
+    try:
+        rc: int = fn()
         return rc
     except StockadeError as e:
         sys.stderr.write(f"stockade: {e.one_line()}\n")

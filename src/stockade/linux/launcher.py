@@ -222,47 +222,27 @@ class Launcher:
             p.launcher_exec_fd = exe
             p.launcher_ctl_fd = child_fd
             child = native.spawn(low)
-            os.set_inheritable(child_fd, False)
+            self.pid, self.pidfd, child.pidfd = child.pid, child.pidfd, -1  # ours to reap
             os.close(child_fd)
             child_fd = -1
             native.go(child)
             # the report pipe closes on a successful exec; a record means it failed
             data = b""
-            while True:
-                d = os.read(child.report_fd, 4096)
-                if not d:
-                    break
+            while d := os.read(child.report_fd, 4096):
                 data += d
-            reps, _ = native.parse_reports(data)
-            for r in reps:
+            for r in native.parse_reports(data)[0]:
                 if r.kind == native.REP_ERROR:
-                    raise native.spawn_error(r.step, r.err, r.path)
-            self.pid = child.pid
-            self.pidfd = child.pidfd
-            child.pidfd = -1
+                    raise native.report_error(r, ())
             base_low = native.Lowered(plan, (-1, -1, -1), None, pty=False, mounts=base)
             self._send(_BASE, base_low.pack(), [listen.fileno()] if listen is not None else [], reserved=idle)
-            reply = ctl.recv(native.REPORT.size)
-            reps, _ = native.parse_reports(reply)
+            reps, _ = native.parse_reports(ctl.recv(native.REPORT.size))
             if not reps:
                 raise SandboxError("launcher", errno=0, remedy=native._REMEDIES["launcher"])
-            r = reps[0]
-            if r.kind == native.REP_ERROR:
-                path = r.path
-                for pre in (native.NEW, native.OLD):
-                    if path.startswith(pre):
-                        path = path[len(pre):] or "/"
-                kind = base[r.value].kind if r.step == "mount" and 0 <= r.value < len(base) else None
-                raise native.spawn_error(r.step, r.err, path, op_kind=kind)
+            if reps[0].kind == native.REP_ERROR:
+                raise native.report_error(reps[0], base)
         except BaseException:
-            self.ctl.close()
-            if child is not None:
-                if child.pidfd >= 0:
-                    self.pidfd = child.pidfd
-                    child.pidfd = -1
-                child.close()
-            if getattr(self, "pidfd", -1) >= 0:
-                self._reap()
+            self.ctl.close()  # a launcher still waiting for its base ends on EOF
+            self._reap()
             raise
         finally:
             os.close(exe)
@@ -312,7 +292,7 @@ class Launcher:
                 for fd in got:
                     os.close(fd)
                 if r is not None and r.kind == native.REP_ERROR:
-                    raise native.spawn_error(r.step, r.err, r.path or None)
+                    raise native.report_error(r, ())
                 raise SandboxError("launcher", errno=0, remedy=native._REMEDIES["launcher"])
             child = LauncherChild(r.value, got[0], rep_r, sync_w, _RunOps(mounts), free_gos=1)
             if len(got) > 1:

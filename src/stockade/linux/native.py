@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno as _errno
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -385,6 +386,17 @@ _REMEDIES: dict[str, str] = {
     "unshare": "the launcher could not create a run's namespaces; set STOCKADE_LAUNCHER=0 to start each sandbox directly, and see `stockade doctor`",
     "launcher": "the sandbox launcher could not start; set STOCKADE_LAUNCHER=0 to start each sandbox directly, and see `stockade doctor`",
 }
+
+
+def report_error(rep: Report, ops: Sequence[MountOp]) -> SandboxError:
+    """The error a child's failure record describes; ``ops`` are the mount ops its
+    step index refers to. Paths are given as the sandbox (or host) names them."""
+    path = rep.path
+    for pre in (NEW, OLD):
+        if path.startswith(pre):
+            path = path[len(pre):] or "/"
+    kind = ops[rep.value].kind if rep.step == "mount" and 0 <= rep.value < len(ops) else None
+    return spawn_error(rep.step, rep.err, path or None, op_kind=kind)
 
 
 def spawn_error(step: str, err: int, path: str | None, *, op_kind: str | None = None) -> SandboxError:

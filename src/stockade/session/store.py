@@ -56,7 +56,7 @@ def write_json_atomic(path: Path | str, data: Any) -> None:
     path = str(path)
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name}.{os.getpid()}.tmp")
-    _write_new(tmp, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), os.O_TRUNC)
+    write_file(tmp, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), os.O_TRUNC)
     os.replace(tmp, path)
 
 
@@ -66,11 +66,12 @@ def write_json_new(path: Path | str, data: Any) -> None:
     For a run's ``run.json`` in its fresh ``runs/<n>/``: a reader that comes at the
     wrong moment (or after a crash) finds it empty or short, which ``Session.runs``
     reports as an incomplete run, as when the file is missing."""
-    _write_new(str(path), (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), os.O_TRUNC)
+    write_file(str(path), (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), os.O_TRUNC)
 
 
-def _write_new(path: str, data: bytes, flags: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o666)
+def write_file(path: str, data: bytes, flags: int, mode: int = 0o666) -> None:
+    """All of ``data`` to ``path``, opened write-only with ``flags`` (O_TRUNC, O_APPEND...)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, mode)
     try:
         mv = memoryview(data)
         while mv:
