@@ -25,18 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import paths
 from ..errors import SessionBusy, SessionNotFound, UsageError
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def state_dir() -> Path:
-    env = os.environ.get("STOCKADE_STATE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_STATE_HOME")
-    base = Path(xdg) if xdg else Path(os.path.expanduser("~")) / ".local" / "state"
-    return base / "stockade"
+    return Path(paths.state_dir())
 
 
 def sessions_dir() -> Path:

@@ -1,0 +1,16 @@
+"""Where stockade keeps its state. Builtins only: the CLI's fast path needs it before
+anything else is imported."""
+
+from __future__ import annotations
+
+import os
+
+
+def state_dir() -> str:
+    """``$STOCKADE_STATE_DIR``, else ``$XDG_STATE_HOME/stockade``, else ``~/.local/state/stockade``."""
+    env = os.environ.get("STOCKADE_STATE_DIR")
+    if env:
+        return env
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = xdg if xdg else os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "stockade")
