@@ -14,3 +14,12 @@ def state_dir() -> str:
     xdg = os.environ.get("XDG_STATE_HOME")
     base = xdg if xdg else os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(base, "stockade")
+
+
+# The process whose cgroup runs are placed under: this one, or the client a CLI
+# server's supervisor serves (set in the forked supervisor, see stockade.server).
+CGROUP_OWNER: int | None = None
+
+
+def proc_cgroup_path() -> str:
+    return f"/proc/{CGROUP_OWNER or 'self'}/cgroup"

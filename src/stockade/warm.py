@@ -91,7 +91,9 @@ def _libseccomp() -> tuple[Any, ...] | None:
 
 def _proc_cgroup() -> bytes:
     try:
-        with open("/proc/self/cgroup", "rb") as f:
+        from .paths import proc_cgroup_path
+
+        with open(proc_cgroup_path(), "rb") as f:
             return f.read()
     except OSError:
         return b""

@@ -280,7 +280,11 @@ def _read(path: str) -> str:
 
 
 def host_view() -> HostView:
-    return HostView(proc_cgroup=_read("/proc/self/cgroup"), mountinfo=_read("/proc/self/mountinfo"))
+    from .. import paths
+
+    # a CLI server's supervisor places runs as its client would have, under the client's cgroup
+    pid = paths.CGROUP_OWNER or os.getpid()
+    return HostView(proc_cgroup=_read(paths.proc_cgroup_path()), mountinfo=_read("/proc/self/mountinfo"), pid=pid)
 
 
 @lru_cache(maxsize=1)
