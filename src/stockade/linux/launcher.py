@@ -347,10 +347,15 @@ _packed: OrderedDict[tuple[Any, ...], tuple[Plan, tuple[MountOp, ...], tuple[Any
 
 
 def _forget_after_fork() -> None:
-    # the child of a fork must not share (or end) its parent's launchers
+    # The child of a fork must not share (or end) its parent's own launchers. A
+    # connection to a shared launcher it may keep: each run has its own status
+    # socket (what the launcher watches), and a run request is one atomic message.
     global _lock
     _lock = threading.Lock()
-    for la in _launchers.values():
+    for key, la in list(_launchers.items()):
+        if la.pid < 0 and la.inflight == 0 and not la.retired:
+            la.lock = threading.Lock()
+            continue
         try:
             la.ctl.close()
         except OSError:
@@ -358,9 +363,27 @@ def _forget_after_fork() -> None:
         if la.pidfd >= 0:
             os.close(la.pidfd)
             la.pidfd = -1
-    _launchers.clear()
+        del _launchers[key]
     _unavailable.clear()
-    _packed.clear()
+
+
+def preconnect(plan: Plan) -> bool:
+    """Connect to the running shared launcher for this plan's base (never make one):
+    a CLI server does this once, and the supervisors it forks inherit the connection."""
+    parts = split(plan)
+    if parts is None or not enabled():
+        return False
+    key = _key(plan, parts[0])
+    with _lock:
+        if key in _launchers:
+            return True
+    try:
+        la = _shared(plan, parts[0], create=False)
+    except (OSError, SandboxError):
+        return False
+    with _lock:
+        _launchers.setdefault(key, la)
+    return True
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -393,7 +416,7 @@ def _sweep(dfd: int, via: str) -> None:
             s.close()
 
 
-def _shared(plan: Plan, base: tuple[MountOp, ...]) -> Launcher:
+def _shared(plan: Plan, base: tuple[MountOp, ...], create: bool = True) -> Launcher:
     """Connect to the shared launcher for this base, or make it."""
     import hashlib  # only here: the CLI's import time counts
 
@@ -415,7 +438,8 @@ def _shared(plan: Plan, base: tuple[MountOp, ...]) -> Launcher:
         try:
             return Launcher.connect(via + name)
         except (FileNotFoundError, ConnectionRefusedError):
-            pass
+            if not create:
+                raise
         _sweep(dfd, via)
         tmp = f"{name}.{os.getpid()}.{threading.get_ident() % 100000}"
         lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
