@@ -103,7 +103,13 @@ class Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        self.close()
+
+    def close(self) -> None:
+        """Remove the cgroups kept for later runs (also done at interpreter exit)."""
+        from .cgroups.base import flush_deferred
+
+        flush_deferred()
 
     def run(self, args: Sequence[str] | str, **kwargs: Any) -> RunResult:
         merged = {**self.options, **kwargs}
@@ -343,6 +349,9 @@ def _execute(
                     raise
             else:
                 native.go(child)
+        if cg is not None and hasattr(cg_manager, "prepare_next"):
+            # the sandbox is starting: meanwhile, the next run's cgroups
+            cg_manager.prepare_next(limits, pid_namespace="pid" in plan.namespaces)
         if pty:
             for fd in console:
                 to_close.remove(fd)
@@ -384,12 +393,16 @@ def _execute(
             child.close()
         if cg is not None:
             stats = None
+            gone = reaped and "pid" in plan.namespaces  # its init took every task with it
             try:
-                if not (reaped and "pid" in plan.namespaces):
+                if not gone:
                     cg.kill()
                 stats = cg.stats()
             finally:
-                cg.remove()  # a task still there (EBUSY) is killed then
+                if gone and stats is not None and hasattr(cg_manager, "retire"):
+                    cg_manager.retire(cg)  # empty: removed while the next run starts
+                else:
+                    cg.remove()  # a task still there (EBUSY) is killed then
             sup_stats = stats
         else:
             sup_stats = None

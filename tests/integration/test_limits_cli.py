@@ -107,3 +107,48 @@ def test_bad_limit_values_exit_2_and_run_nothing(env: dict[str, str], tmp_path: 
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"stockade: {flag}: invalid value"), err
         assert not marker.exists()
+
+
+def test_repeated_api_runs_account_each_run_alone_and_leave_nothing(cgroups: None, env: dict[str, str], tmp_path: Path) -> None:
+    """In one process, runs after the first use cgroups made while the previous run
+    started, and their own are removed later: each run's outcome is still its own
+    (peak memory, CPU time, OOM, pids limit), and nothing is left once the Sandbox
+    is closed."""
+    code = r"""
+import json, os, sys
+import stockade
+from stockade.cgroups.base import Limits, MiB
+proj = sys.argv[1]
+os.makedirs(proj, exist_ok=True)
+out = []
+hog = "x = bytearray(96 << 20); x[::4096] = b'1' * len(x[::4096])"
+spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+with stockade.Sandbox(proj, limits=Limits(memory=256 * MiB, pids=24)) as sb:
+    for argv in (["true"], ["python3", "-c", hog], ["true"], ["python3", "-c", spin], ["true"],
+                 ["python3", "-c", "x = bytearray(512 << 20); x[::4096] = b'1' * len(x[::4096])"],
+                 ["sh", "-c", "for i in $(seq 40); do sleep 2 & done; wait"], ["true"]):
+        r = sb.run(argv, capture_output=True)
+        out.append([r.returncode, r.outcome_kind, r.peak_memory, r.cpu_time])
+pid = os.getpid()
+left = []
+from stockade.cgroups import detect
+d = detect.detect().describe()
+for p in dict(d.get("hierarchies", {})).values():
+    left += [n for n in os.listdir(p) if n.startswith("stockade-") and f"-{pid}-" in n]
+print(json.dumps({"runs": out, "left": left}))
+"""
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "proj")], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["left"] == []
+    runs = res["runs"]
+    if det.detect().kind != "v1":
+        return  # the rest holds on every backend, but this is the v1 path's test
+    small = [runs[i] for i in (0, 2, 4, 7)]
+    assert all(x[0] == 0 and x[1] == "exited" for x in small), runs
+    assert runs[1][0] == 0 and runs[1][2] >= 96 << 20
+    # a fresh cgroup each run: the hog's peak is not carried over, nor its CPU time
+    assert all(x[2] is not None and x[2] < 64 << 20 for x in small), runs
+    assert runs[3][3] >= 0.25 and all(x[3] < 0.2 for x in small), runs
+    assert runs[5][1] == "oom-killed", runs
+    assert runs[6][1] == "pids-limit-hit", runs

@@ -226,3 +226,95 @@ def test_enforcement_texts(tmp_path: Path) -> None:
     assert e["timeout"].startswith("supervisor")
     assert e["nofile"].startswith("RLIMIT_NOFILE")
     assert e["cpu_time"] == "no limit"
+
+
+def test_first_run_removed_at_once_later_ones_while_the_next_starts(tmp_path: Path) -> None:
+    """A process's first run (a CLI process makes only one) leaves nothing to remove
+    later; from the second on, retire defers and prepare_next removes them."""
+    _fs, m, roots = build(tmp_path)
+    lim = Limits(memory=64 * MiB, pids=10)
+    first = m.create("s-1", lim, pid_namespace=True)
+    m.prepare_next(lim, pid_namespace=True)  # nothing ran before: no spare made
+    assert run_dirs(roots) == [first.dirname] * 3
+    m.retire(first)
+    assert run_dirs(roots) == []
+    second = m.create("s-2", lim, pid_namespace=True)
+    m.retire(second)
+    assert sorted(set(run_dirs(roots))) == [second.dirname]  # held for later
+    third = m.create("s-3", lim, pid_namespace=True)
+    m.prepare_next(lim, pid_namespace=True)
+    names = set(run_dirs(roots))
+    assert second.dirname not in names  # removed while the third started
+    spare = m._spare
+    assert spare is not None and names == {third.dirname, spare.dirname}
+    m.retire(third)
+    m.flush()
+    assert run_dirs(roots) == []
+
+
+def test_next_runs_cgroups_are_made_ahead_with_their_limits(tmp_path: Path) -> None:
+    fs, m, roots = build(tmp_path)
+    lim = Limits(memory=64 * MiB, pids=10)
+    m.retire(m.create("a", lim, pid_namespace=True))  # a first run ended
+    b = m.create("b", lim, pid_namespace=True)
+    fs.writes.clear()
+    m.prepare_next(lim, pid_namespace=True)
+    made = [(os.path.basename(p), v) for p, v in fs.writes]
+    assert made == [("memory.limit_in_bytes", str(64 * MiB)), ("memory.memsw.limit_in_bytes", str(64 * MiB)),
+                    ("pids.max", "10")]
+    spare = m._spare
+    assert spare is not None
+    fs.writes.clear()
+    c = m.create("c", lim, pid_namespace=True)
+    assert c is spare and fs.writes == []  # nothing left to do on the run's own path
+    assert {os.path.basename(p) for _h, p in c.dirs} == {c.dirname}
+    # fresh: nothing ever ran there
+    assert all(fs.procs(p) == [] for _h, p in c.dirs)
+    st = c.stats()
+    assert st.peak_memory == 0 and st.cpu_time == 0 and not st.pids_limit_hit
+    for run in (b, c):
+        m.retire(run)
+    m.flush()
+    assert run_dirs(roots) == []
+
+
+def test_a_spare_made_for_other_limits_is_not_used(tmp_path: Path) -> None:
+    fs, m, roots = build(tmp_path)
+    m.retire(m.create("a", Limits(pids=10), pid_namespace=True))
+    b = m.create("b", Limits(pids=10), pid_namespace=True)
+    m.prepare_next(Limits(pids=10), pid_namespace=True)
+    spare = m._spare
+    fs.writes.clear()
+    c = m.create("c", Limits(pids=20), pid_namespace=True)
+    assert c is not spare and ("pids.max", "20") in [(os.path.basename(p), v) for p, v in fs.writes]
+    d = m.create("d", Limits(pids=10), pid_namespace=False)  # needs the freezer too
+    assert d is not spare and any("freezer" in h.controllers for h, _p in d.dirs)
+    for run in (b, c, d):
+        run.remove()
+    m.prepare_next(Limits(pids=10), pid_namespace=True)  # the stale spare goes here
+    assert spare is not None and spare.dirname not in run_dirs(roots)
+    m.flush()
+    assert run_dirs(roots) == []
+
+
+def test_a_spare_is_not_a_forked_childs(tmp_path: Path) -> None:
+    from stockade.cgroups import v1
+
+    _fs, m, roots = build(tmp_path)
+    lim = Limits(pids=10)
+    m.retire(m.create("a", lim, pid_namespace=True))
+    m.retire(m.create("b", lim, pid_namespace=True))
+    m.prepare_next(lim, pid_namespace=True)
+    held = set(run_dirs(roots))
+    assert len(held) == 1  # the spare (b's were removed)
+    pid = os.fork()
+    if pid == 0:  # the child neither uses nor removes its parent's cgroups
+        ok = m._spare is None and m._retired == [] and m._ended == 0
+        m.flush()
+        v1.flush_all()
+        os._exit(0 if ok and set(run_dirs(roots)) == held else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert set(run_dirs(roots)) == held
+    m.flush()
+    assert run_dirs(roots) == []

@@ -355,6 +355,15 @@ def rlimits_for(
     return rlimit.rlimits_for(limits, manager, nproc_safe=nproc_safe)
 
 
+def flush_deferred() -> None:
+    """Remove the cgroups a backend holds for later runs (v1: see ``v1.prepare_next``)."""
+    import sys
+
+    v1 = sys.modules.get("stockade.cgroups.v1")
+    if v1 is not None:
+        v1.flush_all()
+
+
 # --------------------------------------------------------------------------- outcome
 
 OutcomeKind = Literal["exited", "signaled", "timeout", "oom-killed", "pids-limit-hit"]

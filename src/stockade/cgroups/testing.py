@@ -137,6 +137,9 @@ class FakeCgroupFS(CgroupFS):
 
     # -- CgroupFS -------------------------------------------------------------
 
+    def open_file(self, path: str, write: bool) -> int | None:
+        return None  # writes must go through ``write`` (it plays the kernel)
+
     def mkdir(self, path: str) -> None:
         where = self._root_of(path)
         os.mkdir(path, 0o755)

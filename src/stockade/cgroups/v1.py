@@ -7,11 +7,23 @@ Co-mounted controllers (``cpu,cpuacct``) share one directory, created once.
 
 v1 cannot place a task at clone time: the runtime calls ``attach(pid)`` while the
 child waits, before it runs anything, and the child's descendants inherit.
+
+Creating, limiting and removing cgroups in three hierarchies costs about 0.3 ms,
+which a process that runs sandboxes one after another need not wait for: while a
+run's sandbox starts (the caller waits for it anyway), ``prepare_next`` removes the
+cgroups of runs that already ended and makes the next run's, limits written and
+files open; ``retire`` hands a finished run's cgroups over for that. Each run still
+gets cgroups of its own that nothing ran in before. Nothing is deferred in a
+process's first run (a CLI process makes only one), and whatever is still held is
+removed by ``flush`` (``Sandbox`` exit, interpreter exit); after a SIGKILL, empty
+cgroups named after a dead pid are what ``sweep.sweep_stale`` removes.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,6 +64,12 @@ class V1Manager:
     note: str = ""
     kind: str = "v1"
     _files: dict[str, bool] = field(default_factory=dict)
+    # the next run's cgroups (made ahead) and the limits they were made for
+    _spare: V1RunCgroup | None = field(default=None, repr=False, compare=False)
+    _spare_key: tuple[Limits, bool] | None = field(default=None, repr=False, compare=False)
+    _retired: list[V1RunCgroup] = field(default_factory=list, repr=False, compare=False)
+    _ended: int = field(default=0, repr=False, compare=False)  # runs retired in this process
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def _needed(self, limits: Limits, pid_namespace: bool = False) -> list[Hierarchy]:
         """Distinct hierarchies a run needs: memory/cpuacct always (accounting), freezer
@@ -73,7 +91,20 @@ class V1Manager:
         return out
 
     def create(self, name: str, limits: Limits, *, pid_namespace: bool = False) -> V1RunCgroup:
-        dirname = run_dir_name(name)
+        """The run's cgroups: the ones ``prepare_next`` made for these limits, or new."""
+        stale = None
+        with self._lock:
+            spare = self._spare
+            if spare is not None:
+                self._spare = None
+                if self._spare_key != (limits, pid_namespace):
+                    stale, spare = spare, None
+                    self._retired.append(stale)  # made for other limits: removed later
+        if spare is not None:
+            return spare
+        return self._make(run_dir_name(name), limits, pid_namespace)
+
+    def _make(self, dirname: str, limits: Limits, pid_namespace: bool, *, open_files: bool = False) -> V1RunCgroup:
         run = V1RunCgroup(fs=self.fs, dirname=dirname, manager=self)
         try:
             for h in self._needed(limits, pid_namespace):
@@ -84,10 +115,59 @@ class V1Manager:
                     raise cgroup_error("create cgroup", path, e) from e
                 run.dirs.append((h, path))
             run.apply(limits)
+            if open_files:
+                run.open_files()
         except BaseException:
             run.remove()
             raise
         return run
+
+    def prepare_next(self, limits: Limits, *, pid_namespace: bool = False) -> None:
+        """Work for the time a run's sandbox takes to start: remove the cgroups of runs
+        that ended, and (once this process has run a sandbox before) make the next
+        run's for the same limits. Never raises: the next ``create`` does it all."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+            want = self._ended > 0 and self._spare is None
+        for run in retired:
+            _remove_quietly(run)
+        if not want:
+            return
+        try:
+            spare: V1RunCgroup | None = self._make(run_dir_name("next"), limits, pid_namespace, open_files=True)
+        except (SandboxError, OSError):
+            return
+        with self._lock:
+            if self._spare is None:
+                self._spare, self._spare_key = spare, (limits, pid_namespace)
+                spare = None
+        if spare is not None:  # another thread made one meanwhile
+            _remove_quietly(spare)
+        _hold(self)
+
+    def retire(self, run: V1RunCgroup) -> None:
+        """A run that ended (its tasks gone, its stats read): its cgroups are removed by
+        the next ``prepare_next`` or ``flush``; in a process's first run, now."""
+        with self._lock:
+            later = self._ended > 0 and not run._removed
+            self._ended += 1
+            if later:
+                self._retired.append(run)
+        if later:
+            _hold(self)
+        else:
+            run.remove()
+
+    def flush(self) -> None:
+        """Remove every cgroup held for later (retired runs, the next run's)."""
+        with self._lock:
+            todo = self._retired
+            self._retired = []
+            if self._spare is not None:
+                todo.append(self._spare)
+                self._spare = None
+        for run in todo:
+            _remove_quietly(run)
 
     def has_file(self, path: str, name: str) -> bool:
         """Whether a run cgroup has interface file ``name`` (cached per kernel)."""
@@ -113,6 +193,10 @@ class V1Manager:
         }
 
 
+_STAT_FILES = (("memory", "memory.oom_control"), ("memory", "memory.max_usage_in_bytes"),
+               ("pids", "pids.events"), ("cpuacct", "cpuacct.usage"))
+
+
 @dataclass
 class V1RunCgroup:
     fs: CgroupFS
@@ -120,6 +204,34 @@ class V1RunCgroup:
     manager: V1Manager
     dirs: list[tuple[Hierarchy, str]] = field(default_factory=list)
     _removed: bool = False
+    _fds: dict[str, int] = field(default_factory=dict, repr=False)  # open interface files by path
+
+    def open_files(self) -> None:
+        """Open cgroup.procs (to attach) and the stat files now, so that the run's own
+        critical path only writes and reads them."""
+        want = [(os.path.join(p, "cgroup.procs"), True) for _h, p in self.dirs]
+        for ctrl, name in _STAT_FILES:
+            d = self._dir(ctrl)
+            if d is not None:
+                want.append((os.path.join(d, name), False))
+        for path, write in want:
+            if path in self._fds:
+                continue
+            try:
+                fd = self.fs.open_file(path, write)
+            except OSError:
+                continue  # reached by path when used: the error is reported then
+            if fd is None:
+                return
+            self._fds[path] = fd
+
+    def _close_files(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def _dir(self, controller: str) -> str | None:
         for h, path in self.dirs:
@@ -157,8 +269,17 @@ class V1RunCgroup:
         return None
 
     def attach(self, pid: int) -> None:
+        data = str(pid)
         for _h, path in self.dirs:
-            self._write(os.path.join(path, "cgroup.procs"), str(pid))
+            f = os.path.join(path, "cgroup.procs")
+            fd = self._fds.get(f)
+            if fd is None:
+                self._write(f, data)
+                continue
+            try:
+                os.write(fd, data.encode())
+            except OSError as e:
+                raise cgroup_error(f"write {data!r} to cgroup file", f, e) from e
 
     def pids(self) -> list[int]:
         seen: dict[int, None] = {}
@@ -230,8 +351,12 @@ class V1RunCgroup:
             d = self._dir(ctrl)
             if d is None:
                 return None
+            path = os.path.join(d, name)
             try:
-                return self.fs.read(os.path.join(d, name))
+                fd = self._fds.get(path)
+                if fd is not None:
+                    return os.pread(fd, 65536, 0).decode()
+                return self.fs.read(path)
             except (FileNotFoundError, OSError):
                 return None
 
@@ -261,6 +386,7 @@ class V1RunCgroup:
     def remove(self) -> None:
         if self._removed:
             return
+        self._close_files()
         for _h, path in reversed(self.dirs):
             remove_tree(self.fs, path, on_busy=self._kill_quietly)
         self._removed = True
@@ -271,3 +397,49 @@ class V1RunCgroup:
         except SandboxError:
             pass
 
+
+
+def _remove_quietly(run: V1RunCgroup) -> None:
+    # a run that ended has no tasks left: this is an rmdir per hierarchy; an error
+    # leaves an empty cgroup named after this process for sweep_stale
+    try:
+        run.remove()
+    except (SandboxError, OSError):
+        pass
+
+
+_holding: list[V1Manager] = []  # managers that hold cgroups for later
+
+
+def _hold(m: V1Manager) -> None:
+    if any(x is m for x in _holding):
+        return
+    with _holding_lock:
+        if not any(x is m for x in _holding):
+            if not _holding:
+                atexit.register(flush_all)
+            _holding.append(m)
+
+
+_holding_lock = threading.Lock()
+
+
+def flush_all() -> None:
+    for m in list(_holding):
+        m.flush()
+
+
+def _forget_after_fork() -> None:
+    # a forked child must neither use nor remove its parent's cgroups
+    global _holding_lock
+    _holding_lock = threading.Lock()
+    for m in _holding:
+        m._lock = threading.Lock()
+        held = m._retired + ([m._spare] if m._spare is not None else [])
+        for run in held:
+            run._close_files()
+        m._spare, m._spare_key, m._retired, m._ended = None, None, [], 0
+    _holding.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
