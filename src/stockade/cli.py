@@ -192,6 +192,8 @@ def _run(kw: dict[str, Any]) -> int:
 
     # each command is a new process: share a launcher between them (it idles out)
     launcher.SHARED = os.environ.get("STOCKADE_LAUNCHER", "1") != "private"
+    if not launcher.SHARED:
+        launcher.shutdown()  # connections a CLI server's supervisor inherited
     argv = kw.pop("args")
     project = kw.pop("project")
     session = kw.pop("session")
@@ -309,7 +311,15 @@ def _lazy(module: str, name: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    fast = _fast_run(sys.argv[1:] if argv is None else argv)
+    words = sys.argv[1:] if argv is None else argv
+    if argv is None and words[:1] == ["run"]:
+        # the user's warm server runs it (same code, same context), else in-process
+        from ._client import run as served
+
+        rc = served(words)
+        if rc is not None:
+            return rc
+    fast = _fast_run(words)
     if fast is not None:
         return _guarded(lambda: _run(fast))
     parser = build_parser(argv)

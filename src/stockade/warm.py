@@ -41,6 +41,10 @@ if TYPE_CHECKING:
     from .session.store import Session
 
 VERSION = 1
+# Entries decoded ahead by a CLI server (``preload``), for the supervisors it forks:
+# path -> (the file's signature, its data, the decoded plan, limits and manager).
+_preloaded: dict[str, tuple[Any, dict[str, Any], Any, Any, Any]] = {}
+last_path: str | None = None  # the entry this process last loaded or stored
 RACY_NS = 2_000_000_000
 _PKG = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = (
@@ -273,6 +277,8 @@ def save(key: tuple[Any, ...], prep: Prepared, *, seccomp: str, masked_items: li
         os.replace(tmp, path)
     except (OSError, ValueError):
         return False
+    global last_path
+    last_path = path
     return True
 
 
@@ -355,9 +361,7 @@ class _Masked:
         self.path, self.is_dir, self.rule, self.source, self.origin, self.is_symlink = Path(path), is_dir, rule, source, origin, is_symlink
 
 
-def load(key: tuple[Any, ...], sess: Session, argv: tuple[str, ...]) -> Prepared | None:
-    """The stored preparation for ``key``, for ``argv`` in ``sess``, if it still holds."""
-    path = path_for(key)
+def _read(path: str) -> dict[str, Any] | None:
     try:
         with open(path, "rb") as f:
             data = marshal.loads(f.read())
@@ -365,6 +369,43 @@ def load(key: tuple[Any, ...], sess: Session, argv: tuple[str, ...]) -> Prepared
         return None
     if not isinstance(data, dict) or data.get("version") != VERSION:
         return None
+    return data
+
+
+def _decoded(data: dict[str, Any]) -> tuple[Any, Any, Any]:
+    from . import plan as planmod
+    from .cgroups import base as cgbase
+
+    return _dec(data["plan"], planmod), _dec(data["limits"], cgbase), _manager(data["manager"])
+
+
+def preload(path: str) -> Any:
+    """Decode the entry at ``path`` now (its checks still run at every load);
+    returns its plan, or None."""
+    sig = _sig(path)
+    data = _read(path) if sig is not None else None
+    if data is None:
+        _preloaded.pop(path, None)
+        return None
+    _preloaded[path] = (sig, data, *_decoded(data))
+    while len(_preloaded) > 8:
+        del _preloaded[next(iter(_preloaded))]
+    return _preloaded[path][2]
+
+
+def load(key: tuple[Any, ...], sess: Session, argv: tuple[str, ...]) -> Prepared | None:
+    """The stored preparation for ``key``, for ``argv`` in ``sess``, if it still holds."""
+    global last_path
+    path = last_path = path_for(key)
+    pre = _preloaded.get(path)
+    if pre is not None and _sig(path) == pre[0]:
+        data = pre[1]
+    else:
+        pre = None
+        got = _read(path)
+        if got is None:
+            return None
+        data = got
     d = data["deps"]
     sp = d.get("session_policy")
     if sp is None:
@@ -385,11 +426,7 @@ def load(key: tuple[Any, ...], sess: Session, argv: tuple[str, ...]) -> Prepared
             return None
     if planmod.landlock_abi() != d["landlock"]:
         return None
-    from .cgroups import base as cgbase
-
-    plan = _dec(data["plan"], planmod)
-    limits = _dec(data["limits"], cgbase)
-    manager = _manager(data["manager"])
+    plan, limits, manager = pre[2:] if pre is not None else _decoded(data)
     a = data["audit"]
     items, mode = data["masks"]
     lower: list[Any] = [] if data["read_only"] else sess.layers()[::-1]

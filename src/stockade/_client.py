@@ -1,0 +1,172 @@
+"""The CLI's fast path: hand `stockade run` to the user's warm server.
+
+Most of what a CLI run costs is the interpreter importing stockade. A server
+(``stockade.server``) keeps every module imported and forks a supervisor per run
+that takes on this process's whole context (arguments, environment, working
+directory, stdio, umask, rlimits, cgroup) and runs the same CLI code. This side
+imports builtins only. Whenever the server cannot serve this process exactly as
+it would run itself, it says so before anything runs and the CLI goes on
+in-process: never a different sandbox, only a slower start.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+MAGIC = b"SKS1"
+_FWD = (1, 2, 3, 10, 12, 15)  # SIGHUP INT QUIT USR1 USR2 TERM: what the CLI forwards to the sandbox
+
+
+def interp_env(environb: dict[bytes, bytes] | None = None) -> list[bytes]:
+    """The variables that shape the interpreter (imports, locale): a server only
+    serves clients whose values are its own."""
+    e = os.environb if environb is None else environb
+    return sorted(k + b"=" + v for k, v in e.items() if k.startswith((b"PYTHON", b"LC_")) or k == b"LANG")
+
+
+def package_dir() -> str:
+    return os.path.dirname(os.path.abspath(__file__))
+
+
+def key() -> str:
+    """Which server: one per uid, interpreter, package and interpreter environment."""
+    h = 0xCBF29CE484222325  # FNV-1a 64: no hashlib import on the fast path
+    data = b"\0".join([os.fsencode(sys.executable), os.fsencode(package_dir()), b"%d" % os.getuid(), *interp_env()])
+    for c in data:
+        h = ((h ^ c) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+def servers_dir() -> str:
+    from .paths import state_dir
+
+    return os.path.join(state_dir(), "servers")
+
+
+def encode_request(argv: list[str], umask: int) -> bytes:
+    fields = [MAGIC, os.fsencode(package_dir()), b"%d" % umask, b"%d" % len(argv)]
+    fields += [os.fsencode(a) for a in argv]
+    fields += [k + b"=" + v for k, v in os.environb.items()]
+    return b"\0".join(fields)
+
+
+def run(argv: list[str]) -> int | None:
+    """Serve ``stockade <argv>`` through the server; None: run it in-process."""
+    if os.environ.get("STOCKADE_SERVER", "0") == "0":  # TEMP: off by default while in development
+        return None
+    import _socket
+
+    d = servers_dir()
+    name = key() + ".sock"
+    try:
+        dfd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        spawn(d, name)
+        return None
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    try:
+        try:
+            # through the directory's fd: a socket path is at most 107 bytes
+            s.connect(f"/proc/self/fd/{dfd}/{name}")
+        except OSError:
+            spawn(d, name)
+            return None
+        finally:
+            os.close(dfd)
+        return _serve(s, argv, d, name)
+    finally:
+        s.close()
+
+
+def _serve(s: object, argv: list[str], d: str, name: str) -> int | None:
+    import _signal
+    import _socket
+
+    sock: _socket.socket = s  # type: ignore[assignment]
+    umask = os.umask(0o077)
+    os.umask(umask)
+    try:
+        cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None  # a working directory we cannot name: the in-process path reports it
+    pending: list[int] = []
+    target = [-1]
+
+    def forward(sig: int, _frame: object) -> None:
+        if target[0] < 0:
+            pending.append(sig)  # before the server took the run: delivered once it has
+            return
+        try:
+            _signal.pidfd_send_signal(target[0], sig)
+        except OSError:
+            pass
+        pending.append(sig)
+
+    old = {sig: _signal.signal(sig, forward) for sig in _FWD}
+    try:
+        try:
+            sock.sendmsg([encode_request(argv, umask)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,
+                                                           b"".join(fd.to_bytes(4, sys.byteorder) for fd in (0, 1, 2, cwd)))])
+        except OSError:
+            return None  # e.g. a closed stdio fd: in-process handles that
+        finally:
+            os.close(cwd)
+        try:
+            msg, anc, _flags, _addr = sock.recvmsg(4096, _socket.CMSG_SPACE(4))
+        except OSError:
+            msg, anc = b"", []
+        if msg[:1] != b"A":
+            if msg[:1] == b"S" or not msg:  # stale code, or gone before taking the run: a new one
+                spawn(d, name)
+            elif os.environ.get("STOCKADE_SERVER") == "debug":
+                sys.stderr.write(f"stockade: server declined: {msg[1:].decode(errors='replace')}\n")
+            return None
+        who = msg[1:].decode(errors="replace")
+        pidfd = -1
+        for level, kind, data in anc:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS and len(data) >= 4:
+                pidfd = int.from_bytes(data[:4], sys.byteorder)
+        if pidfd < 0:
+            return None
+        target[0] = pidfd
+        early, pending[:] = pending[:], []
+        for sig in early:
+            forward(sig, None)
+        try:
+            msg = sock.recv(64)
+        except OSError:
+            msg = b""
+        if msg[:1] == b"X":
+            return int(msg[1:])
+        if pending:  # a signal we forwarded ended the supervisor before the sandbox started
+            return 128 + pending[-1]
+        sys.stderr.write(f"stockade: the supervisor of this run (pid {who}) ended without a status: "
+                         "it was killed; see `stockade log` for the run's record\n")
+        return 137
+    finally:
+        for sig, h in old.items():
+            _signal.signal(sig, h)
+
+
+def spawn(d: str, name: str) -> None:
+    """Start a server for the next runs (this one goes on in-process)."""
+    if os.environ.get("STOCKADE_SERVER", "1") in ("0", "once"):
+        return
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        pid = os.fork()
+    except OSError:
+        return  # no server: every run is in-process, as before
+    if pid:
+        os.waitpid(pid, 0)
+        return
+    try:
+        # not our child (a supervisor reaps and kills its own stragglers); -P: never
+        # import from the caller's directory (it may be the untrusted project)
+        os.posix_spawn(sys.executable, [sys.executable, "-P", "-c", "from stockade.server import main; main()", d, name],
+                       os.environ, setsid=True,
+                       file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDWR, 0),
+                                     (os.POSIX_SPAWN_DUP2, 0, 1), (os.POSIX_SPAWN_DUP2, 0, 2)])
+    finally:
+        os._exit(0)

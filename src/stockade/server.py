@@ -1,0 +1,587 @@
+"""The CLI's warm server: every module imported once, a forked supervisor per run.
+
+A `stockade run` spends most of its time importing stockade. The first CLI run
+of a user starts this server (``_client.spawn``); later ones hand it their
+arguments, environment, working directory and stdio (``_client.run``). For each,
+the server forks; the child takes on the client's whole context and runs the same
+CLI code as the client would have in-process, then reports the exit status.
+
+Serving is exact or declined. The server declines, before anything runs, a client
+that differs from it in anything a fork would not carry over: uid/gids,
+capabilities, no_new_privs, seccomp, LSM label, any namespace or root directory,
+the interpreter, package or interpreter environment (``PYTHON*``, ``LC_*``,
+``LANG``), rlimits it cannot match; the client then runs in-process. A server
+whose code changed on disk tells the client and exits. Peers must be the same uid
+in the same namespaces: a sandbox given the state directory cannot use it.
+
+Process roles: the server (``stockade-server``) leads its own session, holds no
+threads, and ends after ``STOCKADE_SERVER_IDLE`` seconds (300) without a client.
+A supervisor ends its run as a killed CLI would (SIGKILL) when its client goes
+away, so a killed `stockade run` leaves nothing behind either way.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+
+from . import _client, paths
+
+_SO_PEERPIDFD = 77  # Linux 6.5
+_STATUS_KEYS = (b"Uid:", b"Gid:", b"Groups:", b"CapInh:", b"CapPrm:", b"CapEff:", b"CapBnd:", b"CapAmb:",
+                b"NoNewPrivs:", b"Seccomp:", b"Seccomp_filters:")
+_NAMESPACES = ("mnt", "pid", "net", "user", "uts", "ipc", "cgroup", "time")
+_RLIMITS = tuple(getattr(resource, n) for n in dir(resource) if n.startswith("RLIMIT_"))
+
+
+def _identity(pid: int | str) -> tuple[object, ...]:
+    """What a forked child would inherit from its parent and cannot take on later."""
+    with open(f"/proc/{pid}/status", "rb") as f:
+        status = tuple(ln for ln in f.read().splitlines() if ln.startswith(_STATUS_KEYS))
+    ns = tuple(os.stat(f"/proc/{pid}/ns/{n}").st_ino for n in _NAMESPACES if os.path.exists(f"/proc/self/ns/{n}"))
+    root = os.stat(f"/proc/{pid}/root")
+    try:
+        with open(f"/proc/{pid}/attr/current", "rb") as f:
+            label = f.read()
+    except OSError:
+        label = b""
+    return status, ns, (root.st_dev, root.st_ino), label
+
+
+def code_signature(pkg: str) -> tuple[object, ...]:
+    """The package's files as loaded: a changed file means a stale server."""
+    out: list[object] = []
+
+    def walk(d: str) -> None:
+        with os.scandir(d) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    if e.name != "__pycache__":
+                        walk(e.path)
+                else:
+                    st = e.stat()
+                    out.append((e.path, st.st_mtime_ns, st.st_size, st.st_ino))
+
+    walk(pkg)
+    st = os.stat(sys.executable)
+    out.append((sys.executable, st.st_mtime_ns, st.st_ino))
+    return tuple(sorted(out, key=repr))
+
+
+class CodeWatch:
+    """Whether the package changed on disk since the server imported it: inotify
+    on its directories (no cost per request), else its files' stat signatures."""
+
+    _MASK = 0x2 | 0x4 | 0x8 | 0x40 | 0x80 | 0x100 | 0x200 | 0x400 | 0x800  # modify attrib close_write moved create delete *_self
+
+    def __init__(self, pkg: str) -> None:
+        self.pkg = pkg
+        self.fd = -1
+        self.sig: tuple[object, ...] | None = None
+        self.exe = self._exe()
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+            if fd < 0:
+                raise OSError(ctypes.get_errno(), "inotify_init1")
+            for d, dirs, _files in os.walk(pkg):
+                dirs[:] = [x for x in dirs if x != "__pycache__"]
+                if libc.inotify_add_watch(fd, os.fsencode(d), self._MASK) < 0:
+                    os.close(fd)
+                    raise OSError(ctypes.get_errno(), "inotify_add_watch")
+            self.fd = fd
+        except (OSError, AttributeError):
+            self.sig = code_signature(pkg)
+
+    @staticmethod
+    def _exe() -> tuple[int, int]:
+        st = os.stat(sys.executable)
+        return (st.st_ino, st.st_mtime_ns)
+
+    def changed(self) -> bool:
+        if self._exe() != self.exe:
+            return True
+        if self.fd < 0:
+            return code_signature(self.pkg) != self.sig
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return False
+        i = 0
+        while i + 16 <= len(data):  # struct inotify_event: wd, mask, cookie, len, name
+            n = int.from_bytes(data[i + 12:i + 16], sys.byteorder)
+            name = data[i + 16:i + 16 + n].rstrip(b"\0")
+            if name != b"__pycache__":  # the interpreter writing byte code is no change
+                return True
+            i += 16 + n
+        return False
+
+
+class GracePoker:
+    """cgroup v1: moving a process into a cgroup waits for an RCU grace period
+    unless one passed moments ago (the kernel's cgroup_threadgroup_rwsem): 5-15 ms
+    on an idle host, on the CLI's critical path. A small helper process re-enters
+    its own cgroup when a client connects, so the supervisor's attach a few
+    milliseconds later finds that grace period under way or passed. Nothing moves:
+    the helper writes itself into the cgroup it is in."""
+
+    def __init__(self) -> None:
+        self.w = -1
+
+    @staticmethod
+    def _own_procs() -> str | None:
+        from .cgroups.detect import _join, parse_mountinfo, parse_proc_cgroup
+
+        with open("/proc/self/cgroup", encoding="utf-8") as f:
+            _v2, v1 = parse_proc_cgroup(f.read())
+        if "memory" not in v1:
+            return None  # no v1 memory hierarchy: runs are placed by clone (v2), no migration
+        _ctrls, path = v1["memory"]
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            for m in parse_mountinfo(f.read()):
+                if m.fstype == "cgroup" and "memory" in m.controllers:
+                    d = _join(m, path)
+                    return os.path.join(d, "cgroup.procs") if d else None
+        return None
+
+    def start(self, keep: tuple[int, ...]) -> None:
+        try:
+            procs = self._own_procs()
+            if procs is None or not os.access(procs, os.W_OK):
+                return
+            r, w = os.pipe2(os.O_CLOEXEC)
+            pid = os.fork()
+        except OSError:
+            return
+        if pid:
+            os.close(r)
+            self.w = w
+            return
+        try:
+            os.close(w)
+            for fd in keep:
+                os.close(fd)
+            while os.read(r, 64):
+                fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.write(fd, b"0")
+                finally:
+                    os.close(fd)
+        finally:
+            os._exit(0)
+
+    def poke(self) -> None:
+        if self.w >= 0:
+            try:
+                os.write(self.w, b"x")
+            except OSError:
+                os.close(self.w)
+                self.w = -1
+
+    def close_in_child(self) -> None:
+        if self.w >= 0:
+            os.close(self.w)
+            self.w = -1
+
+
+def _warm() -> None:
+    """Import everything a run may use, so a supervisor imports nothing."""
+    import pkgutil
+
+    import stockade
+
+    skip = {"stockade.server", "stockade.__main__", "stockade.demo"}
+    for m in pkgutil.walk_packages(stockade.__path__, "stockade."):
+        if m.name not in skip:
+            try:
+                __import__(m.name)
+            except ImportError:
+                pass
+
+
+class Request:
+    def __init__(self, conn: socket.socket, pid: int, pidfd: int, fds: list[int], argv: list[str],
+                 env: list[bytes], umask: int) -> None:
+        self.conn, self.pid, self.pidfd, self.fds = conn, pid, pidfd, fds
+        self.argv, self.env, self.umask = argv, env, umask
+
+    def close(self) -> None:
+        for fd in (*self.fds, self.pidfd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.conn.close()
+
+
+class Server:
+    lock = -1
+
+    def __init__(self, pkg: str) -> None:
+        self.pkg = pkg
+        self.code = CodeWatch(pkg)
+        self.grace = GracePoker()
+        self.me = _identity("self")
+        self.interp = _client.interp_env()
+        self.cache_dir = os.path.join(paths.state_dir(), "cache", "")
+
+    def receive(self, conn: socket.socket) -> Request | None:
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid != os.getuid():
+            return None
+        try:
+            pidfd = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+        except OSError:
+            pidfd = -1
+        conn.settimeout(5)  # a client sends its request at once
+        try:
+            msg, anc, flags, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(4 * 8))
+        except OSError:
+            msg, anc, flags = b"", [], 0
+        conn.settimeout(None)
+        fds: list[int] = []
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += [int.from_bytes(data[i:i + 4], sys.byteorder) for i in range(0, len(data) - len(data) % 4, 4)]
+        fields = msg.split(b"\0")
+        req = Request(conn, pid, pidfd, fds, [], [], 0o022)
+        try:
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or fields[0] != _client.MAGIC or len(fds) != 4:
+                raise ValueError("malformed request")
+            if os.fsdecode(fields[1]) != self.pkg:
+                raise ValueError("another stockade package")
+            req.umask = int(fields[2])
+            argc = int(fields[3])
+            req.argv = [os.fsdecode(a) for a in fields[4:4 + argc]]
+            req.env = [e for e in fields[4 + argc:] if b"=" in e]
+            if len(req.argv) != argc:
+                raise ValueError("malformed request")
+        except (ValueError, IndexError) as e:
+            self.reply(req, b"M" + str(e).encode())
+            return None
+        return req
+
+    def reply(self, req: Request, msg: bytes) -> None:
+        try:
+            req.conn.send(msg)
+        except OSError:
+            pass
+        req.close()
+
+    def decline_reason(self, req: Request) -> str | None:
+        env = dict(e.split(b"=", 1) for e in req.env)
+        if _client.interp_env(env) != self.interp:
+            return "the interpreter environment (PYTHON*, LC_*, LANG) differs"
+        try:
+            them = _identity(req.pid)
+        except OSError as e:
+            return f"cannot read the client's process state: {e}"
+        for what, a, b in zip(("identity (ids, groups, capabilities, no_new_privs, seccomp)", "namespaces",
+                               "root directory", "security label"), them, self.me, strict=True):
+            if a != b:
+                return f"the client's {what} differs"
+        if req.pidfd >= 0 and select.select([req.pidfd], [], [], 0)[0]:
+            return "the client exited"  # and its pid may be another process's now
+        return None
+
+    # ------------------------------------------------------------------ the server
+
+    def serve(self, lst: socket.socket, idle: float) -> None:
+        """Keep one forked *spare* waiting for the next client; replace it when it
+        takes one, or when a run left a prepared entry the next spare should inherit."""
+        lst.setblocking(False)  # spares race for a connection: the losers go back to waiting
+        poll = select.poll()
+        spares: dict[int, int] = {}  # status pipe (read end) -> that spare's control pipe (write end; -1 once retired)
+        current = -1  # the status pipe of the spare that waits
+        last = time.monotonic()
+        while True:
+            if current < 0:
+                current = self._fork_spare(lst, spares)
+                if current >= 0:
+                    poll.register(current, select.POLLIN)
+            timeout = max(0.0, last + idle - time.monotonic())
+            events = poll.poll(timeout * 1000 if current >= 0 else min(timeout, 1.0) * 1000)
+            if not events and time.monotonic() >= last + idle:
+                return
+            for fd, _ev in events:
+                try:
+                    msg = os.read(fd, 4096)
+                except OSError:
+                    msg = b""
+                if not msg:  # that spare exited
+                    poll.unregister(fd)
+                    os.close(fd)
+                    ctl = spares.pop(fd, -1)
+                    if ctl >= 0:
+                        os.close(ctl)
+                    if fd == current:
+                        current = -1
+                    continue
+                for note in msg.split(b"\n"):
+                    if note == b"T":  # took a client: the next one needs a new spare
+                        last = time.monotonic()
+                        if fd == current:
+                            current = -1
+                    elif note == b"S":  # the code changed: the client starts a new server
+                        return
+                    elif note[:1] == b"W" and self.prewarm(os.fsdecode(note[1:])) and current >= 0:
+                        # a spare that has it decoded already: retire the waiting one
+                        ctl = spares.get(current, -1)
+                        if ctl >= 0:
+                            os.close(ctl)
+                            spares[current] = -1
+                        current = -1
+
+    def _fork_spare(self, lst: socket.socket, spares: dict[int, int]) -> int:
+        gc.freeze()  # what the spare inherits stays shared: its collections never touch it
+        st_r, st_w = os.pipe2(os.O_CLOEXEC)
+        ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (st_r, st_w, ctl_r, ctl_w):
+                os.close(fd)
+            return -1
+        if pid == 0:
+            try:
+                os.close(st_r)
+                os.close(ctl_w)
+                os.close(self.lock)  # the server's alone: a successor must not wait for this run
+                for a, b in spares.items():
+                    os.close(a)
+                    if b >= 0:
+                        os.close(b)
+                self.spare(lst, ctl_r, st_w)
+            finally:
+                os._exit(0)
+        os.close(st_w)
+        os.close(ctl_r)
+        spares[st_r] = ctl_w
+        return st_r
+
+    def prewarm(self, path: str) -> bool:
+        """Decode the prepared run a supervisor used and join its shared launcher, so
+        the next spares inherit both (every check still runs per run). True when that
+        is new to this server."""
+        from . import warm
+        from .linux import launcher
+
+        if not path.startswith(self.cache_dir):
+            return False
+        pre = warm._preloaded.get(path)
+        if pre is not None and warm._sig(path) == pre[0]:
+            return False
+        try:
+            plan = warm.preload(path)
+            if plan is None:
+                return False
+            launcher.preconnect(plan)
+        except Exception:  # an optimisation only: the supervisor does it all itself
+            return False
+        return True
+
+    # ------------------------------------------------------------------ a spare
+
+    def spare(self, lst: socket.socket, ctl: int, status: int) -> None:
+        """Wait for a client (or retirement); serve it: decline, or become its supervisor."""
+        poll = select.poll()
+        poll.register(lst, select.POLLIN)
+        poll.register(ctl, select.POLLIN)
+        while True:
+            events = poll.poll()
+            if any(fd == ctl for fd, _ev in events):
+                return  # retired (or the server is gone)
+            try:
+                conn, _ = lst.accept()
+            except (BlockingIOError, InterruptedError):
+                continue  # another spare took it
+            self.grace.poke()
+            os.write(status, b"T\n")
+            lst.close()
+            os.close(ctl)
+            conn.setblocking(True)
+            req = self.receive(conn)
+            if req is None:
+                conn.close()
+                return
+            if self.code.changed():
+                self.reply(req, b"S")  # the client starts a server of the new code
+                os.write(status, b"S\n")
+                return
+            reason = self.decline_reason(req)
+            if reason is not None:
+                self.reply(req, b"M" + reason.encode())
+                return
+            self.grace.close_in_child()
+            if self.code.fd >= 0:
+                os.close(self.code.fd)
+            supervise(req, status)
+            return
+
+
+def _adopt(req: Request) -> None:
+    """Take on the client's context: what ``fork`` would have given the CLI."""
+    for r in _RLIMITS:
+        want = resource.prlimit(req.pid, r)
+        if resource.getrlimit(r) != want:
+            resource.setrlimit(r, want)  # raises when the client's hard limit is higher
+    os.sched_setaffinity(0, os.sched_getaffinity(req.pid))
+    nice = os.getpriority(os.PRIO_PROCESS, req.pid)
+    if os.getpriority(os.PRIO_PROCESS, 0) != nice:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    with open(f"/proc/{req.pid}/oom_score_adj", "rb") as f:
+        oom = f.read()
+    with open("/proc/self/oom_score_adj", "rb") as f:
+        if f.read() != oom:
+            with open("/proc/self/oom_score_adj", "wb") as g:
+                g.write(oom)
+    paths.CGROUP_OWNER = req.pid
+    from .cgroups import detect
+
+    detect.reset()  # chosen for the client's cgroup, not the server's
+    os.umask(req.umask)
+    os.environb.clear()  # shares its data with os.environ; putenv/unsetenv keep C's environ in step
+    for e in req.env:
+        k, v = e.split(b"=", 1)
+        os.environb[k] = v
+    os.fchdir(req.fds[3])
+    for i in range(3):
+        os.dup2(req.fds[i], i)
+    for fd in req.fds:
+        if fd > 2:
+            os.close(fd)
+    req.fds = []
+
+
+def supervise(req: Request, note: int) -> None:
+    """In the forked child: become the client's CLI for this one run."""
+    gc.disable()  # a short-lived process: collections would only copy shared pages
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        _adopt(req)
+    except OSError as e:
+        # nothing ran yet: the client runs in-process
+        req.conn.send(b"M" + f"cannot take on the client's context: {e}".encode())
+        return
+    sys.argv = ["stockade", *req.argv]
+    try:
+        sys.stdout.reconfigure(line_buffering=os.isatty(1))  # type: ignore[union-attr]
+    except (AttributeError, OSError):
+        pass
+    me = os.pidfd_open(os.getpid())
+    req.conn.sendmsg([b"A%d" % os.getpid()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, me.to_bytes(4, sys.byteorder))])
+    os.close(me)
+    # the client gone (killed) ends this run as a killed CLI would end it
+    threading.Thread(target=_watch, args=(req.conn.fileno(), req.pidfd), daemon=True).start()
+    from .cli import main
+
+    rc: int
+    try:
+        rc = main(req.argv)
+    except SystemExit as e:
+        if e.code is None:
+            rc = 0
+        elif isinstance(e.code, int):
+            rc = e.code
+        else:
+            sys.stderr.write(f"{e.code}\n")
+            rc = 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except OSError:
+            pass
+    try:
+        req.conn.send(b"X%d" % rc)
+    except OSError:
+        pass
+    from . import warm
+
+    if warm.last_path:
+        try:
+            os.write(note, b"W" + os.fsencode(warm.last_path) + b"\n")
+        except OSError:
+            pass
+    os._exit(0)
+
+
+def _watch(conn_fd: int, pidfd: int) -> None:
+    p = select.poll()
+    p.register(conn_fd, select.POLLRDHUP)
+    if pidfd >= 0:
+        p.register(pidfd, select.POLLIN)
+    while True:
+        if p.poll():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    d, name = sys.argv[1], sys.argv[2]
+    os.chdir("/")
+    os.closerange(3, 1 << 20)  # inherited fds (a pipe the caller's caller waits on) must not live on here
+    import fcntl
+
+    # one server per key: a second one started meanwhile (racing clients) leaves
+    lock = os.open(os.path.join(d, name[:-5] + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    for _ in range(20):
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            time.sleep(0.05)  # a stale server may be on its way out
+    else:
+        return
+    try:
+        import prctl
+
+        prctl.set_name("stockade-server")
+    except (ImportError, OSError):
+        pass
+    _warm()
+    gc.freeze()
+    pkg = _client.package_dir()
+    if name != _client.key() + ".sock":
+        return  # started with another environment than its key says: serve nobody
+    srv = Server(pkg)
+    srv.lock = lock
+    srv.grace.start(keep=(lock, srv.code.fd) if srv.code.fd >= 0 else (lock,))
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
+    idle = max(1.0, float(os.environ.get("STOCKADE_SERVER_IDLE", "300") or 300))
+    dfd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    via = f"/proc/self/fd/{dfd}/"
+    tmp = f".{name}.{os.getpid()}"
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        lst.bind(via + tmp)
+        lst.listen(64)
+        mine = os.stat(tmp, dir_fd=dfd).st_ino
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # atomic: a racing server idles out unused
+        srv.serve(lst, idle)
+    finally:
+        lst.close()
+        try:
+            if os.stat(name, dir_fd=dfd).st_ino == mine:
+                os.unlink(name, dir_fd=dfd)
+        except (OSError, UnboundLocalError):
+            pass
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except OSError:
+            pass
