@@ -131,8 +131,12 @@ class V1Manager:
             want = self._ended > 0 and self._spare is None
         for run in retired:
             _remove_quietly(run)
-        if not want:
-            return
+        if want:
+            self.make_ahead(limits, pid_namespace=pid_namespace)
+
+    def make_ahead(self, limits: Limits, *, pid_namespace: bool = False) -> None:
+        """Make the next run's cgroups now, for these limits (a CLI server's spare does
+        this before its client comes). Never raises: the next ``create`` does it all."""
         try:
             spare: V1RunCgroup | None = self._make(run_dir_name("next"), limits, pid_namespace, open_files=True)
         except (SandboxError, OSError):
