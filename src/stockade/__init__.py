@@ -1,9 +1,5 @@
 """stockade: run untrusted commands in a Linux sandbox, review their writes as a change set."""
 
-from __future__ import annotations
-
-from .errors import PolicyError, SandboxError, SessionBusy, StockadeError, UsageError
-
 TYPE_CHECKING = False  # not typing's: importing typing costs the CLI milliseconds
 
 __all__ = [
@@ -20,10 +16,15 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .api import Sandbox, run
+    from .errors import PolicyError, SandboxError, SessionBusy, StockadeError, UsageError
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> "Any":  # quoted: no __future__ import (the CLI client imports this module)
     # Lazy: `import stockade` stays cheap; the API pulls in the native core on first use.
+    if name in ("PolicyError", "SandboxError", "SessionBusy", "StockadeError", "UsageError"):
+        from . import errors
+
+        return getattr(errors, name)
     if name in ("Sandbox", "run", "RunResult"):
         from . import api
 

@@ -154,7 +154,10 @@ def spawn(d: str, name: str) -> None:
     if os.environ.get("STOCKADE_SERVER", "1") in ("0", "once"):
         return
     try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
+        try:
+            os.mkdir(d, 0o700)  # in an existing state dir only: the in-process run makes that one
+        except FileExistsError:
+            pass
         pid = os.fork()
     except OSError:
         return  # no server: every run is in-process, as before

@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from typing import Any
 
 
+# Housekeeping a CLI server's supervisor runs after replying (None: run it in line).
+after_reply: list[Any] | None = None
+
+
 def _parser_class() -> type[argparse.ArgumentParser]:
     import argparse
 
@@ -209,7 +213,10 @@ def _run(kw: dict[str, Any]) -> int:
         else:
             sys.stderr.write(f"stockade: {ef.path}: cannot execute: {os.strerror(ef.err)}\n")
     _after_run(res)
-    _sweep_stale_cgroups(getattr(res, "cg_manager", None))
+    if after_reply is not None:  # a server's supervisor: once the client has its status
+        after_reply.append(lambda: _sweep_stale_cgroups(getattr(res, "cg_manager", None)))
+    else:
+        _sweep_stale_cgroups(getattr(res, "cg_manager", None))
     del SandboxError
     status: int = res.exit_status
     kind = getattr(res, "outcome_kind", "")
@@ -318,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
 
         rc = served(words)
         if rc is not None:
-            return rc
+            # the run happened in the server's supervisor: nothing here to finalize
+            sys.stderr.flush()
+            os._exit(rc & 0xFF)
     fast = _fast_run(words)
     if fast is not None:
         return _guarded(lambda: _run(fast))

@@ -32,6 +32,7 @@ import struct
 import sys
 import threading
 import time
+from typing import Any
 
 from . import _client, paths
 
@@ -298,20 +299,29 @@ class Server:
     # ------------------------------------------------------------------ the server
 
     def serve(self, lst: socket.socket, idle: float) -> None:
-        """Keep one forked *spare* waiting for the next client; replace it when it
-        takes one, or when a run left a prepared entry the next spare should inherit."""
+        """Keep one forked *spare* waiting for the next client. A spare that took one
+        is replaced once its run ended (or 50 ms on, for a client arriving meanwhile):
+        forking during a run would take a CPU from it. A run that left a prepared
+        entry new to the server also replaces the waiting spare, so the next one
+        inherits it decoded."""
         lst.setblocking(False)  # spares race for a connection: the losers go back to waiting
         poll = select.poll()
         spares: dict[int, int] = {}  # status pipe (read end) -> that spare's control pipe (write end; -1 once retired)
         current = -1  # the status pipe of the spare that waits
+        due = 0.0  # when to fork the next spare
         last = time.monotonic()
         while True:
-            if current < 0:
+            now = time.monotonic()
+            if current < 0 and now >= due:
                 current = self._fork_spare(lst, spares)
                 if current >= 0:
                     poll.register(current, select.POLLIN)
-            timeout = max(0.0, last + idle - time.monotonic())
-            events = poll.poll(timeout * 1000 if current >= 0 else min(timeout, 1.0) * 1000)
+                else:
+                    due = now + 1.0  # out of processes: try again later
+            wait = last + idle - now
+            if current < 0:
+                wait = min(wait, due - now)
+            events = poll.poll(max(0.0, wait) * 1000)
             if not events and time.monotonic() >= last + idle:
                 return
             for fd, _ev in events:
@@ -327,21 +337,24 @@ class Server:
                         os.close(ctl)
                     if fd == current:
                         current = -1
+                    due = 0.0
                     continue
                 for note in msg.split(b"\n"):
-                    if note == b"T":  # took a client: the next one needs a new spare
+                    if note == b"T":  # took a client
                         last = time.monotonic()
                         if fd == current:
                             current = -1
+                            due = last + 0.05
                     elif note == b"S":  # the code changed: the client starts a new server
                         return
-                    elif note[:1] == b"W" and self.prewarm(os.fsdecode(note[1:])) and current >= 0:
-                        # a spare that has it decoded already: retire the waiting one
-                        ctl = spares.get(current, -1)
-                        if ctl >= 0:
-                            os.close(ctl)
-                            spares[current] = -1
-                        current = -1
+                    elif note[:1] == b"W":  # a run ended
+                        due = 0.0
+                        if self.prewarm(os.fsdecode(note[1:])) and current >= 0:
+                            ctl = spares.get(current, -1)
+                            if ctl >= 0:
+                                os.close(ctl)
+                                spares[current] = -1
+                            current = -1
 
     def _fork_spare(self, lst: socket.socket, spares: dict[int, int]) -> int:
         gc.freeze()  # what the spare inherits stays shared: its collections never touch it
@@ -393,14 +406,36 @@ class Server:
 
     # ------------------------------------------------------------------ a spare
 
+    @staticmethod
+    def _cgroups_ahead() -> Any:
+        """Make the cgroups the likeliest next run (the last one's prepared entry)
+        will use, while no client waits: creating them after a client connected
+        would queue behind the grace period ``GracePoker`` starts then."""
+        from . import warm
+
+        if not warm._preloaded:
+            return None
+        _sig, _data, plan, limits, manager = next(reversed(warm._preloaded.values()))
+        ahead = getattr(manager, "make_ahead", None)
+        if ahead is None:
+            return None
+        try:
+            ahead(limits, pid_namespace="pid" in plan.namespaces)
+        except OSError:
+            return None
+        return manager
+
     def spare(self, lst: socket.socket, ctl: int, status: int) -> None:
         """Wait for a client (or retirement); serve it: decline, or become its supervisor."""
+        made = self._cgroups_ahead()
         poll = select.poll()
         poll.register(lst, select.POLLIN)
         poll.register(ctl, select.POLLIN)
         while True:
             events = poll.poll()
             if any(fd == ctl for fd, _ev in events):
+                if made is not None:
+                    made.flush()
                 return  # retired (or the server is gone)
             try:
                 conn, _ = lst.accept()
@@ -485,11 +520,12 @@ def supervise(req: Request, note: int) -> None:
     os.close(me)
     # the client gone (killed) ends this run as a killed CLI would end it
     threading.Thread(target=_watch, args=(req.conn.fileno(), req.pidfd), daemon=True).start()
-    from .cli import main
+    from . import cli
 
+    cli.after_reply = []
     rc: int
     try:
-        rc = main(req.argv)
+        rc = cli.main(req.argv)
     except SystemExit as e:
         if e.code is None:
             rc = 0
@@ -508,9 +544,22 @@ def supervise(req: Request, note: int) -> None:
             f.flush()
         except OSError:
             pass
+    global _replied
+    _replied = True
     try:
         req.conn.send(b"X%d" % rc)
     except OSError:
+        pass
+    for fn in cli.after_reply:
+        try:
+            fn()
+        except Exception:  # housekeeping only
+            pass
+    try:
+        from .cgroups.v1 import flush_all
+
+        flush_all()  # what atexit would do: os._exit below skips it
+    except Exception:
         pass
     from . import warm
 
@@ -522,14 +571,17 @@ def supervise(req: Request, note: int) -> None:
     os._exit(0)
 
 
+_replied = False  # the client has its status: its going away is no longer a kill
+
+
 def _watch(conn_fd: int, pidfd: int) -> None:
     p = select.poll()
     p.register(conn_fd, select.POLLRDHUP)
     if pidfd >= 0:
         p.register(pidfd, select.POLLIN)
-    while True:
-        if p.poll():
-            os.kill(os.getpid(), signal.SIGKILL)
+    p.poll()
+    if not _replied:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
