@@ -28,7 +28,11 @@ int sk_caps_child(int rep);
 void sk_init_child(const struct sk_plan *p, int rep) __attribute__((noreturn));
 size_t sk_strlen(const char *s);
 
-/* mounts.c: the staging tree, the op loop, and the final pivot, as steps. */
+/* mounts.c: the staging tree, the op loop, and the final pivot, as steps.
+ * sk_overlay_hold_fd (a launcher's run child; else -1): the session's overlay
+ * lock, taken (flock LOCK_EX) before an overlay is mounted: it is free once no
+ * overlay of an earlier run on the same upper layer is left. */
+extern int sk_overlay_hold_fd;
 int sk_mounts_stage(const struct sk_plan *p, int rep);
 int sk_mounts_ops(const struct sk_plan *p, int rep, int *detached);
 int sk_mounts_finish(int rep, int detached);

@@ -9,12 +9,15 @@
 #include <fcntl.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include "internal.h"
+
+int sk_overlay_hold_fd = -1;
 
 #ifndef AT_RECURSIVE
 #define AT_RECURSIVE 0x8000
@@ -140,6 +143,13 @@ static int run_op(const struct sk_mount_op *op)
     case SK_OP_OVERLAY:
         if (mkpath(op->target, 0755) < 0)
             return -1;
+        if (sk_overlay_hold_fd >= 0) {
+            int r;
+            while ((r = flock(sk_overlay_hold_fd, LOCK_EX)) < 0 && errno == EINTR)
+                ;
+            if (r < 0)
+                return -1;
+        }
         return mount("overlay", op->target, "overlay", MS_NOSUID | MS_NODEV | ro, op->data);
     case SK_OP_PROC:
         if (mkpath(op->target, 0555) < 0)

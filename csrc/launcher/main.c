@@ -22,6 +22,13 @@
  *         then the fds to pass through (plan->keep_fds names their numbers).
  *         C1 answers on the status socket: SK_REP_INIT with init's pidfd, or
  *         SK_REP_ERROR; later SK_REP_INIT_EXIT with init's wait status.
+ *         reserved = 1 + the slot of a *hold* fd, or 0: the session's overlay
+ *         lock (a file to flock), held for as long as an overlay on the
+ *         session's upper layer may exist. Init takes it just before it mounts
+ *         the overlay (waiting, if need be, for the session's last run to be
+ *         unmounted); C1 keeps it until the run's overlay is gone, so it can
+ *         report init's status first and unmount after. Without one, C1
+ *         unmounts before it reports.
  * EOF on the control socket (the Python process is gone) ends the launcher;
  * its run children die with it (death signal), and their sandboxes with them.
  */
@@ -74,6 +81,7 @@ static pid_t spare_pid = -1;
 static int spare_sock = -1;            /* to the spare run child, when there is one */
 static unsigned long spare_flags;      /* the namespaces it made */
 static unsigned long last_flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID;
+static int own_mntns = -1;             /* our mount namespace: C1's way out of a run's */
 
 /* A run child keeps none of the launcher's sockets. */
 static void close_launcher_fds(void)
@@ -89,6 +97,13 @@ static void close_launcher_fds(void)
     if (spare_sock >= 0)
         close(spare_sock);
     spare_sock = -1;
+}
+
+/* The run's hold fd slot from the request header (in msgbuf), or -1. */
+static int hold_slot(int nfds)
+{
+    const struct sk_msg_hdr *h = (const void *)msgbuf;
+    return (h->reserved >= 4 && (int)h->reserved - 1 < nfds) ? (int)h->reserved - 1 : -1;
 }
 
 static void close_all(const int *fds, int n)
@@ -235,10 +250,12 @@ static int unmount_overlays(const struct sk_plan *p)
     return err;
 }
 
-/* C1 after its namespaces exist: clone init and report on it until it is reaped. */
-static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int nfds, int unshare_err)
+/* C1 after its namespaces exist: clone init and report on it until it is reaped.
+ * hold: the index in fds of the run's hold fd, or -1. */
+static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int nfds, int unshare_err, int hold)
 {
     int rep = fds[0], sync_fd = fds[1], st = fds[2];
+    int hold_fd = hold >= 0 ? fds[hold] : -1;
     if (unshare_err) {
         send_report(st, SK_REP_ERROR, SK_STEP_UNSHARE, unshare_err, 0, NULL, -1);
         _exit(1);
@@ -284,6 +301,7 @@ static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int
          * then each passed fd moves to its number. */
         rep = lift(rep, floor);
         sync_fd = lift(sync_fd, floor);
+        sk_overlay_hold_fd = lift(hold_fd, floor);
         for (int i = 0; i < 3; i++)
             p->stdio[i] = lift(p->stdio[i], floor);
         p->console_sock = lift(p->console_sock, floor);
@@ -299,9 +317,10 @@ static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int
         sk_run_child(p, sync_fd, rep);
     }
     int e = errno;
-    /* C1 keeps only the status socket: the pipes must see EOF when init is done. */
+    /* C1 keeps only the status socket (the pipes must see EOF when init is done)
+     * and the hold. */
     for (int i = 0; i < nfds; i++)
-        if (fds[i] != st)
+        if (fds[i] != st && fds[i] != hold_fd)
             close(fds[i]);
     if (pid < 0) {
         send_report(st, SK_REP_ERROR, SK_STEP_CLONE, e, 0, NULL, -1);
@@ -337,10 +356,23 @@ static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int
             break;
         }
     }
-    /* The overlay on the session's upper layer must be gone before the requester
-     * can start the session's next run: unmount it now (nothing of the sandbox is
-     * left to hold it) and leave the rest of the namespace to our exit. The
-     * requester waits for that exit only when this fails (err != 0). */
+    /* The overlay on the session's upper layer must be gone before the session's
+     * next run mounts it: nothing of the sandbox is left to hold it, so unmount it
+     * and leave the rest of the namespace to our exit.
+     * With a hold, report first (the unmount syncs the upper's filesystem, a disk
+     * cache flush the requester need not wait for) and drop the hold once the
+     * overlay is gone: unmounted, or if that fails, our mount namespace left
+     * behind (we are its last member: leaving it ends it, and its mounts with it).
+     * Without one, unmount first; the requester waits for our exit only when that
+     * fails (err != 0). */
+    if (hold_fd >= 0) {
+        send_report(st, SK_REP_INIT_EXIT, 0, 0, status, NULL, -1);
+        kill(self_pid, SIGUSR1); /* time for the launcher's next spare */
+        if (unmount_overlays(p) != 0 && (own_mntns < 0 || setns(own_mntns, CLONE_NEWNS) < 0))
+            _exit(0); /* the hold then ends with the namespace (in exit), the best left */
+        close(hold_fd);
+        _exit(0);
+    }
     int err = unmount_overlays(p);
     send_report(st, SK_REP_INIT_EXIT, 0, err, status, NULL, -1);
     _exit(0);
@@ -362,11 +394,11 @@ static void c1_start(void)
 }
 
 /* C1 forked for one request. */
-static void __attribute__((noreturn)) run_child(struct sk_plan *p, int *fds, int nfds)
+static void __attribute__((noreturn)) run_child(struct sk_plan *p, int *fds, int nfds, int hold)
 {
     c1_start();
     int e = unshare((int)run_ns_flags(p)) < 0 ? errno : 0;
-    run_in_ns(p, fds, nfds, e);
+    run_in_ns(p, fds, nfds, e, hold);
 }
 
 /* A spare C1: makes the usual namespaces now (a new network namespace alone
@@ -386,9 +418,10 @@ static void __attribute__((noreturn)) spare_main(int sock, unsigned long flags)
     close(sock);
     struct sk_plan p;
     unsigned char *heap;
+    int hold = hold_slot(nfds);
     if (read_plan(n, fds, &nfds, &p, &heap) < 0 || nfds < 3)
         _exit(1);
-    run_in_ns(&p, fds, nfds, e);
+    run_in_ns(&p, fds, nfds, e, hold);
 }
 
 static void make_spare(unsigned long flags)
@@ -442,10 +475,11 @@ static int to_spare(ssize_t n, const int *fds, int nfds)
 static void reap_children(void)
 {
     struct signalfd_siginfo si;
-    while (read(sigfd, &si, sizeof si) > 0)
-        ;
-    pid_t w;
     int run_ended = 0;
+    while (read(sigfd, &si, sizeof si) > 0)
+        if (si.ssi_signo == SIGUSR1)
+            run_ended = 1; /* a run child's init ended (see run_in_ns) */
+    pid_t w;
     while ((w = waitpid(-1, NULL, WNOHANG)) > 0) {
         live--;
         if (w == spare_pid)
@@ -455,7 +489,8 @@ static void reap_children(void)
     }
     /* The next run's namespaces are made when a run has ended, not while one
      * starts: on a small machine that work would compete with the starting
-     * sandbox and its requester for the CPUs. */
+     * sandbox and its requester for the CPUs. A run has ended when its init
+     * has: its C1 tells us then (SIGUSR1), before its own unmount and exit. */
     if (run_ended && spare_sock < 0)
         make_spare(last_flags);
 }
@@ -591,9 +626,11 @@ int main(int argc, char **argv)
     sigset_t chld;
     sigemptyset(&chld);
     sigaddset(&chld, SIGCHLD);
+    sigaddset(&chld, SIGUSR1);
     sigfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sigfd < 0)
         return 1;
+    own_mntns = open("/oldroot/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC); /* the host's procfs */
     make_spare(last_flags);
     for (;;) {
         struct pollfd pf[2 + MAX_CLIENTS];
@@ -667,7 +704,7 @@ static int serve_one(int sock)
     if (!(spare_sock >= 0 && spare_flags == want && inline_plan && to_spare(n, fds, nfds) == 0)) {
         pid_t pid = fork();
         if (pid == 0)
-            run_child(&p, fds, nfds);
+            run_child(&p, fds, nfds, hold_slot(nfds));
         if (pid < 0)
             send_report(fds[2], SK_REP_ERROR, SK_STEP_FORK, errno, 0, NULL, -1);
         else

@@ -164,7 +164,7 @@ def _run_in_session(
         raise ValueError("stdin and input arguments may not both be used.")
     text_mode = bool(text or encoding or errors)
     raise_timeout = timeout is not None and not forward_signals
-    with sess.lock(wait=not no_wait):
+    with sess.lock(wait=not no_wait, for_run=True) as hold_fd:
         # under the lock: snapshots and the mask layer must not change between plan and run
         prep = _prepare(sess, project, args, timeout=timeout, **opts)
         return _execute(
@@ -172,7 +172,7 @@ def _run_in_session(
             text_mode=text_mode, encoding=encoding, errors=errors, timeout=prep.timeout, check=check,
             cg_manager=prep.cg_manager, limits=prep.limits, quiet=quiet,
             raise_timeout=raise_timeout and prep.timeout == timeout, forward_signals=forward_signals,
-            pty=pty, audit_info=prep.audit, plain_result=plain_result,
+            pty=pty, audit_info=prep.audit, plain_result=plain_result, hold_fd=hold_fd,
         )
 
 
@@ -263,9 +263,11 @@ def _execute(
     pty: bool = False,
     audit_info: dict[str, Any] | None = None,
     plain_result: bool = False,
+    hold_fd: int = -1,
 ) -> RunResult:
     """Start, supervise and record one run. ``plain_result`` (the CLI): a PlainResult
-    with the same fields instead of a RunResult."""
+    with the same fields instead of a RunResult. ``hold_fd``: the session's overlay
+    lock (``Session.lock``)."""
     from .linux import native
 
     run_no, run_path = sess.new_run_dir()
@@ -325,10 +327,8 @@ def _execute(
     capture_err = stderr == PIPE
     dest_out = None if capture_out else _std_target(stdout, 1)
     dest_err = None if capture_err else _std_target(stderr if stderr != STDOUT else stdout, 2)
-    log_out = os.open(run_dir + "/stdout.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    log_err = os.open(run_dir + "/stderr.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-
     cg = None
+    sup: _Supervisor | None = None
     child = None
     reaped = False  # init reaped: with its own PID namespace, nothing of the sandbox is left
     try:
@@ -338,7 +338,8 @@ def _execute(
         # Without CLONE_INTO_CGROUP (v1), attaching is slow: overlap it with the
         # child's mount setup; the child waits for a second "go" before exec.
         hold = cg is not None and cg_fd is None
-        child = native.start(plan, (stdin_fd, out_w, err_w), cg_fd, pty=pty, console_sock=console[1], hold_before_exec=hold)
+        child = native.start(plan, (stdin_fd, out_w, err_w), cg_fd, pty=pty, console_sock=console[1], hold_before_exec=hold,
+                             hold_fd=hold_fd)
         if native.go(child) and hold and cg is not None:
             try:
                 cg.attach(child.pid)
@@ -365,7 +366,7 @@ def _execute(
         for fd in to_close:
             os.close(fd)
         to_close = []
-        sup = _Supervisor(child, out_r, err_r, stdin_w, feed, dest_out, dest_err, log_out, log_err, capture_out, capture_err, timeout, cg, relay_in)
+        sup = _Supervisor(child, out_r, err_r, stdin_w, feed, dest_out, dest_err, run_dir, capture_out, capture_err, timeout, cg, relay_in)
         stdin_w = -1
         if forward_signals:
             with _forwarding(child.pidfd, winch_to=out_r if pty else None):
@@ -383,7 +384,9 @@ def _execute(
                 pass
         raise
     finally:
-        for fd in (*to_close, out_r, err_r, log_out, log_err, stdin_w):
+        if sup is not None:
+            sup.close_logs()
+        for fd in (*to_close, out_r, err_r, stdin_w):
             if fd >= 0:
                 try:
                     os.close(fd)
@@ -408,6 +411,7 @@ def _execute(
             sup_stats = None
 
     # outcome
+    assert sup is not None  # made, or the try above raised
     ended = time.time()
     record["ended"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ended))
     record["duration"] = round(ended - started, 4)
@@ -541,8 +545,7 @@ class _Supervisor:
         feed: bytes | None,
         dest_out: int | None,
         dest_err: int | None,
-        log_out: int,
-        log_err: int,
+        run_dir: str,
         capture_out: bool,
         capture_err: bool,
         timeout: float | None,
@@ -556,7 +559,10 @@ class _Supervisor:
         self.pending = bytearray(feed or b"")
         self.input_eof = feed is not None  # input= is all there is; a relay ends at EOF
         self.dest = {out_r: dest_out, err_r: dest_err}
-        self.log = {out_r: log_out, err_r: log_err}
+        # the session's copy of each stream, made when the stream first has output
+        # (a silent run creates no log file: inodes are slow on some disks)
+        self.log = {out_r: -1, err_r: -1}
+        self.log_path = {out_r: run_dir + "/stdout.log", err_r: run_dir + "/stderr.log"}
         self.logged = {out_r: 0, err_r: 0}
         self.dropped = {out_r: 0, err_r: 0}
         self.capture = {out_r: capture_out, err_r: capture_err}
@@ -573,6 +579,12 @@ class _Supervisor:
         self.returncode = 0
         self._rbuf = b""
         self._kill_at: float | None = None
+
+    def close_logs(self) -> None:
+        for k, fd in self.log.items():
+            if fd >= 0:
+                os.close(fd)
+                self.log[k] = -1
 
     @property
     def log_truncated(self) -> dict[str, int]:
@@ -597,6 +609,8 @@ class _Supervisor:
     def _on_output(self, fd: int, data: bytes) -> None:
         room = LOG_MAX - self.logged[fd]
         if room > 0:
+            if self.log[fd] < 0:
+                self.log[fd] = os.open(self.log_path[fd], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             os.write(self.log[fd], data[:room])
             self.logged[fd] += min(room, len(data))
         if len(data) > max(room, 0):

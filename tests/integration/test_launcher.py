@@ -271,10 +271,25 @@ def test_an_unusable_launcher_means_a_cold_start(user: User, project: Path) -> N
         shutil.rmtree(d)
 
 
-def test_a_run_returns_only_once_its_overlay_is_gone(user: User, project: Path, state_dir: Path) -> None:
+def _overlay_holders(upper: str) -> list[str]:
+    holders = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if upper in (d / "mountinfo").read_text():
+                holders.append(d.name)
+        except OSError:
+            continue
+    return holders
+
+
+def test_the_session_lock_waits_for_the_last_overlay(user: User, project: Path, state_dir: Path) -> None:
     """The next run of a session mounts the same upper layer: the previous overlay
     must be unmounted by then (overlayfs warns of, and does not define, two live
-    mounts on one upper dir). Checked in every process's mount table."""
+    mounts on one upper dir). A run reports its status before its overlay is
+    unmounted (a disk flush); whatever takes the session's lock next — another run,
+    a snapshot, an apply — waits for that. Checked in every process's mount table."""
     import stockade
 
     if user.name != "root":
@@ -282,18 +297,45 @@ def test_a_run_returns_only_once_its_overlay_is_gone(user: User, project: Path, 
 
     with stockade.Sandbox(project) as sb:
         upper = str(sb.session.upper)
-        for _ in range(10):
-            assert sb.run(["true"]).returncode == 0
-            holders = []
-            for d in Path("/proc").iterdir():
-                if not d.name.isdigit():
-                    continue
-                try:
-                    if upper in (d / "mountinfo").read_text():
-                        holders.append(d.name)
-                except OSError:
-                    continue
-            assert holders == []
+        for i in range(10):
+            assert sb.run(["sh", "-c", f"echo {i} > f{i}"]).returncode == 0
+            with sb.session.lock():
+                assert _overlay_holders(upper) == []
+
+
+@pytest.mark.parametrize("launcher", ["1", "0"])
+def test_a_run_mounts_its_overlay_only_under_the_overlay_lock(
+    user: User, project: Path, state_dir: Path, launcher: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whoever holds the overlay lock (an earlier run still unmounting) keeps the
+    next run from mounting the session's upper layer, with a launcher (its sandbox
+    takes the lock before the overlay) or without (the caller takes it)."""
+    import fcntl
+    import threading
+
+    import stockade
+
+    if user.name != "root":
+        pytest.skip("in-process API run: the root case covers the launcher's protocol")
+    monkeypatch.setenv("STOCKADE_LAUNCHER", launcher)
+    with stockade.Sandbox(project) as sb:
+        assert sb.run(["true"]).returncode == 0
+        with sb.session.lock():
+            pass
+        fd = os.open(sb.session.work, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # as an earlier run's child would
+            done: list[int] = []
+            t = threading.Thread(target=lambda: done.append(sb.run(["sh", "-c", "echo y > g"]).returncode))
+            t.start()
+            time.sleep(1.0)
+            assert done == [] and t.is_alive()
+            assert _overlay_holders(str(sb.session.upper)) == []
+        finally:
+            os.close(fd)
+        t.join(30)
+        assert done == [0]
+        assert sb.run(["cat", "g"], capture_output=True).stdout == b"y\n"
 
 
 def test_cli_shares_a_launcher_and_sweeps_dead_sockets(user: User, project: Path) -> None:

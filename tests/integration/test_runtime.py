@@ -185,7 +185,7 @@ def test_session_lock_no_wait(user: User, project: Path) -> None:
     )
     try:
         deadline = time.time() + 10
-        while not list((user.state / "sessions/busy/runs").glob("*/stdout.log")) and time.time() < deadline:
+        while not list((user.state / "sessions/busy/runs").glob("*/")) and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)
         r = user.cli(["run", "--session", "busy", "--no-wait", "--", "true"], cwd=project)

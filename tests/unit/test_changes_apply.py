@@ -170,7 +170,7 @@ def test_symlink_swapped_for_directory_does_not_escape(tmp_path: Path, state_dir
     b.new_session()
     # lower frozen layer writes d/victim; the upper replaces d by a symlink pointing outside
     l1 = b.session.layers_dir / "001-s"
-    l1.mkdir()
+    l1.mkdir(parents=True)  # layers/ is made with the first snapshot
     b.up("d/victim", "pwned\n", layer=l1)
     b.symlink("d", str(outside))
     snap_out = tree_snapshot(outside)
@@ -373,7 +373,7 @@ def test_new_directory_leaves_every_layer_whole_and_rollback_puts_it_back(tmp_pa
     b = Builder(tmp_path, {"keep": "k\n"})
     b.new_session()
     frozen = b.session.layers_dir / "001-s"
-    frozen.mkdir()
+    frozen.mkdir(parents=True)
     b.up("nd/a", "a\n", layer=frozen)
     b.up("nd/gone", "g\n", layer=frozen)
     b.up("nd/sub/b", "b\n")

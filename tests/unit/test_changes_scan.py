@@ -147,7 +147,7 @@ def test_redirect_and_metacopy_are_refused(tmp_path: Path, state_dir: Path) -> N
 def test_frozen_layers_merge_topmost_wins(tmp_path: Path, state_dir: Path) -> None:
     b = Builder(tmp_path, {"a": "a0", "b": "b0", "d/x": "x0"})
     l1 = b.session.layers_dir / "001-one"
-    l1.mkdir()
+    l1.mkdir(parents=True)  # layers/ is made with the first snapshot
     b.up("a", "a1", layer=l1)
     b.up("only1", "o", layer=l1)
     b.whiteout("b", layer=l1)
@@ -166,7 +166,7 @@ def test_frozen_layers_merge_topmost_wins(tmp_path: Path, state_dir: Path) -> No
 def test_lower_layer_whiteout_under_upper_dir_hides_project(tmp_path: Path, state_dir: Path) -> None:
     b = Builder(tmp_path, {"d/x": "x"})
     l1 = b.session.layers_dir / "001-one"
-    l1.mkdir()
+    l1.mkdir(parents=True)
     b.whiteout("d", layer=l1)
     (b.upper / "d").mkdir()  # a plain dir above the whiteout: overlay hides the project's d/x
     b.up("d/new", "n")

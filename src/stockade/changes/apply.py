@@ -1181,7 +1181,7 @@ def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord
     assert plan is not None
     stack = [Path(p) for p in plan["stack"]]
     sdir = Path(plan["session_dir"])
-    lock_cm: contextlib.AbstractContextManager[None]
+    lock_cm: contextlib.AbstractContextManager[int | None]
     if sdir.is_dir():
         lock_cm = Session(plan["session"], sdir).lock(wait=False)
     else:

@@ -222,7 +222,10 @@ def fork(session: Session, new_name: str) -> Session:
         if isinstance(meta.get("sandbox_uid"), int) and isinstance(meta.get("sandbox_gid"), int):
             owner = (int(meta["sandbox_uid"]), int(meta["sandbox_gid"]))
         new = store.create(Path(meta["project"]), new_name, owner=owner)
-        for layer in session.layers():
+        layers = session.layers()
+        if layers:
+            new.layers_dir.mkdir(exist_ok=True, mode=0o700)
+        for layer in layers:
             _link_tree(layer, new.layers_dir / layer.name)
         if owner is not None and os.geteuid() == 0:
             os.chown(new.upper, *owner)

@@ -267,9 +267,10 @@ class Launcher:
             for fd in extra:
                 os.close(fd)
 
-    def start(self, packed: bytes, mounts: tuple[MountOp, ...], fds: list[int]) -> LauncherChild:
+    def start(self, packed: bytes, mounts: tuple[MountOp, ...], fds: list[int], hold_slot: int = -1) -> LauncherChild:
         """Send one run (a packed plan whose fd fields index ``fds``, followed by its
-        pass-through fds); ``mounts`` are the ops a mount step's index refers to."""
+        pass-through fds); ``mounts`` are the ops a mount step's index refers to;
+        ``hold_slot``: the slot of the session's hold fd (see ``start`` below)."""
         rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
         sync_r, sync_w = os.pipe2(os.O_CLOEXEC)
         st, st_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -278,7 +279,7 @@ class Launcher:
             with self.lock:
                 self.inflight += 1
             try:
-                self._send(_RUN, packed, [rep_w, sync_r, st_theirs.fileno(), *fds])
+                self._send(_RUN, packed, [rep_w, sync_r, st_theirs.fileno(), *fds], reserved=hold_slot + 1)
             finally:
                 os.close(rep_w)
                 os.close(sync_r)
@@ -474,8 +475,13 @@ def start(
     pty: bool,
     console_sock: int,
     hold_before_exec: bool,
+    hold_fd: int = -1,
 ) -> native.Child | None:
-    """Start the plan through a launcher; None when this plan has to start cold."""
+    """Start the plan through a launcher; None when this plan has to start cold.
+
+    ``hold_fd``: the session's overlay lock (``Session.lock``): the sandbox takes it
+    before it mounts the overlay and its run child keeps it until the overlay is
+    gone, so the run's status need not wait for the unmount."""
     # fd slots: 0..2 are the report pipe, sync pipe and status socket (added by start)
     fds: list[int] = []
 
@@ -488,6 +494,7 @@ def start(
     slots = (slot(stdio[0]), slot(stdio[1]), slot(stdio[2]))
     cg_slot = slot(cgroup_fd)
     con_slot = slot(console_sock)
+    hold_slot = slot(hold_fd)  # not in the packed plan: only the message header names it
     fds.extend(plan.keep_fds)
     shape = (id(plan), slots, cg_slot, con_slot, pty, hold_before_exec)
     hit = _packed.get(shape)
@@ -535,7 +542,7 @@ def start(
                         _k, victim = _launchers.popitem(last=False)
                         victim.retire()
         try:
-            return la.start(packed, run, fds)
+            return la.start(packed, run, fds, hold_slot)
         except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError):
             # the launcher died (killed from outside): make a new one, once
             with _lock:

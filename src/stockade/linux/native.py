@@ -296,15 +296,24 @@ def start(
     pty: bool = False,
     console_sock: int = -1,
     hold_before_exec: bool = False,
+    hold_fd: int = -1,
 ) -> Child:
     """Start a sandbox for the plan: through a pre-spawned launcher when possible
-    (linux/launcher.py), else by cloning this process."""
+    (linux/launcher.py), else by cloning this process. ``hold_fd``: the session's
+    overlay lock (``Session.lock``; a cold start's overlay is gone once its init is
+    reaped)."""
     from . import launcher
 
     if launcher.enabled():
-        child = launcher.start(plan, stdio, cgroup_fd, pty=pty, console_sock=console_sock, hold_before_exec=hold_before_exec)
+        child = launcher.start(plan, stdio, cgroup_fd, pty=pty, console_sock=console_sock,
+                               hold_before_exec=hold_before_exec, hold_fd=hold_fd)
         if child is not None:
             return child
+    if hold_fd >= 0:
+        # an earlier run's overlay on this session may not be unmounted yet
+        import fcntl
+
+        fcntl.flock(hold_fd, fcntl.LOCK_EX)
     lowered = Lowered(plan, stdio, cgroup_fd, pty=pty, console_sock=console_sock, hold_before_exec=hold_before_exec)
     return spawn(lowered)
 

@@ -5,9 +5,13 @@ Layout of ``<state>/sessions/<id>/``::
     meta.json      id, project, created (ISO), created_ns, uid, runs
     upper/ work/   the overlay's upper and work dirs (the live change set)
     layers/        frozen snapshots, ``NNN-name/`` lowest first (mounted under upper)
-    runs/<n>/      run.json, stdout.log, stderr.log
+    runs/<n>/      run.json, stdout.log, stderr.log (a log once its stream has output)
     events.jsonl   audit stream
-    lock           one writer per session (flock)
+
+``layers/`` and ``runs/`` are made when first needed: a new session is four inodes
+(its directory, ``upper/``, ``work/``, ``meta.json``), which on a slow disk phase
+cost 0.3-0.5 ms each. Locks are flocks on directories that exist anyway (the
+session's for one writer, ``work/`` for the overlay), not files of their own.
 """
 
 from __future__ import annotations
@@ -156,7 +160,10 @@ class Session:
             # a directory's link count is 2 + its subdirectories: no listing of every run
             n = os.stat(runs).st_nlink - 1
         except FileNotFoundError:
-            os.mkdir(runs)
+            try:
+                os.mkdir(runs, 0o700)
+            except FileExistsError:
+                pass
             n = 1
         if n < 2:  # a filesystem that does not count (btrfs), or an empty runs/
             n = len(os.listdir(runs)) + 1
@@ -184,9 +191,19 @@ class Session:
 
     # ---- locking --------------------------------------------------------------
     @contextlib.contextmanager
-    def lock(self, *, wait: bool = True) -> Iterator[None]:
-        """One writer per session. flock dies with the process, so SIGKILL leaves no stale lock."""
-        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def lock(self, *, wait: bool = True, for_run: bool = False) -> Iterator[int]:
+        """One writer per session. flock dies with the process, so SIGKILL leaves no stale lock.
+
+        Then the *overlay* lock, a flock on the overlay's ``work/``, held wherever an
+        overlay on the session's upper layer may still exist: a launcher's run child
+        reports the run's status first and unmounts after (a disk cache flush), and
+        drops it then. Taken here, so whatever touches the layers waits for that
+        (briefly: the run had ended); ``for_run``: not taken, the fd is for the run,
+        whose sandbox takes it just before it mounts the overlay (``launcher.start``;
+        a cold start, before it starts). Yields that fd (closed on exit; -1 where
+        directories cannot be flocked: then runs unmount before they report)."""
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        hold = -1
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -196,8 +213,24 @@ class Session:
                         f"session {self.id!r} is in use by another run; wait for it or drop --no-wait"
                     ) from None
                 fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            hold = os.open(self.work, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                if for_run:
+                    try:  # only whether this filesystem can: the sandbox takes it
+                        fcntl.flock(hold, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        pass
+                    else:
+                        fcntl.flock(hold, fcntl.LOCK_UN)
+                else:
+                    fcntl.flock(hold, fcntl.LOCK_EX)
+            except OSError:
+                os.close(hold)
+                hold = -1
+            yield hold
         finally:
+            if hold >= 0:
+                os.close(hold)
             os.close(fd)
 
 
@@ -221,7 +254,7 @@ def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | N
     tmp = root / f".new-{os.getpid()}-{os.urandom(6).hex()}"
     os.mkdir(tmp, 0o700)
     try:
-        for sub in ("upper", "work", "layers", "runs"):
+        for sub in ("upper", "work"):
             os.mkdir(os.path.join(tmp, sub), 0o755 if sub == "upper" else 0o700)
         for _ in range(100):
             sid = validate_name(name) if name else _new_id()
