@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-# shared launchers started by CLI runs in tests end two seconds after their last use
+# shared launchers and CLI servers started by CLI runs in tests end two seconds after their last use
 os.environ.setdefault("STOCKADE_LAUNCHER_IDLE", "2")
+os.environ.setdefault("STOCKADE_SERVER_IDLE", "2")
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
@@ -45,8 +46,11 @@ def _unpriv_python() -> str | None:
     for cand in (sys.executable, os.path.realpath(sys.executable), f"/usr/bin/{ver}", f"/usr/local/bin/{ver}"):
         if not os.path.exists(cand):
             continue
+        # it must also start itself again (the CLI's server is spawned from sys.executable):
+        # setpriv's own exec reaches some paths a process of that uid cannot
         r = subprocess.run(
-            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", cand, "-c", "pass"],
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", cand, "-c",
+             "import os, sys; os.execv(sys.executable, [sys.executable, '-c', 'pass'])"],
             capture_output=True,
         )
         if r.returncode == 0:
@@ -92,6 +96,7 @@ class User:
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
             "STOCKADE_LAUNCHER_IDLE": "2",  # shared launchers of the CLI end soon after a test
+            "STOCKADE_SERVER_IDLE": "2",  # and so do CLI servers
         }
         if MUST_WORK:
             env["STOCKADE_MUST_WORK"] = "1"

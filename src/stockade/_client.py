@@ -53,7 +53,7 @@ def encode_request(argv: list[str], umask: int) -> bytes:
 
 def run(argv: list[str]) -> int | None:
     """Serve ``stockade <argv>`` through the server; None: run it in-process."""
-    if os.environ.get("STOCKADE_SERVER", "0") == "0":  # TEMP: off by default while in development
+    if os.environ.get("STOCKADE_SERVER", "1") == "0":
         return None
     import _socket
 
@@ -130,6 +130,8 @@ def _serve(s: object, argv: list[str], d: str, name: str) -> int | None:
         if pidfd < 0:
             return None
         target[0] = pidfd
+        if os.environ.get("STOCKADE_SERVER") == "debug":
+            sys.stderr.write(f"stockade: served by supervisor {who}\n")
         early, pending[:] = pending[:], []
         for sig in early:
             forward(sig, None)
@@ -169,7 +171,9 @@ def spawn(d: str, name: str) -> None:
         # import from the caller's directory (it may be the untrusted project)
         os.posix_spawn(sys.executable, [sys.executable, "-P", "-c", "from stockade.server import main; main()", d, name],
                        os.environ, setsid=True,
-                       file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDWR, 0),
-                                     (os.POSIX_SPAWN_DUP2, 0, 1), (os.POSIX_SPAWN_DUP2, 0, 2)])
+                       file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDWR, 0), (os.POSIX_SPAWN_DUP2, 0, 1),
+                                     # why a server could not start (every run is in-process then)
+                                     (os.POSIX_SPAWN_OPEN, 2, os.path.join(d, name[:-5] + ".log"),
+                                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)])
     finally:
         os._exit(0)

@@ -105,8 +105,11 @@ class CodeWatch:
             self.sig = code_signature(pkg)
 
     @staticmethod
-    def _exe() -> tuple[int, int]:
-        st = os.stat(sys.executable)
+    def _exe() -> tuple[int, int] | None:
+        try:
+            st = os.stat(sys.executable)
+        except OSError:  # a path this uid may execute but not stat: nothing to compare
+            return None
         return (st.st_ino, st.st_mtime_ns)
 
     def changed(self) -> bool:
@@ -599,6 +602,7 @@ def main() -> None:
         except BlockingIOError:
             time.sleep(0.05)  # a stale server may be on its way out
     else:
+        sys.stderr.write("stockade-server: another server holds the lock\n")
         return
     try:
         import prctl
@@ -609,8 +613,9 @@ def main() -> None:
     _warm()
     gc.freeze()
     pkg = _client.package_dir()
-    if name != _client.key() + ".sock":
-        return  # started with another environment than its key says: serve nobody
+    if name != _client.key() + ".sock":  # started with another environment than its key says: serve nobody
+        sys.stderr.write(f"stockade-server: {name} is not this environment's key ({_client.key()})\n")
+        return
     srv = Server(pkg)
     srv.lock = lock
     srv.grace.start(keep=(lock, srv.code.fd) if srv.code.fd >= 0 else (lock,))

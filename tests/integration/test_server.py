@@ -1,0 +1,230 @@
+"""The CLI server: a `stockade run` served by a forked supervisor behaves exactly as
+one run in-process, declines whatever it could not take on, and leaves nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ..conftest import SRC, User, unpriv_python
+
+DEBUG = {"STOCKADE_SERVER": "debug"}
+
+
+def _server_pids(user: User) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"stockade.server import main; main\\(\\) {user.state}/servers"],
+                         capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _socket(user: User) -> Path:
+    socks = list((user.state / "servers").glob("*.sock"))
+    assert len(socks) == 1, socks
+    return socks[0]
+
+
+def _start_server(user: User, project: Path) -> None:
+    """A first run goes in-process and starts the server; wait until it serves."""
+    r = user.cli(["run", "--", "true"], cwd=project)
+    assert r.returncode == 0, r.stderr.decode()
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        r = user.cli(["run", "--", "true"], cwd=project, env=DEBUG)
+        if b"served by supervisor" in r.stderr:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"no server came up: {r.stderr.decode()}")
+
+
+def test_a_served_run_is_the_in_process_run(user: User, project: Path) -> None:
+    _start_server(user, project)
+    cmd = ["run", "--session", "s", "--env", "GIVEN=1", "--", "sh", "-c",
+           "echo out; echo err >&2; pwd; umask; echo $FOO $GIVEN; ls; echo made > new-$1.txt; exit 7", "sh"]
+    outs = []
+    for mode in ("0", "debug"):
+        r = subprocess.run([*user.prefix(), "sh", "-c", 'umask 027; exec "$@"', "sh", user.python, "-m", "stockade", *cmd, mode],
+                           cwd=project / "src", env=user.env({"STOCKADE_SERVER": mode, "FOO": "bar"}), capture_output=True)
+        assert r.returncode == 7, r.stderr.decode()
+        assert (b"served by supervisor" in r.stderr) == (mode == "debug"), r.stderr.decode()
+        err = b"".join(ln for ln in r.stderr.splitlines(keepends=True) if b"served by" not in ln and b"session s" not in ln)
+        outs.append((r.stdout.replace(b"new-0.txt\n", b""), err))
+    assert outs[0] == outs[1]
+    lines = outs[1][0].splitlines()
+    assert lines[:2] == [b"out", str(project / "src").encode()] and lines[3:] == [b"bar 1", b"main.py"], lines
+    # the served run saw the first run's write (same session), and the project is untouched
+    assert not (project / "src" / "new-0.txt").exists()
+    r = user.cli(["run", "--session", "s", "--", "ls"], cwd=project / "src", env=DEBUG)
+    assert b"new-0.txt" in r.stdout and b"new-debug.txt" in r.stdout
+
+
+def test_stdin_and_rlimits_reach_a_served_run(user: User, project: Path) -> None:
+    _start_server(user, project)
+    r = subprocess.run([*user.prefix(), "sh", "-c", 'ulimit -n 200; exec "$@"', "sh", user.python, "-m", "stockade",
+                        "run", "--", "sh", "-c", "ulimit -n; cat"],
+                       cwd=project, env=user.env(DEBUG), input=b"from stdin\n", capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"served by supervisor" in r.stderr
+    assert r.stdout == b"200\nfrom stdin\n"
+
+
+def test_signals_reach_the_command_of_a_served_run(user: User, project: Path) -> None:
+    _start_server(user, project)
+    p = subprocess.Popen([*user.prefix(), user.python, "-m", "stockade", "run", "--", "sh", "-c",
+                          'trap "echo got TERM; exit 3" TERM; echo ready; while :; do sleep 0.05; done'],
+                         cwd=project, env=user.env(DEBUG), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None
+    assert p.stdout.readline() == b"ready\n"
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert b"served by supervisor" in err
+    assert out == b"got TERM\n"
+    assert p.returncode == 3
+
+
+def _mounts_mentioning(s: str) -> int:
+    return sum(1 for line in Path("/proc/self/mountinfo").read_text().splitlines() if s in line)
+
+
+def test_killing_a_served_client_ends_its_run(user: User, project: Path) -> None:
+    _start_server(user, project)
+    marker = f"stockade-served-{os.getpid()}"
+    p = subprocess.Popen([*user.prefix(), user.python, "-m", "stockade", "run", "--session", "k", "--",
+                          "sh", "-c", f"(exec -a {marker} sleep 300 &) ; exec -a {marker} sleep 300"],
+                         cwd=project, env=user.env(DEBUG), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 15
+    while time.time() < deadline and not subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    deadline = time.time() + 5
+    while time.time() < deadline and subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout:
+        time.sleep(0.05)
+    assert subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout == b""
+    assert _mounts_mentioning(str(project)) == 0
+    r = user.cli(["run", "--session", "k", "--no-wait", "--", "true"], cwd=project, env=DEBUG)
+    assert r.returncode == 0, r.stderr.decode()  # the lock is free again
+    assert b"served by supervisor" in r.stderr
+
+
+def test_a_client_in_another_namespace_is_declined(user: User, project: Path) -> None:
+    if user.name != "root":
+        pytest.skip("the outer namespace needs root to set up; the check is the same for every uid")
+    _start_server(user, project)
+    r = subprocess.run(["unshare", "--mount", "--propagation", "unchanged", user.python, "-m", "stockade",
+                        "run", "--", "echo", "hello"], cwd=project, env=user.env(DEBUG), capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout == b"hello\n"
+    assert b"server declined: the client's namespaces differs" in r.stderr
+    assert b"served by" not in r.stderr
+
+
+def test_a_sandbox_cannot_use_the_server(user: User, project: Path) -> None:
+    """Even with the state dir granted, a request from inside a sandbox (same uid) is
+    declined before anything runs."""
+    _start_server(user, project)
+    sock = _socket(user)
+    (project / ".stockade.toml").write_text(f'[[paths]]\npath = "{user.state}"\naccess = "ro"\n')
+    user.own(project)
+    marker = Path(f"/tmp/stockade-server-escape-{os.getpid()}")
+    probe = textwrap.dedent(
+        f"""
+        import os, socket, sys
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect({str(sock)!r})
+        argv = [b"run", b"--project", b"/tmp", b"--", b"touch", {str(marker).encode()!r}]
+        env = [k + b"=" + v for k, v in os.environb.items()]
+        msg = b"\\0".join([b"SKS1", {str(SRC / "stockade").encode()!r}, b"18", b"%d" % len(argv), *argv, *env])
+        cwd = os.open("/", os.O_PATH)
+        socket.send_fds(s, [msg], [0, 1, 2, cwd])
+        s.settimeout(10)
+        print(s.recv(256)[:1].decode())
+        """
+    )
+    r = user.cli(["run", "--", "python3", "-c", probe], cwd=project)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.strip() == b"M"
+    assert not marker.exists()
+
+
+def test_changed_code_restarts_the_server(user: User, project: Path) -> None:
+    _start_server(user, project)
+    before = _server_pids(user)
+    assert before
+    mod = SRC / "stockade" / "paths.py"
+    st = mod.stat()
+    os.utime(mod, ns=(st.st_atime_ns, st.st_mtime_ns))  # an attribute change: inotify reports it
+    r = user.cli(["run", "--", "echo", "in-process"], cwd=project, env=DEBUG)
+    assert r.stdout == b"in-process\n"
+    assert b"served by" not in r.stderr  # the old server declined it as stale
+    _start_server(user, project)
+    assert not set(before) & set(_server_pids(user))
+
+
+def test_concurrent_clients_are_served(user: User, project: Path) -> None:
+    _start_server(user, project)
+    procs = [subprocess.Popen([*user.prefix(), user.python, "-m", "stockade", "run", "--session", f"c{i}", "--",
+                               "sh", "-c", f"echo {i}; exit {i}"],
+                              cwd=project, env=user.env(DEBUG), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i in range(6)]
+    for i, p in enumerate(procs):
+        out, err = p.communicate(timeout=60)
+        assert (p.returncode, out) == (i, f"{i}\n".encode()), err.decode()
+
+
+def test_the_server_idles_out_and_leaves_nothing(user: User, project: Path) -> None:
+    env = {"STOCKADE_SERVER_IDLE": "1"}
+    for _ in range(2):  # the first run makes the state dir, the second starts a server in it
+        r = user.cli(["run", "--", "true"], cwd=project, env=env)
+        assert r.returncode == 0
+    deadline = time.time() + 20
+    while time.time() < deadline and not _server_pids(user):
+        time.sleep(0.05)
+    assert _server_pids(user)
+    deadline = time.time() + 20
+    while time.time() < deadline and _server_pids(user):
+        time.sleep(0.1)
+    assert _server_pids(user) == []
+    assert list((user.state / "servers").glob("*.sock")) == []
+    left = subprocess.run(["find", "/sys/fs/cgroup", "-maxdepth", "5", "-type", "d", "-name", "stockade-next-*"],
+                          capture_output=True, text=True).stdout.split()
+    for d in left:  # spares of other servers may exist: none of this one's
+        pid = int(d.rsplit("-", 2)[1])
+        assert os.path.exists(f"/proc/{pid}"), d
+
+
+def test_server_off_runs_in_process(user: User, project: Path) -> None:
+    r = user.cli(["run", "--", "echo", "plain"], cwd=project, env={"STOCKADE_SERVER": "0"})
+    assert r.stdout == b"plain\n"
+    assert not (user.state / "servers").exists()
+
+
+def test_a_served_request_needs_the_same_uid(user: User, project: Path) -> None:
+    if user.name != "root":
+        pytest.skip("needs root to connect as another uid")
+    _start_server(user, project)
+    sock = _socket(user)
+    os.chmod(sock.parent, 0o755)  # reachable for this test only: the uid check must still refuse
+    os.chmod(sock.parent.parent, 0o755)
+    os.chmod(user.state.parent, 0o755)
+    os.chmod(sock, 0o777)
+    code = textwrap.dedent(
+        f"""
+        import socket
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect({str(sock)!r})
+        s.settimeout(10)
+        print(repr(s.recv(16)))
+        """
+    )
+    py = unpriv_python()
+    if py is None:
+        pytest.skip("no interpreter uid 65534 can run")
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", py, "-c", code],
+                       capture_output=True, text=True)
+    assert r.stdout.strip() == "b''", r.stderr  # closed without a word
