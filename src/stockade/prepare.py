@@ -151,9 +151,13 @@ def _passwd_sig() -> tuple[Any, ...]:
 
 
 def _with(plan: planmod.Plan, **changes: Any) -> planmod.Plan:
-    """A copy of a (frozen) plan with some fields changed, without re-running its __init__."""
+    """A copy of a (frozen) plan with some fields changed, without re-running its __init__.
+
+    The copy remembers the plan it was first made from (``_origin``, not a field):
+    the launcher then packs it from that one's packed form (``launcher._derived``)."""
     p = object.__new__(planmod.Plan)
     p.__dict__.update(plan.__dict__)
+    p.__dict__["_origin"] = plan.__dict__.get("_origin", plan)
     for k, v in changes.items():
         object.__setattr__(p, k, v)
     return p

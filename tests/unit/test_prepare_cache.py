@@ -94,3 +94,29 @@ def test_host_facts_revalidate_copied_files(tmp_path: Path, monkeypatch: pytest.
     f.write_text("two\n")  # same size, same directory
     b = P.host_facts()
     assert b is not a and ("hosts.allow", "file", b"two\n") in b.etc
+
+
+def test_packed_plans_made_from_their_origins_equal_fresh_ones(tmp_path: Path) -> None:
+    """A plan prepare made from a cached one (other layers, another command) is packed
+    for the launcher by swapping bytes in the cached one's packed form: the result
+    is byte for byte what lowering and packing it afresh gives."""
+    from stockade.linux import launcher
+
+    launcher._packed.clear()
+    rest = ((3, 4, 5), -1, -1, False, True)
+    derived = 0
+    for r in variants(tmp_path):
+        plan = prepare._build(r)
+        origin = plan.__dict__.get("_origin")
+        fresh = launcher._pack(plan, rest)
+        assert fresh is not None
+        if origin is None:
+            continue
+        got = launcher._derived(plan, origin, launcher._packed_plan(origin, rest) or launcher._pack(origin, rest))
+        if got is None:  # something else differs: packed afresh, as it must be
+            continue
+        derived += 1
+        assert got[4] == fresh[4]
+        assert got[3] == fresh[3] and got[2] == fresh[2] and got[1] == fresh[1]
+    assert derived >= 3
+    launcher._packed.clear()

@@ -43,3 +43,49 @@ def test_bad_names(bad: str) -> None:
 def test_unique_ids(state_dir: Path, tmp_path: Path) -> None:
     ids = {store.create(tmp_path).id for _ in range(50)}
     assert len(ids) == 50
+
+
+def test_a_new_session_is_four_inodes(state_dir: Path, tmp_path: Path) -> None:
+    """Its directory, upper/, work/ and meta.json; runs/ and layers/ come when needed,
+    and the locks are flocks on directories (inodes are slow on some disks)."""
+    proj = tmp_path / "p"
+    proj.mkdir()
+    s = store.create(proj)
+    assert sorted(p.name for p in s.dir.iterdir()) == ["meta.json", "upper", "work"]
+    with s.lock() as hold:
+        assert hold >= 0
+        n, d = s.new_run_dir()
+        assert n == 1 and d == s.runs_dir / "1"
+    assert s.new_run_dir()[0] == 2
+    assert s.layers() == []
+    assert sorted(p.name for p in s.dir.iterdir()) == ["meta.json", "runs", "upper", "work"]
+
+
+def test_the_lock_waits_for_an_overlay_still_mounted(state_dir: Path, tmp_path: Path) -> None:
+    """A launcher's run child holds the overlay lock (a flock on work/) until the run's
+    overlay is unmounted: the session lock waits for it, except for a run, whose
+    sandbox takes it itself just before it mounts the overlay."""
+    import fcntl
+    import os
+
+    proj = tmp_path / "p"
+    proj.mkdir()
+    s = store.create(proj)
+    fd = os.open(s.work, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    with s.lock(for_run=True) as hold:
+        assert hold >= 0  # not taken: the run's sandbox takes it
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(hold, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    entered = threading.Event()
+
+    def other() -> None:
+        with s.lock():
+            entered.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert not entered.wait(0.3)
+    os.close(fd)  # the overlay is gone
+    assert entered.wait(10)
+    t.join()

@@ -76,6 +76,15 @@ def _sbx(p: str) -> str:
     return NEW if p == "/" else NEW + p
 
 
+def overlay_options(m: MountOp) -> str:
+    """An overlay op's mount options (its layers as the launcher's staging tree sees them)."""
+    lowers = ":".join(_overlay_escape(_host(x)) for x in m.lower)
+    opts = f"lowerdir={lowers}"
+    if m.upper is not None and m.work is not None:
+        opts += f",upperdir={_overlay_escape(_host(m.upper))},workdir={_overlay_escape(_host(m.work))}"
+    return opts + ",userxattr"
+
+
 class Lowered:
     """cffi objects for one plan; keeps every buffer alive while the parent needs it."""
 
@@ -120,12 +129,7 @@ class Lowered:
                 else:
                     o.source = s(_sbx(m.source) if m.source_in_sandbox else _host(m.source))
             if m.kind == "overlay":
-                lowers = ":".join(_overlay_escape(_host(x)) for x in m.lower)
-                opts = f"lowerdir={lowers}"
-                if m.upper is not None and m.work is not None:
-                    opts += f",upperdir={_overlay_escape(_host(m.upper))},workdir={_overlay_escape(_host(m.work))}"
-                opts += ",userxattr"
-                o.data = s(opts)
+                o.data = s(overlay_options(m))
             elif m.data is not None:
                 data = m.data.encode("utf-8", "surrogateescape") if isinstance(m.data, str) else m.data
                 o.data = s(data)
