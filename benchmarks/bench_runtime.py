@@ -70,7 +70,8 @@ def main() -> None:
         exe = shutil.which("stockade") or ""
         cli = [exe, "run", "--project", str(proj), "--session", "cli", "--", "true"] if exe else [sys.executable, "-m", "stockade", "run", "--project", str(proj), "--session", "cli", "--", "true"]
         pyc = [sys.executable, "-I", "-S", "-c", "pass"]
-        os.environ["STOCKADE_LAUNCHER_IDLE"] = "5"  # the CLI's shared launcher ends soon after the bench
+        os.environ["STOCKADE_LAUNCHER_IDLE"] = "5"  # the CLI's shared launcher and server end soon after the bench
+        os.environ["STOCKADE_SERVER_IDLE"] = "5"
         # a CLI run that finds no shared launcher makes one (a fresh state dir each time)
         firsts = []
         for i in range(5):
@@ -78,12 +79,18 @@ def main() -> None:
             t0 = time.perf_counter()
             subprocess.run(cli, stderr=subprocess.DEVNULL, env=env)
             firsts.append(time.perf_counter() - t0)
+        for _ in range(3):  # the first makes the state dir, the next starts the server
+            subprocess.run(cli, stderr=subprocess.DEVNULL)
+        time.sleep(1)
+        inproc = {**os.environ, "STOCKADE_SERVER": "0"}
         more = interleaved({
-            "`stockade run -- true` (CLI)": lambda: subprocess.run(cli, stderr=subprocess.DEVNULL),
+            "`stockade run -- true` (CLI, served)": lambda: subprocess.run(cli, stderr=subprocess.DEVNULL),
+            "  same, in-process (STOCKADE_SERVER=0)": lambda: subprocess.run(cli, stderr=subprocess.DEVNULL, env=inproc),
             "python -I -S -c pass (interpreter floor)": lambda: subprocess.run(pyc),
+            "python -c pass (with site, as the CLI)": lambda: subprocess.run(pyc[:1] + pyc[3:]),
         }, max(20, N // 5))
         results.update(more)
-        results["  CLI, first run (makes the shared launcher)"] = firsts
+        results["  CLI, first run (no launcher, no server yet)"] = firsts
         ref = median(results["bubblewrap (subprocess.run)"]) if bw else None
         print(f"== launch cost (median of {N}, candidates interleaved; ratio vs bubblewrap; cgroup backend {cgdetect.detect().kind})")
         for name, xs in results.items():
