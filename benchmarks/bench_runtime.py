@@ -83,9 +83,16 @@ def main() -> None:
             subprocess.run(cli, stderr=subprocess.DEVNULL)
         time.sleep(1)
         inproc = {**os.environ, "STOCKADE_SERVER": "0"}
+        # its own project: a prepared run is kept per project and options, and holds
+        # for one environment (this one differs by STOCKADE_SERVER)
+        proj2 = base / "proj2"
+        proj2.mkdir()
+        (proj2 / "f").write_text("x\n")
+        cli2 = [proj2 if a == str(proj) else a for a in cli]
+        cli2 = [str(a) for a in cli2]
         more = interleaved({
             "`stockade run -- true` (CLI, served)": lambda: subprocess.run(cli, stderr=subprocess.DEVNULL),
-            "  same, in-process (STOCKADE_SERVER=0)": lambda: subprocess.run(cli, stderr=subprocess.DEVNULL, env=inproc),
+            "  same, in-process (STOCKADE_SERVER=0)": lambda: subprocess.run(cli2, stderr=subprocess.DEVNULL, env=inproc),
             "python -I -S -c pass (interpreter floor)": lambda: subprocess.run(pyc),
             "python -c pass (with site, as the CLI)": lambda: subprocess.run(pyc[:1] + pyc[3:]),
         }, max(20, N // 5))
