@@ -7,7 +7,7 @@ VMTEST ?= ../shared/vmtest/vmtest.sh
 
 .PHONY: run test test-vm bench lint clean native
 
-$(BOOT): $(NATIVE_SRC) scripts/bootstrap.sh
+$(BOOT): $(NATIVE_SRC) scripts/bootstrap.sh pyproject.toml
 	@./scripts/bootstrap.sh
 
 native: $(BOOT)

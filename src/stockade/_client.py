@@ -177,3 +177,18 @@ def spawn(d: str, name: str) -> None:
                                       os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)])
     finally:
         os._exit(0)
+
+
+def main() -> int:
+    """The ``stockade`` command: a run through the server when it can take it, else
+    the CLI in-process (imported only then)."""
+    argv = sys.argv[1:]
+    if argv[:1] == ["run"]:
+        rc = run(argv)
+        if rc is not None:
+            # the run happened in the server's supervisor: nothing here to finalize
+            sys.stderr.flush()
+            os._exit(rc & 0xFF)
+    from .cli import main as cli_main
+
+    return cli_main(serve=False)

@@ -317,9 +317,9 @@ def _lazy(module: str, name: str) -> Any:
     return f
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, serve: bool = True) -> int:
     words = sys.argv[1:] if argv is None else argv
-    if argv is None and words[:1] == ["run"]:
+    if serve and argv is None and words[:1] == ["run"]:
         # the user's warm server runs it (same code, same context), else in-process
         from ._client import run as served
 
