@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -228,3 +229,17 @@ def test_a_served_request_needs_the_same_uid(user: User, project: Path) -> None:
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", py, "-c", code],
                        capture_output=True, text=True)
     assert r.stdout.strip() == "b''", r.stderr  # closed without a word
+
+
+def test_the_stockade_command_is_served(user: User, project: Path) -> None:
+    """The installed entry point (``stockade._client:main``), not only ``python -m stockade``."""
+    exe = Path(sys.executable).parent / "stockade"
+    if user.name != "root" or not exe.exists():
+        pytest.skip("the venv's console script, run as its owner")
+    _start_server(user, project)
+    r = subprocess.run([str(exe), "run", "--", "sh", "-c", "echo via; exit 5"], cwd=project, env=user.env(DEBUG),
+                       capture_output=True)
+    assert (r.returncode, r.stdout) == (5, b"via\n"), r.stderr.decode()
+    assert b"served by supervisor" in r.stderr
+    r = subprocess.run([str(exe), "--version"], capture_output=True)
+    assert r.stdout.startswith(b"stockade ")
