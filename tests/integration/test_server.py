@@ -43,6 +43,7 @@ def _start_server(user: User, project: Path) -> None:
     pytest.fail(f"no server came up: {r.stderr.decode()}")
 
 
+@pytest.mark.vm  # cgroup v2 (runs placed by CLONE_INTO_CGROUP under the client's cgroup)
 def test_a_served_run_is_the_in_process_run(user: User, project: Path) -> None:
     _start_server(user, project)
     cmd = ["run", "--session", "s", "--env", "GIVEN=1", "--", "sh", "-c",
@@ -92,6 +93,7 @@ def _mounts_mentioning(s: str) -> int:
     return sum(1 for line in Path("/proc/self/mountinfo").read_text().splitlines() if s in line)
 
 
+@pytest.mark.vm  # cgroup v2 (runs placed by CLONE_INTO_CGROUP under the client's cgroup)
 def test_killing_a_served_client_ends_its_run(user: User, project: Path) -> None:
     _start_server(user, project)
     marker = f"stockade-served-{os.getpid()}"
@@ -178,6 +180,7 @@ def test_concurrent_clients_are_served(user: User, project: Path) -> None:
         assert (p.returncode, out) == (i, f"{i}\n".encode()), err.decode()
 
 
+@pytest.mark.vm  # cgroup v2 (runs placed by CLONE_INTO_CGROUP under the client's cgroup)
 def test_the_server_idles_out_and_leaves_nothing(user: User, project: Path) -> None:
     env = {"STOCKADE_SERVER_IDLE": "1"}
     for _ in range(2):  # the first run makes the state dir, the second starts a server in it
