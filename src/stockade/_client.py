@@ -15,7 +15,8 @@ import os
 import sys
 
 MAGIC = b"SKS1"
-_FWD = (1, 2, 3, 10, 12, 15)  # SIGHUP INT QUIT USR1 USR2 TERM: what the CLI forwards to the sandbox
+_FWD = (1, 2, 3, 10, 12, 15, 28)  # SIGHUP INT QUIT USR1 USR2 TERM WINCH: what the CLI forwards to the sandbox
+_TSTP, _CONT, _STOP = 20, 18, 19
 
 
 def interp_env(environb: dict[bytes, bytes] | None = None) -> list[bytes]:
@@ -103,7 +104,28 @@ def _serve(s: object, argv: list[str], d: str, name: str) -> int | None:
             pass
         pending.append(sig)
 
+    def stop(_sig: int, _frame: object) -> None:
+        # Ctrl-Z: the supervisor stops with us, as an in-process CLI would (the
+        # sandbox runs on until its output pipes fill), and goes on with us
+        if target[0] >= 0:
+            try:
+                _signal.pidfd_send_signal(target[0], _STOP)
+            except OSError:
+                pass
+        _signal.signal(_TSTP, _signal.SIG_DFL)
+        os.kill(os.getpid(), _TSTP)
+
+    def cont(_sig: int, _frame: object) -> None:
+        _signal.signal(_TSTP, stop)
+        if target[0] >= 0:
+            try:
+                _signal.pidfd_send_signal(target[0], _CONT)
+            except OSError:
+                pass
+
     old = {sig: _signal.signal(sig, forward) for sig in _FWD}
+    old[_TSTP] = _signal.signal(_TSTP, stop)
+    old[_CONT] = _signal.signal(_CONT, cont)
     try:
         try:
             sock.sendmsg([encode_request(argv, umask)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,

@@ -246,3 +246,32 @@ def test_the_stockade_command_is_served(user: User, project: Path) -> None:
     assert b"served by supervisor" in r.stderr
     r = subprocess.run([str(exe), "--version"], capture_output=True)
     assert r.stdout.startswith(b"stockade ")
+
+
+def test_ctrl_z_stops_the_supervisor_with_the_client(user: User, project: Path) -> None:
+    _start_server(user, project)
+    p = subprocess.Popen([*user.prefix(), user.python, "-m", "stockade", "run", "--", "sh", "-c", "echo ready; read x; echo got $x"],
+                         cwd=project, env=user.env(DEBUG), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stderr is not None and p.stdin is not None
+    assert p.stdout.readline() == b"ready\n"
+    line = p.stderr.readline()
+    assert b"served by supervisor" in line, line
+    sup = int(line.split()[-1])
+
+    def state(pid: int) -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    target = p.pid  # setpriv execs the client: the same process
+    os.kill(target, signal.SIGTSTP)
+    deadline = time.time() + 10
+    while time.time() < deadline and state(sup) != "T":
+        time.sleep(0.02)
+    assert state(sup) == "T"
+    os.kill(target, signal.SIGCONT)
+    deadline = time.time() + 10
+    while time.time() < deadline and state(sup) == "T":
+        time.sleep(0.02)
+    assert state(sup) != "T"
+    out, err = p.communicate(b"x\n", timeout=30)
+    assert out == b"got x\n", err.decode()
+    assert p.returncode == 0
