@@ -418,6 +418,10 @@ class Server:
             return False
         pre = warm._preloaded.get(path)
         if pre is not None and warm._sig(path) == pre[0]:
+            try:
+                launcher.preconnect(pre[2])  # still connected, or to the launcher's successor
+            except Exception:  # an optimisation only
+                pass
             return False
         try:
             plan = warm.preload(path)

@@ -275,3 +275,20 @@ def test_ctrl_z_stops_the_supervisor_with_the_client(user: User, project: Path) 
     out, err = p.communicate(b"x\n", timeout=30)
     assert out == b"got x\n", err.decode()
     assert p.returncode == 0
+
+
+def test_a_killed_shared_launcher_does_not_break_served_runs(user: User, project: Path) -> None:
+    import re
+
+    _start_server(user, project)
+    socks = list((user.state / "launchers").glob("*.sock"))
+    assert len(socks) == 1
+    listing = subprocess.run(["ss", "-xlpn"], capture_output=True, text=True).stdout
+    pids = {int(p) for line in listing.splitlines() if socks[0].name in line for p in re.findall(r"pid=(\d+)", line)}
+    assert pids, listing
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    for i in range(3):  # the server's inherited connection is dead: a new launcher, then it is joined
+        r = user.cli(["run", "--", "echo", str(i)], cwd=project, env=DEBUG)
+        assert (r.returncode, r.stdout) == (0, f"{i}\n".encode()), r.stderr.decode()
+        assert b"served by supervisor" in r.stderr

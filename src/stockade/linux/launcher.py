@@ -445,8 +445,18 @@ def preconnect(plan: Plan) -> bool:
         return False
     key = _key(plan, parts[0])
     with _lock:
-        if key in _launchers:
+        old = _launchers.get(key)
+    if old is not None:
+        import select
+
+        p = select.poll()
+        p.register(old.ctl, select.POLLRDHUP)
+        if not p.poll(0):
             return True
+        with _lock:  # that launcher is gone (idled out, killed): join its successor
+            if _launchers.get(key) is old:
+                del _launchers[key]
+        old.retire()
     try:
         la = _shared(plan, parts[0], create=False)
     except (OSError, SandboxError):
