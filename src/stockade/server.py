@@ -456,42 +456,45 @@ class Server:
     def spare(self, lst: socket.socket, ctl: int, status: int) -> None:
         """Wait for a client (or retirement); serve it: decline, or become its supervisor."""
         made = self._cgroups_ahead()
-        _prefault()
-        poll = select.poll()
-        poll.register(lst, select.POLLIN)
-        poll.register(ctl, select.POLLIN)
-        while True:
-            events = poll.poll()
-            if any(fd == ctl for fd, _ev in events):
-                if made is not None:
-                    made.flush()
-                return  # retired (or the server is gone)
-            try:
-                conn, _ = lst.accept()
-            except (BlockingIOError, InterruptedError):
-                continue  # another spare took it
-            self.grace.poke()
-            os.write(status, b"T\n")
-            lst.close()
-            os.close(ctl)
-            conn.setblocking(True)
-            req = self.receive(conn)
-            if req is None:
-                conn.close()
-                return
-            if self.code.changed():
-                self.reply(req, b"S")  # the client starts a server of the new code
-                os.write(status, b"S\n")
-                return
-            reason = self.decline_reason(req)
-            if reason is not None:
-                self.reply(req, b"M" + reason.encode())
-                return
+        conn = None
+        try:
+            _prefault()
+            poll = select.poll()
+            poll.register(lst, select.POLLIN)
+            poll.register(ctl, select.POLLIN)
+            while conn is None:
+                events = poll.poll()
+                if any(fd == ctl for fd, _ev in events):
+                    return  # retired (or the server is gone)
+                try:
+                    conn, _ = lst.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue  # another spare took it
+        finally:
+            if made is not None and conn is None:
+                made.flush()  # the cgroups made ahead: nobody will run in them
+        self.grace.poke()
+        os.write(status, b"T\n")
+        lst.close()
+        os.close(ctl)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        conn.setblocking(True)
+        req = self.receive(conn)
+        if req is None:
+            conn.close()
+        elif self.code.changed():
+            self.reply(req, b"S")  # the client starts a server of the new code
+            os.write(status, b"S\n")
+        elif (reason := self.decline_reason(req)) is not None:
+            self.reply(req, b"M" + reason.encode())
+        else:
             self.grace.close_in_child()
             if self.code.fd >= 0:
                 os.close(self.code.fd)
             supervise(req, status)
             return
+        if made is not None:
+            made.flush()
 
 
 def _adopt(req: Request) -> None:
@@ -613,6 +616,10 @@ def _watch(conn_fd: int, pidfd: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _terminate(_sig: int, _frame: Any) -> None:
+    raise SystemExit(0)
+
+
 def main() -> None:
     d, name = sys.argv[1], sys.argv[2]
     os.chdir("/")
@@ -646,6 +653,7 @@ def main() -> None:
     srv.lock = lock
     srv.grace.start(keep=(lock, srv.code.fd) if srv.code.fd >= 0 else (lock,))
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
+    signal.signal(signal.SIGTERM, _terminate)  # leave as on idle: socket removed, spares told (EOF)
     idle = max(1.0, float(os.environ.get("STOCKADE_SERVER_IDLE", "300") or 300))
     dfd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     via = f"/proc/self/fd/{dfd}/"

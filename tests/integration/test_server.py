@@ -9,13 +9,30 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ..conftest import SRC, User, unpriv_python
 
-DEBUG = {"STOCKADE_SERVER": "debug"}
+# Servers of these tests outlive a slow step (the suite's default is 2 s idle); the
+# fixture below ends them with the test.
+SRV = {"STOCKADE_SERVER_IDLE": "60"}
+DEBUG = {"STOCKADE_SERVER": "debug", **SRV}
+
+
+@pytest.fixture(autouse=True)
+def _end_servers(user: User) -> Iterator[None]:
+    yield
+    pids = _server_pids(user)
+    for pid in pids:
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid not in pids:  # the server itself: its spares and grace helper end with it
+                os.kill(pid, signal.SIGTERM)
+        except (OSError, ValueError):
+            pass
 
 
 def _server_pids(user: User) -> list[int]:
@@ -32,7 +49,7 @@ def _socket(user: User) -> Path:
 
 def _start_server(user: User, project: Path) -> None:
     """A first run goes in-process and starts the server; wait until it serves."""
-    r = user.cli(["run", "--", "true"], cwd=project)
+    r = user.cli(["run", "--", "true"], cwd=project, env=SRV)
     assert r.returncode == 0, r.stderr.decode()
     deadline = time.time() + 20
     while time.time() < deadline:
@@ -51,7 +68,7 @@ def test_a_served_run_is_the_in_process_run(user: User, project: Path) -> None:
     outs = []
     for mode in ("0", "debug"):
         r = subprocess.run([*user.prefix(), "sh", "-c", 'umask 027; exec "$@"', "sh", user.python, "-m", "stockade", *cmd, mode],
-                           cwd=project / "src", env=user.env({"STOCKADE_SERVER": mode, "FOO": "bar"}), capture_output=True)
+                           cwd=project / "src", env=user.env({**SRV, "STOCKADE_SERVER": mode, "FOO": "bar"}), capture_output=True)
         assert r.returncode == 7, r.stderr.decode()
         assert (b"served by supervisor" in r.stderr) == (mode == "debug"), r.stderr.decode()
         err = b"".join(ln for ln in r.stderr.splitlines(keepends=True) if b"served by" not in ln and b"session s" not in ln)
@@ -149,7 +166,7 @@ def test_a_sandbox_cannot_use_the_server(user: User, project: Path) -> None:
         print(s.recv(256)[:1].decode())
         """
     )
-    r = user.cli(["run", "--", "python3", "-c", probe], cwd=project)
+    r = user.cli(["run", "--", "python3", "-c", probe], cwd=project, env=SRV)
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.strip() == b"M"
     assert not marker.exists()
