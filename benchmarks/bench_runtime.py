@@ -88,15 +88,25 @@ def main() -> None:
         proj2 = base / "proj2"
         proj2.mkdir()
         (proj2 / "f").write_text("x\n")
-        cli2 = [proj2 if a == str(proj) else a for a in cli]
-        cli2 = [str(a) for a in cli2]
+        cli2 = [str(proj2) if a == str(proj) else a for a in cli]
+        # cgroups off, what a v2 host's CLONE_INTO_CGROUP gives: no v1 attach, so no
+        # grace period (again its own project: another environment)
+        proj3 = base / "proj3"
+        proj3.mkdir()
+        (proj3 / "f").write_text("x\n")
+        cli3 = [str(proj3) if a == str(proj) else a for a in cli]
+        nocg = {**os.environ, "STOCKADE_CGROUP": "none"}
+        subprocess.run(cli3, stderr=subprocess.DEVNULL, env=nocg)
         more = interleaved({
             "`stockade run -- true` (CLI, served)": lambda: subprocess.run(cli, stderr=subprocess.DEVNULL),
+            "  same, cgroups off (rlimits only)": lambda: subprocess.run(cli3, stderr=subprocess.DEVNULL, env=nocg),
             "  same, in-process (STOCKADE_SERVER=0)": lambda: subprocess.run(cli2, stderr=subprocess.DEVNULL, env=inproc),
             "python -I -S -c pass (interpreter floor)": lambda: subprocess.run(pyc),
             "python -c pass (with site, as the CLI)": lambda: subprocess.run(pyc[:1] + pyc[3:]),
         }, max(20, N // 5))
         results.update(more)
+        # back to back: the v1 cgroup attach finds the last run's grace period passed
+        results["  CLI served, back to back (no pause)"] = bench(lambda: subprocess.run(cli, stderr=subprocess.DEVNULL), max(20, N // 5))
         results["  CLI, first run (no launcher, no server yet)"] = firsts
         ref = median(results["bubblewrap (subprocess.run)"]) if bw else None
         print(f"== launch cost (median of {N}, candidates interleaved; ratio vs bubblewrap; cgroup backend {cgdetect.detect().kind})")
