@@ -58,6 +58,8 @@
 #define SK_MSG_MAGIC 0x314c4b53u /* "SKL1" */
 #define SK_MSG_BASE 1
 #define SK_MSG_RUN 2
+#define SK_MSG_JOIN 3 /* reserve the spare for a token; fds: cgroup.procs files to enter */
+#define SK_MSG_TOKEN(h) ((h)->flags >> 8) /* JOIN, RUN: a reservation's token (24 bits; 0: none) */
 #define SK_MSG_PLAN_IN_FD 1
 #define MAX_FDS 250
 #define INLINE_MAX (256 * 1024)
@@ -80,6 +82,7 @@ static int live;                       /* forked children not yet reaped (runs, 
 static pid_t spare_pid = -1;
 static int spare_sock = -1;            /* to the spare run child, when there is one */
 static unsigned long spare_flags;      /* the namespaces it made */
+static uint32_t spare_token;           /* nonzero: reserved for the run that sends this token */
 static unsigned long last_flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID;
 static int own_mntns = -1;             /* our mount namespace: C1's way out of a run's */
 
@@ -410,11 +413,25 @@ static void __attribute__((noreturn)) spare_main(int sock, unsigned long flags)
     int e = unshare((int)flags) < 0 ? errno : 0;
     int fds[MAX_FDS], nfds;
     ssize_t n;
-    do
-        n = recv_msg(sock, fds, &nfds);
-    while (n < 0 && errno == EINTR);
-    if (n <= 0)
-        _exit(0);
+    for (;;) {
+        do
+            n = recv_msg(sock, fds, &nfds);
+        while (n < 0 && errno == EINTR);
+        if (n <= 0)
+            _exit(0);
+        const struct sk_msg_hdr *h = (const void *)msgbuf;
+        if (n < (ssize_t)sizeof *h || h->type != SK_MSG_JOIN)
+            break;
+        /* Enter the run's cgroups now (cgroup v1: the move waits for an RCU grace
+         * period unless one just passed); init, our child, is born in them. A
+         * refused move only means the requester moves init itself. */
+        for (int i = 0; i < nfds; i++) {
+            if (write(fds[i], "0", 1) < 0) {
+                /* see above */
+            }
+            close(fds[i]);
+        }
+    }
     close(sock);
     struct sk_plan p;
     unsigned char *heap;
@@ -426,6 +443,7 @@ static void __attribute__((noreturn)) spare_main(int sock, unsigned long flags)
 
 static void make_spare(unsigned long flags)
 {
+    spare_token = 0;
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
         return;
@@ -445,8 +463,40 @@ static void make_spare(unsigned long flags)
     live++;
 }
 
+static int send_msg(int sock, ssize_t n, const int *fds, int nfds);
+
 /* Hand the request, as received, to the spare. 0 when it took it. */
 static int to_spare(ssize_t n, const int *fds, int nfds)
+{
+    int sock = spare_sock;
+    spare_sock = -1;
+    spare_token = 0;
+    int r = send_msg(sock, n, fds, nfds);
+    close(sock);
+    return r;
+}
+
+/* A requester reserves the spare (token) and has it enter the run's cgroups ahead
+ * of the run (cgroup.procs fds); no fds: it gives the reservation up, and that
+ * spare, in cgroups made for it, goes (EOF) for a new one. */
+static void join_spare(uint32_t token, ssize_t n, const int *fds, int nfds)
+{
+    if (nfds == 0) {
+        if (token != 0 && spare_token == token && spare_sock >= 0) {
+            close(spare_sock);
+            spare_sock = -1;
+            spare_pid = -1; /* reaped as an ended run */
+            make_spare(last_flags);
+        }
+        return;
+    }
+    if (token == 0 || spare_sock < 0 || spare_token != 0)
+        return; /* nothing to reserve: that run's init is moved by its requester */
+    if (send_msg(spare_sock, n, fds, nfds) == 0)
+        spare_token = token;
+}
+
+static int send_msg(int sock, ssize_t n, const int *fds, int nfds)
 {
     struct iovec iov = {.iov_base = msgbuf, .iov_len = (size_t)n};
     union {
@@ -461,13 +511,14 @@ static int to_spare(ssize_t n, const int *fds, int nfds)
     c->cmsg_type = SCM_RIGHTS;
     c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
     memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
-    int sock = spare_sock;
-    spare_sock = -1;
+    if (nfds == 0) {
+        msg.msg_control = NULL;
+        msg.msg_controllen = 0;
+    }
     ssize_t r;
     do
         r = sendmsg(sock, &msg, MSG_NOSIGNAL);
     while (r < 0 && errno == EINTR);
-    close(sock);
     return r == n ? 0 : -1;
 }
 
@@ -687,9 +738,14 @@ static int serve_one(int sock)
         return 0;
     if (n < 0)
         return (errno == EINTR || errno == EMSGSIZE || errno == EAGAIN) ? 1 : 0;
+    const struct sk_msg_hdr *h = (const void *)msgbuf;
+    if (n >= (ssize_t)sizeof *h && h->magic == SK_MSG_MAGIC && h->type == SK_MSG_JOIN) {
+        join_spare(SK_MSG_TOKEN(h), n, fds, nfds);
+        close_all(fds, nfds);
+        return 1;
+    }
     struct sk_plan p;
     int r = read_plan(n, fds, &nfds, &p, &heap);
-    const struct sk_msg_hdr *h = (const void *)msgbuf;
     if (r < 0 || h->type != SK_MSG_RUN || nfds < 3) {
         if (nfds >= 3)
             send_report(fds[2], SK_REP_ERROR, SK_STEP_LAUNCHER, r < 0 ? -r : EINVAL, 0, "run plan", -1);
@@ -701,7 +757,9 @@ static int serve_one(int sock)
     }
     unsigned long want = run_ns_flags(&p);
     int inline_plan = !(h->flags & SK_MSG_PLAN_IN_FD);
-    if (!(spare_sock >= 0 && spare_flags == want && inline_plan && to_spare(n, fds, nfds) == 0)) {
+    /* a reserved spare serves only the run that reserved it (it is in that run's cgroups) */
+    int mine = spare_token == 0 || spare_token == SK_MSG_TOKEN(h);
+    if (!(spare_sock >= 0 && spare_flags == want && inline_plan && mine && to_spare(n, fds, nfds) == 0)) {
         pid_t pid = fork();
         if (pid == 0)
             run_child(&p, fds, nfds, hold_slot(nfds));

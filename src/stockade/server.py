@@ -435,11 +435,14 @@ class Server:
     # ------------------------------------------------------------------ a spare
 
     @staticmethod
-    def _cgroups_ahead() -> Any:
+    def _cgroups_ahead() -> tuple[Any, Any] | None:
         """Make the cgroups the likeliest next run (the last one's prepared entry)
-        will use, while no client waits: creating them after a client connected
-        would queue behind the grace period ``GracePoker`` starts then."""
+        will use, while no client waits, and have the shared launcher's spare run
+        child enter them: on cgroup v1 moving a process waits for an RCU grace
+        period (5-15 ms here) unless one just passed, and the spare waits now, not
+        the run. (manager, plan), or None."""
         from . import warm
+        from .linux import launcher
 
         if not warm._preloaded:
             return None
@@ -451,7 +454,35 @@ class Server:
             ahead(limits, pid_namespace="pid" in plan.namespaces)
         except OSError:
             return None
-        return manager
+        run = manager._spare
+        if run is None:
+            return None
+        token = os.getpid() & 0xFFFFFF or 1
+        pids = run._dir("pids")
+        try:
+            if pids is not None and limits.pids is not None:
+                # the run child counts in pids.current: the sandbox keeps its limit
+                run._write(os.path.join(pids, "pids.max"), str(limits.pids + 1))
+            if launcher.join(plan, run.procs_fds(), token):
+                run.joined = True
+                launcher.reserved_token = token
+                manager.defer_removal = True  # removed after the reply (the run child leaves last)
+        except Exception:  # an optimisation only: the run's init is moved as always
+            pass
+        return manager, plan
+
+    @staticmethod
+    def _unreserve(made: tuple[Any, Any] | None) -> None:
+        """Give a reservation back and remove the cgroups made ahead."""
+        from .linux import launcher
+
+        if made is None:
+            return
+        manager, plan = made
+        if launcher.reserved_token:
+            launcher.release(plan, launcher.reserved_token)
+            launcher.reserved_token = 0
+        manager.flush()
 
     def spare(self, lst: socket.socket, ctl: int, status: int) -> None:
         """Wait for a client (or retirement); serve it: decline, or become its supervisor."""
@@ -471,9 +502,10 @@ class Server:
                 except (BlockingIOError, InterruptedError):
                     continue  # another spare took it
         finally:
-            if made is not None and conn is None:
-                made.flush()  # the cgroups made ahead: nobody will run in them
-        self.grace.poke()
+            if conn is None:
+                self._unreserve(made)  # nobody will run in the cgroups made ahead
+        if not launcher_reserved():
+            self.grace.poke()  # the run's init will be moved: start the grace period now
         os.write(status, b"T\n")
         lst.close()
         os.close(ctl)
@@ -491,10 +523,15 @@ class Server:
             self.grace.close_in_child()
             if self.code.fd >= 0:
                 os.close(self.code.fd)
-            supervise(req, status)
+            supervise(req, status, made)
             return
-        if made is not None:
-            made.flush()
+        self._unreserve(made)
+
+
+def launcher_reserved() -> bool:
+    from .linux import launcher
+
+    return launcher.reserved_token != 0
 
 
 def _adopt(req: Request) -> None:
@@ -531,7 +568,7 @@ def _adopt(req: Request) -> None:
     req.fds = []
 
 
-def supervise(req: Request, note: int) -> None:
+def supervise(req: Request, note: int, made: tuple[Any, Any] | None = None) -> None:
     """In the forked child: become the client's CLI for this one run."""
     gc.disable()  # a short-lived process: collections would only copy shared pages
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -588,6 +625,7 @@ def supervise(req: Request, note: int) -> None:
         except Exception:  # housekeeping only
             pass
     try:
+        Server._unreserve(made)  # the run used the reservation, or gives it back
         from .cgroups.v1 import flush_all
 
         flush_all()  # what atexit would do: os._exit below skips it

@@ -204,12 +204,12 @@ def test_sigkill_of_stockade_leaves_nothing(user: User, project: Path) -> None:
     marker = f"stockade-orphan-{os.getpid()}"
     p = subprocess.Popen(
         [*user.prefix(), user.python, "-m", "stockade", "run", "--session", "k", "--",
-         "sh", "-c", f"(exec -a {marker} sleep 300 &) ; exec -a {marker} sleep 300"],
+         "bash", "-c", f"(exec -a {marker} sleep 300 &) ; exec -a {marker} sleep 300"],
         cwd=project, env=user.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 15
     while time.time() < deadline:
-        if subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout.split():
+        if subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout.split():
             break
         time.sleep(0.05)
     else:
@@ -218,9 +218,9 @@ def test_sigkill_of_stockade_leaves_nothing(user: User, project: Path) -> None:
     p.send_signal(signal.SIGKILL)
     p.wait()
     deadline = time.time() + 5
-    while time.time() < deadline and subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout.split():
+    while time.time() < deadline and subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout.split():
         time.sleep(0.05)
-    assert subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout == b""
+    assert subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout == b""
     assert _mounts_mentioning(str(project)) == 0
     # the lock is free again, and the next run sweeps the dead run's cgroups
     r = user.cli(["run", "--session", "k", "--no-wait", "--", "true"], cwd=project)

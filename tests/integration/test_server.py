@@ -115,21 +115,33 @@ def test_killing_a_served_client_ends_its_run(user: User, project: Path) -> None
     _start_server(user, project)
     marker = f"stockade-served-{os.getpid()}"
     p = subprocess.Popen([*user.prefix(), user.python, "-m", "stockade", "run", "--session", "k", "--",
-                          "sh", "-c", f"(exec -a {marker} sleep 300 &) ; exec -a {marker} sleep 300"],
+                          "bash", "-c", f"(exec -a {marker} sleep 300 &) ; exec -a {marker} sleep 300"],
                          cwd=project, env=user.env(DEBUG), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 15
-    while time.time() < deadline and not subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout:
+    while not subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout:  # the sandboxed sleeps
+        if time.time() > deadline:
+            p.kill()
+            pytest.fail("sandboxed sleep never started")
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait()
     deadline = time.time() + 5
-    while time.time() < deadline and subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout:
+    while time.time() < deadline and subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout:
         time.sleep(0.05)
-    assert subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout == b""
+    assert subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout == b""
     assert _mounts_mentioning(str(project)) == 0
+    assert p.stderr is not None
+    err = p.stderr.read()
+    assert b"served by supervisor " in err, err
+    sup = int(err.split(b"served by supervisor ")[1].split()[0])
     r = user.cli(["run", "--session", "k", "--no-wait", "--", "true"], cwd=project, env=DEBUG)
     assert r.returncode == 0, r.stderr.decode()  # the lock is free again
     assert b"served by supervisor" in r.stderr
+    # the killed supervisor's cgroups (made ahead, or its own) are swept by the next run
+    deadline = time.time() + 5
+    while time.time() < deadline and list(Path("/sys/fs/cgroup").glob(f"*/**/stockade-*-{sup}-*")):
+        time.sleep(0.1)
+    assert list(Path("/sys/fs/cgroup").glob(f"*/**/stockade-*-{sup}-*")) == []
 
 
 def test_a_client_in_another_namespace_is_declined(user: User, project: Path) -> None:
@@ -309,3 +321,47 @@ def test_a_killed_shared_launcher_does_not_break_served_runs(user: User, project
         r = user.cli(["run", "--", "echo", str(i)], cwd=project, env=DEBUG)
         assert (r.returncode, r.stdout) == (0, f"{i}\n".encode()), r.stderr.decode()
         assert b"served by supervisor" in r.stderr
+
+
+def _run_record(user: User, session: str, n: int) -> dict[str, object]:
+    import json
+
+    sess = next(d for d in (user.state / "sessions").iterdir() if (d / "meta.json").exists()
+                and json.loads((d / "meta.json").read_text()).get("name") in (session, None) and d.name == session)
+    rec: dict[str, object] = json.loads((sess / "runs" / str(n) / "run.json").read_text())
+    return rec
+
+
+def test_served_runs_in_cgroups_made_ahead_account_alone(user: User, project: Path) -> None:
+    """cgroup v1: a spare makes the next run's cgroups and has the shared launcher's
+    run child enter them before the client comes (no move on the run's path). Each
+    served run's peak memory and CPU time are still its own."""
+    from stockade.cgroups import detect as det
+
+    det.reset()
+    if user.name != "root" or det.detect().kind != "v1":
+        pytest.skip("the v1 path, where this host's root can make cgroups")
+    _start_server(user, project)
+    hog = "x = bytearray(96 << 20); x[::4096] = b'1' * len(x[::4096])"
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    seen_ahead = False
+    for n, argv in enumerate((["true"], ["true"], ["python3", "-c", hog], ["true"], ["python3", "-c", spin], ["true"]), 1):
+        deadline = time.time() + 3
+        while n > 2 and not seen_ahead and time.time() < deadline:  # a run child waits in cgroups made ahead
+            out = []
+            for spare in _server_pids(user):
+                for d in Path("/sys/fs/cgroup/pids").glob(f"stockade-next-{spare}-*"):
+                    out += (d / "cgroup.procs").read_text().split()
+            seen_ahead = any(Path(f"/proc/{p}/comm").exists() and Path(f"/proc/{p}/comm").read_text().strip() == "stockade-run"
+                             for p in out)
+            time.sleep(0.02)
+        r = user.cli(["run", "--session", "acct", "--", *argv], cwd=project, env=DEBUG)
+        assert r.returncode == 0, r.stderr.decode()
+        assert b"served by supervisor" in r.stderr
+    assert seen_ahead
+    recs = [_run_record(user, "acct", n) for n in range(1, 7)]
+    peak = [int(str(r["peak_memory"])) for r in recs]
+    cpu = [float(str(r["cpu_time"])) for r in recs]
+    assert peak[2] >= 96 << 20, peak
+    assert all(peak[i] < 32 << 20 for i in (0, 1, 3, 5)), peak  # a fresh cgroup each run
+    assert cpu[4] >= 0.25 and all(cpu[i] < 0.2 for i in (0, 1, 3, 5)), cpu

@@ -69,6 +69,9 @@ class V1Manager:
     _spare_key: tuple[Limits, bool] | None = field(default=None, repr=False, compare=False)
     _retired: list[V1RunCgroup] = field(default_factory=list, repr=False, compare=False)
     _ended: int = field(default=0, repr=False, compare=False)  # runs retired in this process
+    # remove ended runs' cgroups later even in a first run (a CLI server's supervisor
+    # flushes after its reply: its run child leaves the cgroups last)
+    defer_removal: bool = field(default=False, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def _needed(self, limits: Limits, pid_namespace: bool = False) -> list[Hierarchy]:
@@ -153,7 +156,7 @@ class V1Manager:
         """A run that ended (its tasks gone, its stats read): its cgroups are removed by
         the next ``prepare_next`` or ``flush``; in a process's first run, now."""
         with self._lock:
-            later = self._ended > 0 and not run._removed
+            later = (self._ended > 0 or self.defer_removal) and not run._removed
             self._ended += 1
             if later:
                 self._retired.append(run)
@@ -209,6 +212,9 @@ class V1RunCgroup:
     dirs: list[tuple[Hierarchy, str]] = field(default_factory=list)
     _removed: bool = False
     _fds: dict[str, int] = field(default_factory=dict, repr=False)  # open interface files by path
+    # a launcher's run child entered these cgroups ahead (launcher.join): its init may
+    # be born in them, and then needs no move
+    joined: bool = False
 
     def open_files(self) -> None:
         """Open cgroup.procs (to attach) and the stat files now, so that the run's own
@@ -272,7 +278,22 @@ class V1RunCgroup:
     def clone_into_fd(self) -> int | None:
         return None
 
+    def holds(self, pid: int) -> bool:
+        """Whether ``pid`` is in every one of these cgroups (itself, not below)."""
+        lines = proc_cgroup_lines(pid)
+        for h, _path in self.dirs:
+            rel = h.own_rel.rstrip("/") + "/" + self.dirname
+            if not any(set(ctrls.split(",")) & h.controllers and path == rel for _hid, ctrls, path in lines):
+                return False
+        return True
+
+    def procs_fds(self) -> list[int]:
+        """The open ``cgroup.procs`` files (``open_files``), one per hierarchy."""
+        return [fd for path, fd in self._fds.items() if path.endswith("/cgroup.procs")]
+
     def attach(self, pid: int) -> None:
+        if self.joined and self.holds(pid):
+            return  # born here: its launcher run child entered these cgroups ahead
         data = str(pid)
         for _h, path in self.dirs:
             f = os.path.join(path, "cgroup.procs")

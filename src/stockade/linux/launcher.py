@@ -40,7 +40,10 @@ from . import native
 _MSG = struct.Struct("IIII")
 _U32 = struct.Struct("I")
 _MAGIC = 0x314C4B53
-_BASE, _RUN = 1, 2
+_BASE, _RUN, _JOIN = 1, 2, 3
+# The token of a spare reserved with ``join`` (a CLI server's spare sets it): sent
+# with this process's runs so the launcher hands them the reserved run child.
+reserved_token = 0
 _PLAN_IN_FD = 1
 _INLINE_MAX = 200 * 1024
 _IDLE_MAX = 4  # launchers kept for bases no run uses any more
@@ -252,17 +255,20 @@ class Launcher:
             if child is not None:
                 child.close()
 
-    def _send(self, kind: int, packed: bytes, fds: list[int], reserved: int = 0) -> None:
+    def _send(self, kind: int, packed: bytes, fds: list[int], reserved: int = 0, token: int = 0) -> None:
         extra: list[int] = []
-        flags = 0
+        flags = (token & 0xFFFFFF) << 8
         body = packed
         if len(packed) > _INLINE_MAX:
             mfd = os.memfd_create("stockade-plan", os.MFD_CLOEXEC)
             os.write(mfd, packed)  # memfd writes are whole
             extra = [mfd]
-            flags = _PLAN_IN_FD
+            flags |= _PLAN_IN_FD
             body = b""
         try:
+            if not fds and not extra:  # send_fds with no fds still sends an empty SCM_RIGHTS
+                self.ctl.sendmsg([_MSG.pack(_MAGIC, kind, flags, reserved), body])
+                return
             socket.send_fds(self.ctl, [_MSG.pack(_MAGIC, kind, flags, reserved), body], fds + extra)
         finally:
             for fd in extra:
@@ -280,7 +286,8 @@ class Launcher:
             with self.lock:
                 self.inflight += 1
             try:
-                self._send(_RUN, packed, [rep_w, sync_r, st_theirs.fileno(), *fds], reserved=hold_slot + 1)
+                self._send(_RUN, packed, [rep_w, sync_r, st_theirs.fileno(), *fds], reserved=hold_slot + 1,
+                           token=reserved_token)
             finally:
                 os.close(rep_w)
                 os.close(sync_r)
@@ -435,6 +442,41 @@ def _forget_after_fork() -> None:
             la.pidfd = -1
         del _launchers[key]
     _unavailable.clear()
+
+
+def _launcher_for(plan: Plan) -> Launcher | None:
+    parts = split(plan)
+    if parts is None:
+        return None
+    with _lock:
+        return _launchers.get(_key(plan, parts[0]))
+
+
+def join(plan: Plan, procs_fds: list[int], token: int) -> bool:
+    """Reserve this plan's launcher's spare run child for the runs that send
+    ``token`` (``reserved_token``), and have it enter the cgroups whose
+    ``cgroup.procs`` files are ``procs_fds`` now (cgroup v1: the move waits for an
+    RCU grace period unless one just passed; the spare waits, not the run). The
+    run's init is then born in them; a run that finds it elsewhere (the spare was
+    not free) is moved by its caller, as always."""
+    la = _launcher_for(plan)
+    if la is None or not procs_fds or not 0 < token < 1 << 24:
+        return False
+    try:
+        la._send(_JOIN, b"", procs_fds, token=token)
+    except OSError:
+        return False
+    return True
+
+
+def release(plan: Plan, token: int) -> None:
+    """Give up a reservation no run used: the launcher lets that spare go."""
+    la = _launcher_for(plan)
+    if la is not None and 0 < token < 1 << 24:
+        try:
+            la._send(_JOIN, b"", [], token=token)
+        except OSError:
+            pass
 
 
 def preconnect(plan: Plan) -> bool:
