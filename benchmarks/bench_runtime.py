@@ -99,7 +99,7 @@ def main() -> None:
         subprocess.run(cli3, stderr=subprocess.DEVNULL, env=nocg)
         more = interleaved({
             "`stockade run -- true` (CLI, served)": lambda: subprocess.run(cli, stderr=subprocess.DEVNULL),
-            "  same, cgroups off (rlimits only)": lambda: subprocess.run(cli3, stderr=subprocess.DEVNULL, env=nocg),
+            "  CLI served, cgroups off (rlimits only)": lambda: subprocess.run(cli3, stderr=subprocess.DEVNULL, env=nocg),
             "  same, in-process (STOCKADE_SERVER=0)": lambda: subprocess.run(cli2, stderr=subprocess.DEVNULL, env=inproc),
             "python -I -S -c pass (interpreter floor)": lambda: subprocess.run(pyc),
             "python -c pass (with site, as the CLI)": lambda: subprocess.run(pyc[:1] + pyc[3:]),
