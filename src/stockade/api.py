@@ -131,7 +131,10 @@ def run(
     """Run ``args`` sandboxed, like ``subprocess.run``; the result also has ``.session``."""
     proj = planmod.resolve_project(project)
     sess = store.open_or_create(proj, session)
-    return _run_in_session(sess, proj, args, **kwargs)
+    # a new session each call: the next one's directories are made while this sandbox
+    # starts (not in a CLI process: it makes one run)
+    ahead = session is None and not kwargs.get("plain_result")
+    return _run_in_session(sess, proj, args, session_ahead=ahead, **kwargs)
 
 
 def _run_in_session(
@@ -154,6 +157,7 @@ def _run_in_session(
     forward_signals: bool = False,
     pty: bool = False,
     plain_result: bool = False,
+    session_ahead: bool = False,
     **opts: Any,
 ) -> RunResult:
     if capture_output:
@@ -172,7 +176,7 @@ def _run_in_session(
             text_mode=text_mode, encoding=encoding, errors=errors, timeout=prep.timeout, check=check,
             cg_manager=prep.cg_manager, limits=prep.limits, quiet=quiet,
             raise_timeout=raise_timeout and prep.timeout == timeout, forward_signals=forward_signals,
-            pty=pty, audit_info=prep.audit, plain_result=plain_result, hold_fd=hold_fd,
+            pty=pty, audit_info=prep.audit, plain_result=plain_result, hold_fd=hold_fd, session_ahead=session_ahead,
         )
 
 
@@ -264,6 +268,7 @@ def _execute(
     audit_info: dict[str, Any] | None = None,
     plain_result: bool = False,
     hold_fd: int = -1,
+    session_ahead: bool = False,
 ) -> RunResult:
     """Start, supervise and record one run. ``plain_result`` (the CLI): a PlainResult
     with the same fields instead of a RunResult. ``hold_fd``: the session's overlay
@@ -353,6 +358,8 @@ def _execute(
         if cg is not None and hasattr(cg_manager, "prepare_next"):
             # the sandbox is starting: meanwhile, the next run's cgroups
             cg_manager.prepare_next(limits, pid_namespace="pid" in plan.namespaces)
+        if session_ahead:
+            store.make_ahead()  # and the next new session's directories
         if pty:
             for fd in console:
                 to_close.remove(fd)

@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -238,13 +239,8 @@ def _new_id() -> str:
     return time.strftime("%m%d") + "-" + os.urandom(3).hex()
 
 
-def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | None = None) -> Session:
-    """Create a session for ``project`` (absolute, resolved).
-
-    Built in a hidden temporary directory and renamed into place, so a session
-    that exists is complete: concurrent creators and crashes leave no half-made one.
-    """
-    root = sessions_dir()
+def _new_dir(root: Path) -> Path:
+    """A hidden session directory with its empty layers, not yet published."""
     try:
         os.mkdir(root, 0o700)
     except FileExistsError:
@@ -256,6 +252,103 @@ def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | N
     try:
         for sub in ("upper", "work"):
             os.mkdir(os.path.join(tmp, sub), 0o755 if sub == "upper" else 0o700)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
+# Directories made ahead for the next new session of this process (``make_ahead``),
+# by state dir: ``stockade.run`` without a session makes one per call, and its
+# sandbox takes milliseconds to start, time in which the caller makes the next one's
+# directories; publishing it is then one file and a rename. Removed at exit.
+_ahead: dict[Path, list[Path]] = {}
+_ahead_lock = threading.Lock()
+
+
+def make_ahead() -> None:
+    """Make the directories of this process's next new session now (at most one)."""
+    root = sessions_dir()
+    with _ahead_lock:
+        if _ahead.get(root):
+            return
+        first = not _ahead
+        _ahead[root] = []
+    try:
+        tmp = _new_dir(root)
+    except OSError:
+        return
+    with _ahead_lock:
+        _ahead.setdefault(root, []).append(tmp)
+    if first:
+        import atexit
+
+        atexit.register(_drop_ahead)
+        _sweep_new_dirs(root)
+
+
+def _sweep_new_dirs(root: Path) -> None:
+    """Remove unpublished session directories of processes that are gone (made
+    ahead by a process that ended without its exit handlers, or a crash)."""
+    import shutil
+
+    try:
+        names = [e.name for e in os.scandir(root) if e.name.startswith(".new-")]
+    except OSError:
+        return
+    for n in names:
+        pid = n.split("-")[1] if n.count("-") >= 2 else ""
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        shutil.rmtree(root / n, ignore_errors=True)
+
+
+def _take_ahead(root: Path) -> Path | None:
+    with _ahead_lock:
+        made = _ahead.get(root)
+        tmp = made.pop() if made else None
+    if tmp is not None and not os.path.isdir(tmp / "work"):
+        return None  # removed meanwhile (a cleanup of the state dir)
+    return tmp
+
+
+def _drop_ahead() -> None:
+    import shutil
+
+    with _ahead_lock:
+        dirs = [d for made in _ahead.values() for d in made]
+        _ahead.clear()
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _forget_ahead() -> None:
+    global _ahead_lock
+    _ahead_lock = threading.Lock()
+    _ahead.clear()  # the parent's: a fork child never publishes them
+
+
+os.register_at_fork(after_in_child=_forget_ahead)
+
+
+def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | None = None) -> Session:
+    """Create a session for ``project`` (absolute, resolved).
+
+    Built in a hidden temporary directory and renamed into place, so a session
+    that exists is complete: concurrent creators and crashes leave no half-made one.
+    """
+    root = sessions_dir()
+    tmp = _take_ahead(root) or _new_dir(root)
+    try:
         for _ in range(100):
             sid = validate_name(name) if name else _new_id()
             now = time.time_ns()
