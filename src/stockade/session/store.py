@@ -239,7 +239,7 @@ def _new_id() -> str:
     return time.strftime("%m%d") + "-" + os.urandom(3).hex()
 
 
-def _new_dir(root: Path) -> Path:
+def _new_dir(root: Path, subs: tuple[str, ...] = ("upper", "work")) -> Path:
     """A hidden session directory with its empty layers, not yet published."""
     try:
         os.mkdir(root, 0o700)
@@ -250,7 +250,7 @@ def _new_dir(root: Path) -> Path:
     tmp = root / f".new-{os.getpid()}-{os.urandom(6).hex()}"
     os.mkdir(tmp, 0o700)
     try:
-        for sub in ("upper", "work"):
+        for sub in subs:
             os.mkdir(os.path.join(tmp, sub), 0o755 if sub == "upper" else 0o700)
     except BaseException:
         import shutil
@@ -277,7 +277,7 @@ def make_ahead() -> None:
         first = not _ahead
         _ahead[root] = []
     try:
-        tmp = _new_dir(root)
+        tmp = _new_dir(root, ("upper", "work", "runs"))  # runs/ too: made when its first run starts otherwise
     except OSError:
         return
     with _ahead_lock:
