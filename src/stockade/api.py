@@ -217,7 +217,11 @@ def _audit_run_start(sess: store.Session, run_no: int, argv: list[str], cwd: str
 
     log = AuditLog(sess, batch=True)
     try:
-        if not os.path.exists(sess.events_path):
+        try:
+            fresh = os.stat(sess.events_path).st_size == 0  # a session made ahead has it, empty
+        except FileNotFoundError:
+            fresh = True
+        if fresh:
             log.session_start(pol, project=info.get("project", ""))
         log.run_start(run_no, argv, cwd, pol)
         if info.get("masked"):

@@ -278,6 +278,7 @@ def make_ahead() -> None:
         _ahead[root] = []
     try:
         tmp = _new_dir(root, ("upper", "work", "runs"))  # runs/ too: made when its first run starts otherwise
+        write_file(str(tmp / "events.jsonl"), b"", 0)  # and the audit log, empty (its first run starts it)
     except OSError:
         return
     with _ahead_lock:
