@@ -201,16 +201,21 @@ def spawn(d: str, name: str) -> None:
         os._exit(0)
 
 
+def serve_and_exit(argv: list[str]) -> None:
+    """Exit with the status of ``stockade <argv>`` run by the server, if it took it."""
+    rc = run(argv)
+    if rc is not None:
+        # the run happened in the server's supervisor: nothing here to finalize
+        sys.stderr.flush()
+        os._exit(rc & 0xFF)
+
+
 def main() -> int:
     """The ``stockade`` command: a run through the server when it can take it, else
     the CLI in-process (imported only then)."""
     argv = sys.argv[1:]
     if argv[:1] == ["run"]:
-        rc = run(argv)
-        if rc is not None:
-            # the run happened in the server's supervisor: nothing here to finalize
-            sys.stderr.flush()
-            os._exit(rc & 0xFF)
+        serve_and_exit(argv)
     from .cli import main as cli_main
 
     return cli_main(serve=False)

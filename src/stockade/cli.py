@@ -321,13 +321,9 @@ def main(argv: list[str] | None = None, *, serve: bool = True) -> int:
     words = sys.argv[1:] if argv is None else argv
     if serve and argv is None and words[:1] == ["run"]:
         # the user's warm server runs it (same code, same context), else in-process
-        from ._client import run as served
+        from ._client import serve_and_exit
 
-        rc = served(words)
-        if rc is not None:
-            # the run happened in the server's supervisor: nothing here to finalize
-            sys.stderr.flush()
-            os._exit(rc & 0xFF)
+        serve_and_exit(words)
     fast = _fast_run(words)
     if fast is not None:
         return _guarded(lambda: _run(fast))

@@ -9,6 +9,15 @@ from collections.abc import Mapping
 from typing import Any
 
 
+def file_sig(path: str) -> tuple[int, int, int, int, int] | None:
+    """(dev, ino, size, mtime, ctime) of ``path``, None when it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def paths_hold(dirs: Mapping[str, Any]) -> bool:
     """Each directory's recorded (dev, ino, mtime) still holds, or else none of the
     entries recorded beneath it became a symlink."""

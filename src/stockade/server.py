@@ -413,11 +413,12 @@ class Server:
         is new to this server."""
         from . import warm
         from .linux import launcher
+        from .pathsig import file_sig
 
         if not path.startswith(self.cache_dir):
             return False
         pre = warm._preloaded.get(path)
-        if pre is not None and warm._sig(path) == pre[0]:
+        if pre is not None and file_sig(path) == pre[0]:
             try:
                 launcher.preconnect(pre[2])  # still connected, or to the launcher's successor
             except Exception:  # an optimisation only

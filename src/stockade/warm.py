@@ -25,13 +25,17 @@ again, conditional secret files, command rules, a seccomp profile given as a
 path) means no entry is written, and the run is prepared in full. The session's
 own layers (snapshots, the mask layer) are applied to the stored plan per run.
 
-Only os, marshal and the blake2 digest are imported to check an entry.
+Only os, marshal, the blake2 digest and ``stockade.pathsig`` are imported to check
+an entry.
 """
 
 from __future__ import annotations
 
 import marshal
 import os
+
+from .pathsig import file_sig as _sig
+from .pathsig import paths_hold
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -53,14 +57,6 @@ _SOURCES = (
     "cgroups/v1.py", "cgroups/v2.py", "cgroups/hybrid.py", "cgroups/none.py", "linux/seccomp.py",
     "session/masklayer.py",
 )
-
-
-def _sig(path: str) -> tuple[int, int, int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _digest(data: bytes) -> str:
@@ -293,8 +289,6 @@ def _deps_hold(d: dict[str, Any]) -> bool:
     for f, s in d["policy_files"]:
         if _sig(f) != s:
             return False
-    from .pathsig import paths_hold
-
     if not paths_hold(d["policy_dirs"]):
         return False
     for raw, real in d["policy_resolved"]:

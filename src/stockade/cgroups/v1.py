@@ -278,11 +278,15 @@ class V1RunCgroup:
     def clone_into_fd(self) -> int | None:
         return None
 
+    def _rel(self, h: Hierarchy) -> str:
+        """This run's cgroup in hierarchy ``h`` as /proc/<pid>/cgroup shows it."""
+        return h.own_rel.rstrip("/") + "/" + self.dirname
+
     def holds(self, pid: int) -> bool:
         """Whether ``pid`` is in every one of these cgroups (itself, not below)."""
         lines = proc_cgroup_lines(pid)
         for h, _path in self.dirs:
-            rel = h.own_rel.rstrip("/") + "/" + self.dirname
+            rel = self._rel(h)
             if not any(set(ctrls.split(",")) & h.controllers and path == rel for _hid, ctrls, path in lines):
                 return False
         return True
@@ -320,7 +324,7 @@ class V1RunCgroup:
     def _is_member(self, pid: int) -> bool:
         lines = proc_cgroup_lines(pid)
         for h, _path in self.dirs:
-            rel = h.own_rel.rstrip("/") + "/" + self.dirname
+            rel = self._rel(h)
             for _hid, ctrls, path in lines:
                 if set(ctrls.split(",")) & h.controllers and (
                     path == rel or path.startswith(rel + "/")

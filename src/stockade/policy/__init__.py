@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PolicyError
+from ..pathsig import file_sig as _file_sig
 from ..pathsig import paths_hold
 from . import config as _config
 from .config import CommandEntry, Item, Layer, Origin, PathEntry
@@ -585,14 +586,6 @@ def load(project: Path, session_dir: Path | None, cli: CliPolicy | None = None, 
 
 RACY_NS = 2_000_000_000
 _ENV_KEYS = ("HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "STOCKADE_STATE_DIR")
-
-
-def _file_sig(path: str) -> tuple[int, int, int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _read_bytes(path: str) -> bytes | None:

@@ -465,21 +465,22 @@ class noting:
         _notes.log = self.prev
 
 
-def realpath(p: str) -> str:
-    """``os.path.realpath``, noted."""
-    r = os.path.realpath(p)
+def _noted(kind: str, p: str, r: Any) -> Any:
     log = getattr(_notes, "log", None)
     if log is not None:
-        log.append(("realpath", p, r))
+        log.append((kind, p, r))
+    return r
+
+
+def realpath(p: str) -> str:
+    """``os.path.realpath``, noted."""
+    r: str = _noted("realpath", p, os.path.realpath(p))
     return r
 
 
 def lexists(p: str) -> bool:
     """``os.path.lexists``, noted."""
-    r = os.path.lexists(p)
-    log = getattr(_notes, "log", None)
-    if log is not None:
-        log.append(("lexists", p, r))
+    r: bool = _noted("lexists", p, os.path.lexists(p))
     return r
 
 
