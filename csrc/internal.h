@@ -39,6 +39,8 @@ int sk_mounts_finish(int rep, int detached);
 
 /* spawn.c: a launcher's run child (already in its own namespaces). */
 void sk_run_child(const struct sk_plan *p, int sync_fd, int rep) __attribute__((noreturn));
+/* cgroup v1: enter the run's cgroups (plan->cgroup_join_fds); exits on failure. */
+void sk_cgroup_join(const struct sk_plan *p, int rep);
 
 /* wire.c (launcher side). */
 int sk_plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p);

@@ -65,6 +65,27 @@ void sk_report(int fd, int kind, int step, int err, int value, const char *path)
 #define FAIL(step, path) \
     do { sk_report(rep, SK_REP_ERROR, (step), errno, 0, (path)); _exit(125); } while (0)
 
+/* Write "0" (this task) to each of the run's v1 `tasks` files. Moving another
+ * process (cgroup.procs, or any pid) takes the threadgroup lock, whose writer
+ * waits for an RCU grace period (5-15 ms) unless one just passed; a
+ * single-threaded task moving itself does not. Before anything of the run's:
+ * everything the command does is accounted and limited. */
+void sk_cgroup_join(const struct sk_plan *p, int rep)
+{
+    for (size_t i = 0; i < p->n_cgroup_join_fds; i++) {
+        int fd = p->cgroup_join_fds[i];
+        ssize_t n;
+        do
+            n = write(fd, "0", 1);
+        while (n < 0 && errno == EINTR);
+        if (n != 1) {
+            sk_report(rep, SK_REP_ERROR, SK_STEP_CGROUP_JOIN, n < 0 ? errno : EIO, (int)i, NULL);
+            _exit(125);
+        }
+        close(fd);
+    }
+}
+
 static void reset_signals(void)
 {
     struct sigaction sa;
@@ -307,6 +328,12 @@ static void __attribute__((noreturn)) child_main(const struct sk_plan *p, int sy
         _exit(125); /* the parent went away before "go" */
     if (p->launcher_exec_fd >= 0)
         exec_launcher(p, rep);
+    if (p->n_cgroup_join_fds) {
+        /* the cgroup namespace was left for now: rooted at the run's cgroups */
+        sk_cgroup_join(p, rep);
+        if ((p->clone_flags & CLONE_NEWCGROUP) && unshare(CLONE_NEWCGROUP) < 0)
+            FAIL(SK_STEP_UNSHARE, "cgroup");
+    }
 
     if (sk_mounts_child(p, rep) < 0)
         _exit(125);
@@ -412,6 +439,8 @@ int sk_spawn(const struct sk_plan *p, struct sk_child *out, int *step)
     int pidfd = -1;
     memset(&ca, 0, sizeof ca);
     ca.flags = p->clone_flags | CLONE_PIDFD;
+    if (p->n_cgroup_join_fds)
+        ca.flags &= ~(unsigned long long)CLONE_NEWCGROUP; /* the child joins its cgroups first */
     ca.pidfd = (uint64_t)(uintptr_t)&pidfd;
     ca.exit_signal = SIGCHLD;
     if (p->cgroup_fd >= 0) {

@@ -68,6 +68,11 @@ struct sk_landlock {
 struct sk_plan {
     unsigned long long clone_flags;   /* CLONE_NEW* */
     int cgroup_fd;                    /* >= 0: CLONE_INTO_CGROUP */
+    const int *cgroup_join_fds;       /* cgroup v1: the run's `tasks` files; the child
+                                         writes "0" to each first (a task moving itself
+                                         skips the RCU grace period a move of another
+                                         process waits for), before its cgroup namespace */
+    size_t n_cgroup_join_fds;
 
     const char *uid_map;              /* written by the parent */
     const char *gid_map;
@@ -152,6 +157,7 @@ struct sk_plan {
 #define SK_STEP_PIPE 28
 #define SK_STEP_LAUNCHER 29
 #define SK_STEP_UNSHARE 30
+#define SK_STEP_CGROUP_JOIN 31 /* value = index into cgroup_join_fds */
 
 struct sk_report {
     int kind;

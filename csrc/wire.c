@@ -13,7 +13,7 @@
 
 #include "internal.h"
 
-#define SK_WIRE_MAGIC 0x31504b53u /* "SKP1" */
+#define SK_WIRE_MAGIC 0x32504b53u /* "SKP2" */
 #define SK_NULL_LEN 0xffffffffu
 
 struct wbuf {
@@ -62,6 +62,9 @@ size_t sk_plan_pack(const struct sk_plan *p, unsigned char *buf, size_t cap)
     put_u32(&w, SK_WIRE_MAGIC);
     put_u64(&w, p->clone_flags);
     put_i32(&w, p->cgroup_fd);
+    put_u32(&w, (uint32_t)p->n_cgroup_join_fds);
+    for (size_t i = 0; i < p->n_cgroup_join_fds; i++)
+        put_i32(&w, p->cgroup_join_fds[i]);
     put_str(&w, p->uid_map);
     put_str(&w, p->gid_map);
     put_i32(&w, p->deny_setgroups);
@@ -206,6 +209,7 @@ void sk_plan_free(struct sk_plan *p)
     free((void *)p->ops);
     free((void *)p->rlimits);
     free((void *)p->keep_fds);
+    free((void *)p->cgroup_join_fds);
     free((void *)p->landlock.rules);
     free((void *)p->landlock.bind_ports);
     free((void *)p->landlock.connect_ports);
@@ -222,6 +226,11 @@ int sk_plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p)
         return -EINVAL;
     p->clone_flags = get_u64(&r);
     p->cgroup_fd = get_i32(&r);
+    p->n_cgroup_join_fds = get_count(&r, 16);
+    int *jf = calloc(p->n_cgroup_join_fds + 1, sizeof *jf);
+    p->cgroup_join_fds = jf;
+    for (size_t i = 0; jf && i < p->n_cgroup_join_fds; i++)
+        jf[i] = get_i32(&r);
     p->uid_map = get_str(&r);
     p->gid_map = get_str(&r);
     p->deny_setgroups = get_i32(&r);
@@ -295,7 +304,7 @@ int sk_plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p)
     p->path_env = get_str(&r);
     p->hold_before_exec = get_i32(&r);
     p->skip_first_go = get_i32(&r);
-    if (get_u32(&r) != SK_WIRE_MAGIC || !ops || !rl || !kf || !rules || !ll->bind_ports ||
+    if (get_u32(&r) != SK_WIRE_MAGIC || !jf || !ops || !rl || !kf || !rules || !ll->bind_ports ||
         !ll->connect_ports || r.off != r.len)
         r.bad = 1;
     if (r.bad) {

@@ -18,7 +18,8 @@
  *   BASE: build the base tree; reply on the control socket with an sk_report
  *         (SK_REP_READY or SK_REP_ERROR).
  *   RUN:  fds = report pipe (write end), sync pipe (read end), status socket,
- *         then the slots the plan's fd fields index (stdio, console, cgroup),
+ *         then the slots the plan's fd fields index (stdio, console, cgroup,
+ *         the v1 cgroups' tasks files init joins),
  *         then the fds to pass through (plan->keep_fds names their numbers).
  *         C1 answers on the status socket: SK_REP_INIT with init's pidfd, or
  *         SK_REP_ERROR; later SK_REP_INIT_EXIT with init's wait status.
@@ -58,8 +59,6 @@
 #define SK_MSG_MAGIC 0x314c4b53u /* "SKL1" */
 #define SK_MSG_BASE 1
 #define SK_MSG_RUN 2
-#define SK_MSG_JOIN 3 /* reserve the spare for a token; fds: cgroup.procs files to enter */
-#define SK_MSG_TOKEN(h) ((h)->flags >> 8) /* JOIN, RUN: a reservation's token (24 bits; 0: none) */
 #define SK_MSG_PLAN_IN_FD 1
 #define MAX_FDS 250
 #define INLINE_MAX (256 * 1024)
@@ -82,7 +81,6 @@ static int live;                       /* forked children not yet reaped (runs, 
 static pid_t spare_pid = -1;
 static int spare_sock = -1;            /* to the spare run child, when there is one */
 static unsigned long spare_flags;      /* the namespaces it made */
-static uint32_t spare_token;           /* nonzero: reserved for the run that sends this token */
 static unsigned long last_flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID;
 static int own_mntns = -1;             /* our mount namespace: C1's way out of a run's */
 
@@ -270,6 +268,9 @@ static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int
     p->console_sock = slot(fds, nfds, p->console_sock);
     int cgfd = slot(fds, nfds, p->cgroup_fd);
     p->cgroup_fd = -1;
+    int *join = (int *)p->cgroup_join_fds;
+    for (size_t i = 0; i < p->n_cgroup_join_fds; i++)
+        join[i] = slot(fds, nfds, join[i]);
     size_t nk = p->n_keep_fds;
     int keep_src[256];
     int floor = 2;
@@ -296,6 +297,7 @@ static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int
         close(st);
         if (cgfd >= 0)
             close(cgfd);
+        sk_cgroup_join(p, rep); /* then the cgroup namespace is rooted at them */
         if ((p->clone_flags & CLONE_NEWCGROUP) && unshare(CLONE_NEWCGROUP) < 0) {
             sk_report(rep, SK_REP_ERROR, SK_STEP_UNSHARE, errno, 0, "cgroup");
             _exit(125);
@@ -413,25 +415,11 @@ static void __attribute__((noreturn)) spare_main(int sock, unsigned long flags)
     int e = unshare((int)flags) < 0 ? errno : 0;
     int fds[MAX_FDS], nfds;
     ssize_t n;
-    for (;;) {
-        do
-            n = recv_msg(sock, fds, &nfds);
-        while (n < 0 && errno == EINTR);
-        if (n <= 0)
-            _exit(0);
-        const struct sk_msg_hdr *h = (const void *)msgbuf;
-        if (n < (ssize_t)sizeof *h || h->type != SK_MSG_JOIN)
-            break;
-        /* Enter the run's cgroups now (cgroup v1: the move waits for an RCU grace
-         * period unless one just passed); init, our child, is born in them. A
-         * refused move only means the requester moves init itself. */
-        for (int i = 0; i < nfds; i++) {
-            if (write(fds[i], "0", 1) < 0) {
-                /* see above */
-            }
-            close(fds[i]);
-        }
-    }
+    do
+        n = recv_msg(sock, fds, &nfds);
+    while (n < 0 && errno == EINTR);
+    if (n <= 0)
+        _exit(0);
     close(sock);
     struct sk_plan p;
     unsigned char *heap;
@@ -443,7 +431,6 @@ static void __attribute__((noreturn)) spare_main(int sock, unsigned long flags)
 
 static void make_spare(unsigned long flags)
 {
-    spare_token = 0;
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
         return;
@@ -470,30 +457,9 @@ static int to_spare(ssize_t n, const int *fds, int nfds)
 {
     int sock = spare_sock;
     spare_sock = -1;
-    spare_token = 0;
     int r = send_msg(sock, n, fds, nfds);
     close(sock);
     return r;
-}
-
-/* A requester reserves the spare (token) and has it enter the run's cgroups ahead
- * of the run (cgroup.procs fds); no fds: it gives the reservation up, and that
- * spare, in cgroups made for it, goes (EOF) for a new one. */
-static void join_spare(uint32_t token, ssize_t n, const int *fds, int nfds)
-{
-    if (nfds == 0) {
-        if (token != 0 && spare_token == token && spare_sock >= 0) {
-            close(spare_sock);
-            spare_sock = -1;
-            spare_pid = -1; /* reaped as an ended run */
-            make_spare(last_flags);
-        }
-        return;
-    }
-    if (token == 0 || spare_sock < 0 || spare_token != 0)
-        return; /* nothing to reserve: that run's init is moved by its requester */
-    if (send_msg(spare_sock, n, fds, nfds) == 0)
-        spare_token = token;
 }
 
 static int send_msg(int sock, ssize_t n, const int *fds, int nfds)
@@ -739,11 +705,6 @@ static int serve_one(int sock)
     if (n < 0)
         return (errno == EINTR || errno == EMSGSIZE || errno == EAGAIN) ? 1 : 0;
     const struct sk_msg_hdr *h = (const void *)msgbuf;
-    if (n >= (ssize_t)sizeof *h && h->magic == SK_MSG_MAGIC && h->type == SK_MSG_JOIN) {
-        join_spare(SK_MSG_TOKEN(h), n, fds, nfds);
-        close_all(fds, nfds);
-        return 1;
-    }
     struct sk_plan p;
     int r = read_plan(n, fds, &nfds, &p, &heap);
     if (r < 0 || h->type != SK_MSG_RUN || nfds < 3) {
@@ -757,9 +718,7 @@ static int serve_one(int sock)
     }
     unsigned long want = run_ns_flags(&p);
     int inline_plan = !(h->flags & SK_MSG_PLAN_IN_FD);
-    /* a reserved spare serves only the run that reserved it (it is in that run's cgroups) */
-    int mine = spare_token == 0 || spare_token == SK_MSG_TOKEN(h);
-    if (!(spare_sock >= 0 && spare_flags == want && inline_plan && mine && to_spare(n, fds, nfds) == 0)) {
+    if (!(spare_sock >= 0 && spare_flags == want && inline_plan && to_spare(n, fds, nfds) == 0)) {
         pid_t pid = fork();
         if (pid == 0)
             run_child(&p, fds, nfds, hold_slot(nfds));

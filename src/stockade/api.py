@@ -337,18 +337,21 @@ def _execute(
     dest_out = None if capture_out else _std_target(stdout, 1)
     dest_err = None if capture_err else _std_target(stderr if stderr != STDOUT else stdout, 2)
     cg = None
+    place = None
     sup: _Supervisor | None = None
     child = None
     reaped = False  # init reaped: with its own PID namespace, nothing of the sandbox is left
     try:
         if cg_manager is not None and limits is not None:
             cg = cg_manager.create(f"{sess.id}-{run_no}", limits, pid_namespace="pid" in plan.namespaces)
-        cg_fd = cg.clone_into_fd() if cg else None
-        # Without CLONE_INTO_CGROUP (v1), attaching is slow: overlap it with the
-        # child's mount setup; the child waits for a second "go" before exec.
-        hold = cg is not None and cg_fd is None
-        child = native.start(plan, (stdin_fd, out_w, err_w), cg_fd, pty=pty, console_sock=console[1], hold_before_exec=hold,
-                             hold_fd=hold_fd)
+        place = cg.placement() if cg else None
+        # v2: born in its cgroup; v1: init enters them itself first. A move by pid
+        # (the fallback) is slow on v1: it overlaps the child's mount setup, and the
+        # child waits for a second "go" before exec.
+        hold = place is not None and place.attach
+        child = native.start(plan, (stdin_fd, out_w, err_w), place.clone_fd if place else None, pty=pty,
+                             console_sock=console[1], hold_before_exec=hold, hold_fd=hold_fd,
+                             join_fds=place.join_fds if place else ())
         if native.go(child) and hold and cg is not None:
             try:
                 cg.attach(child.pid)
@@ -428,7 +431,7 @@ def _execute(
     record["duration"] = round(ended - started, 4)
     if sup.error is not None:
         ops = child.lowered.mounts if child is not None and child.lowered is not None else plan.mounts
-        err = native.report_error(sup.error, ops)
+        err = native.report_error(sup.error, ops, cgroup_paths=place.join_paths if place else ())
         record["status"] = "setup-failed"
         record["error"] = str(err)
         store.write_json_new(run_dir + "/run.json", record)

@@ -131,73 +131,6 @@ class CodeWatch:
         return False
 
 
-class GracePoker:
-    """cgroup v1: moving a process into a cgroup waits for an RCU grace period
-    unless one passed moments ago (the kernel's cgroup_threadgroup_rwsem): 5-15 ms
-    on an idle host, on the CLI's critical path. A small helper process re-enters
-    its own cgroup when a client connects, so the supervisor's attach a few
-    milliseconds later finds that grace period under way or passed. Nothing moves:
-    the helper writes itself into the cgroup it is in."""
-
-    def __init__(self) -> None:
-        self.w = -1
-
-    @staticmethod
-    def _own_procs() -> str | None:
-        from .cgroups.detect import _join, parse_mountinfo, parse_proc_cgroup
-
-        with open("/proc/self/cgroup", encoding="utf-8") as f:
-            _v2, v1 = parse_proc_cgroup(f.read())
-        if "memory" not in v1:
-            return None  # no v1 memory hierarchy: runs are placed by clone (v2), no migration
-        _ctrls, path = v1["memory"]
-        with open("/proc/self/mountinfo", encoding="utf-8") as f:
-            for m in parse_mountinfo(f.read()):
-                if m.fstype == "cgroup" and "memory" in m.controllers:
-                    d = _join(m, path)
-                    return os.path.join(d, "cgroup.procs") if d else None
-        return None
-
-    def start(self, keep: tuple[int, ...]) -> None:
-        try:
-            procs = self._own_procs()
-            if procs is None or not os.access(procs, os.W_OK):
-                return
-            r, w = os.pipe2(os.O_CLOEXEC)
-            pid = os.fork()
-        except OSError:
-            return
-        if pid:
-            os.close(r)
-            self.w = w
-            return
-        try:
-            os.close(w)
-            for fd in keep:
-                os.close(fd)
-            while os.read(r, 64):
-                fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
-                try:
-                    os.write(fd, b"0")
-                finally:
-                    os.close(fd)
-        finally:
-            os._exit(0)
-
-    def poke(self) -> None:
-        if self.w >= 0:
-            try:
-                os.write(self.w, b"x")
-            except OSError:
-                os.close(self.w)
-                self.w = -1
-
-    def close_in_child(self) -> None:
-        if self.w >= 0:
-            os.close(self.w)
-            self.w = -1
-
-
 def _warm() -> None:
     """Import everything a run may use, so a supervisor imports nothing."""
     import pkgutil
@@ -256,7 +189,6 @@ class Server:
     def __init__(self, pkg: str) -> None:
         self.pkg = pkg
         self.code = CodeWatch(pkg)
-        self.grace = GracePoker()
         self.me = _identity("self")
         self.interp = _client.interp_env()
         self.cache_dir = os.path.join(paths.state_dir(), "cache", "")
@@ -436,14 +368,11 @@ class Server:
     # ------------------------------------------------------------------ a spare
 
     @staticmethod
-    def _cgroups_ahead() -> tuple[Any, Any] | None:
+    def _cgroups_ahead() -> Any:
         """Make the cgroups the likeliest next run (the last one's prepared entry)
-        will use, while no client waits, and have the shared launcher's spare run
-        child enter them: on cgroup v1 moving a process waits for an RCU grace
-        period (5-15 ms here) unless one just passed, and the spare waits now, not
-        the run. (manager, plan), or None."""
+        will use, while no client waits (cgroup v1: three mkdirs and their limits).
+        The manager holding them, or None."""
         from . import warm
-        from .linux import launcher
 
         if not warm._preloaded:
             return None
@@ -455,35 +384,14 @@ class Server:
             ahead(limits, pid_namespace="pid" in plan.namespaces)
         except OSError:
             return None
-        run = manager._spare
-        if run is None:
-            return None
-        token = os.getpid() & 0xFFFFFF or 1
-        pids = run._dir("pids")
-        try:
-            if pids is not None and limits.pids is not None:
-                # the run child counts in pids.current: the sandbox keeps its limit
-                run._write(os.path.join(pids, "pids.max"), str(limits.pids + 1))
-            if launcher.join(plan, run.procs_fds(), token):
-                run.joined = True
-                launcher.reserved_token = token
-                manager.defer_removal = True  # removed after the reply (the run child leaves last)
-        except Exception:  # an optimisation only: the run's init is moved as always
-            pass
-        return manager, plan
+        manager.defer_removal = True  # the supervisor removes the run's after its reply
+        return manager
 
     @staticmethod
-    def _unreserve(made: tuple[Any, Any] | None) -> None:
-        """Give a reservation back and remove the cgroups made ahead."""
-        from .linux import launcher
-
-        if made is None:
-            return
-        manager, plan = made
-        if launcher.reserved_token:
-            launcher.release(plan, launcher.reserved_token)
-            launcher.reserved_token = 0
-        manager.flush()
+    def _unmake(manager: Any) -> None:
+        """Remove the cgroups made ahead that no run took."""
+        if manager is not None:
+            manager.flush()
 
     def spare(self, lst: socket.socket, ctl: int, status: int) -> None:
         """Wait for a client (or retirement); serve it: decline, or become its supervisor."""
@@ -504,9 +412,7 @@ class Server:
                     continue  # another spare took it
         finally:
             if conn is None:
-                self._unreserve(made)  # nobody will run in the cgroups made ahead
-        if not launcher_reserved():
-            self.grace.poke()  # the run's init will be moved: start the grace period now
+                self._unmake(made)  # nobody will run in the cgroups made ahead
         os.write(status, b"T\n")
         lst.close()
         os.close(ctl)
@@ -521,18 +427,11 @@ class Server:
         elif (reason := self.decline_reason(req)) is not None:
             self.reply(req, b"M" + reason.encode())
         else:
-            self.grace.close_in_child()
             if self.code.fd >= 0:
                 os.close(self.code.fd)
             supervise(req, status, made)
             return
-        self._unreserve(made)
-
-
-def launcher_reserved() -> bool:
-    from .linux import launcher
-
-    return launcher.reserved_token != 0
+        self._unmake(made)
 
 
 def _adopt(req: Request) -> None:
@@ -569,7 +468,7 @@ def _adopt(req: Request) -> None:
     req.fds = []
 
 
-def supervise(req: Request, note: int, made: tuple[Any, Any] | None = None) -> None:
+def supervise(req: Request, note: int, made: Any = None) -> None:
     """In the forked child: become the client's CLI for this one run."""
     gc.disable()  # a short-lived process: collections would only copy shared pages
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -626,7 +525,7 @@ def supervise(req: Request, note: int, made: tuple[Any, Any] | None = None) -> N
         except Exception:  # housekeeping only
             pass
     try:
-        Server._unreserve(made)  # the run used the reservation, or gives it back
+        Server._unmake(made)  # what the run did not use
         from .cgroups.v1 import flush_all
 
         flush_all()  # what atexit would do: os._exit below skips it
@@ -690,7 +589,6 @@ def main() -> None:
         return
     srv = Server(pkg)
     srv.lock = lock
-    srv.grace.start(keep=(lock, srv.code.fd) if srv.code.fd >= 0 else (lock,))
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
     signal.signal(signal.SIGTERM, _terminate)  # leave as on idle: socket removed, spares told (EOF)
     idle = max(1.0, float(os.environ.get("STOCKADE_SERVER_IDLE", "300") or 300))

@@ -103,7 +103,7 @@ def test_packed_plans_made_from_their_origins_equal_fresh_ones(tmp_path: Path) -
     from stockade.linux import launcher
 
     launcher._packed.clear()
-    rest = ((3, 4, 5), -1, -1, False, True)
+    rest = ((3, 4, 5), -1, -1, False, False, (6, 7))  # v1: init joins through two tasks files
     derived = 0
     for r in variants(tmp_path):
         plan = prepare._build(r)

@@ -246,6 +246,20 @@ class CgroupStats:
 # --------------------------------------------------------------------------- protocols
 
 
+@dataclass(frozen=True)
+class Placement:
+    """How a run's sandbox gets into its cgroups: born in the v2 cgroup
+    (``clone_fd``, clone3's ``CLONE_INTO_CGROUP``), entering the v1 ones itself as
+    its first step (``join_fds``: their open ``tasks`` files, ``join_paths`` their
+    names), and ``attach``: whatever is left, the caller moves it by pid (a v1
+    move of another process waits for an RCU grace period)."""
+
+    clone_fd: int | None = None
+    join_fds: tuple[int, ...] = ()
+    join_paths: tuple[str, ...] = ()
+    attach: bool = False
+
+
 @runtime_checkable
 class RunCgroup(Protocol):
     """The cgroup(s) of one run. Created by ``Manager.create``; removed by ``remove``."""
@@ -254,6 +268,10 @@ class RunCgroup(Protocol):
         """v2: an O_DIRECTORY fd for clone3(CLONE_INTO_CGROUP); None on v1/none.
 
         The fd stays owned by the RunCgroup (closed by ``remove``)."""
+        ...
+
+    def placement(self) -> Placement:
+        """How the sandbox enters these cgroups (see ``Placement``)."""
         ...
 
     def attach(self, pid: int) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stockade.cgroups.base import CgroupStats, Limits
+from stockade.cgroups.base import CgroupStats, Limits, Placement
 from stockade.cgroups.v1 import V1Manager, V1RunCgroup
 from stockade.cgroups.v2 import V2Manager, V2RunCgroup
 from stockade.errors import SandboxError
@@ -22,6 +22,12 @@ class HybridRunCgroup:
 
     def clone_into_fd(self) -> int | None:
         return self.v2.clone_into_fd()
+
+    def placement(self) -> Placement:
+        # born in the v2 cgroup; enters the v1 ones itself, or is moved there
+        v1 = self.v1.placement()
+        return Placement(clone_fd=self.v2.clone_into_fd(), join_fds=v1.join_fds, join_paths=v1.join_paths,
+                         attach=v1.attach)
 
     def attach(self, pid: int) -> None:
         # Writing cgroup.procs of the v2 cgroup is a no-op after CLONE_INTO_CGROUP

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stockade.cgroups.base import CgroupStats, Limits, enforcement_common
+from stockade.cgroups.base import CgroupStats, Limits, Placement, enforcement_common
 from stockade.cgroups.rlimit import fallback_enforcement
 
 
@@ -19,6 +19,9 @@ class NoRunCgroup:
 
     def clone_into_fd(self) -> int | None:
         return None
+
+    def placement(self) -> Placement:
+        return Placement()
 
     def attach(self, pid: int) -> None:
         return None

@@ -5,8 +5,14 @@ Hierarchies used: memory (limit, no swap, OOM and peak accounting), pids, cpu
 created under the *caller's own* cgroup in that hierarchy (``/proc/self/cgroup``).
 Co-mounted controllers (``cpu,cpuacct``) share one directory, created once.
 
-v1 cannot place a task at clone time: the runtime calls ``attach(pid)`` while the
-child waits, before it runs anything, and the child's descendants inherit.
+v1 cannot place a task at clone time. Moving *another* process (by pid, or any
+write to ``cgroup.procs``) takes the threadgroup lock, whose writer waits for an
+RCU grace period unless one just passed (5-15 ms here); a single-threaded task
+that writes "0" to ``tasks`` moves itself without it (~15 us). So the sandbox's
+init enters the run's cgroups itself as its first step (``placement``: the open
+``tasks`` files), before its cgroup namespace and anything of the command's; its
+descendants inherit. ``attach(pid)`` is the fallback when those files could not
+be opened ahead.
 
 Creating, limiting and removing cgroups in three hierarchies costs about 0.3 ms,
 which a process that runs sandboxes one after another need not wait for: while a
@@ -28,7 +34,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from stockade.cgroups.base import CPU_PERIOD_US, CgroupStats, Limits, enforcement_common
+from stockade.cgroups.base import CPU_PERIOD_US, CgroupStats, Limits, Placement, enforcement_common
 from stockade.cgroups.fs import (
     CgroupFS,
     cgroup_error,
@@ -70,7 +76,7 @@ class V1Manager:
     _retired: list[V1RunCgroup] = field(default_factory=list, repr=False, compare=False)
     _ended: int = field(default=0, repr=False, compare=False)  # runs retired in this process
     # remove ended runs' cgroups later even in a first run (a CLI server's supervisor
-    # flushes after its reply: its run child leaves the cgroups last)
+    # flushes after its reply)
     defer_removal: bool = field(default=False, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -212,14 +218,11 @@ class V1RunCgroup:
     dirs: list[tuple[Hierarchy, str]] = field(default_factory=list)
     _removed: bool = False
     _fds: dict[str, int] = field(default_factory=dict, repr=False)  # open interface files by path
-    # a launcher's run child entered these cgroups ahead (launcher.join): its init may
-    # be born in them, and then needs no move
-    joined: bool = False
 
     def open_files(self) -> None:
-        """Open cgroup.procs (to attach) and the stat files now, so that the run's own
-        critical path only writes and reads them."""
-        want = [(os.path.join(p, "cgroup.procs"), True) for _h, p in self.dirs]
+        """Open the tasks files (the sandbox joins through them) and the stat files
+        now, so that the run's own critical path only writes and reads them."""
+        want = [(os.path.join(p, "tasks"), True) for _h, p in self.dirs]
         for ctrl, name in _STAT_FILES:
             d = self._dir(ctrl)
             if d is not None:
@@ -291,24 +294,31 @@ class V1RunCgroup:
                 return False
         return True
 
-    def procs_fds(self) -> list[int]:
-        """The open ``cgroup.procs`` files (``open_files``), one per hierarchy."""
-        return [fd for path, fd in self._fds.items() if path.endswith("/cgroup.procs")]
+    def placement(self) -> Placement:
+        """The sandbox's init joins through the tasks files (opened now if they were
+        not ahead); when one cannot be opened, the caller attaches it by pid."""
+        if self._removed:
+            raise SandboxError("open cgroup", path=self.dirs[0][1] if self.dirs else "",
+                               detail="the run's cgroups were removed")
+        paths = tuple(os.path.join(p, "tasks") for _h, p in self.dirs)
+        fds: list[int] = []
+        for path in paths:
+            fd = self._fds.get(path)
+            if fd is None:
+                try:
+                    fd = self.fs.open_file(path, True)
+                except OSError:
+                    fd = None
+                if fd is None:
+                    return Placement(attach=True)  # attach says what is wrong, if anything
+                self._fds[path] = fd
+            fds.append(fd)
+        return Placement(join_fds=tuple(fds), join_paths=paths)
 
     def attach(self, pid: int) -> None:
-        if self.joined and self.holds(pid):
-            return  # born here: its launcher run child entered these cgroups ahead
         data = str(pid)
         for _h, path in self.dirs:
-            f = os.path.join(path, "cgroup.procs")
-            fd = self._fds.get(f)
-            if fd is None:
-                self._write(f, data)
-                continue
-            try:
-                os.write(fd, data.encode())
-            except OSError as e:
-                raise cgroup_error(f"write {data!r} to cgroup file", f, e) from e
+            self._write(os.path.join(path, "cgroup.procs"), data)
 
     def pids(self) -> list[int]:
         seen: dict[int, None] = {}

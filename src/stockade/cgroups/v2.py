@@ -17,6 +17,7 @@ from stockade.cgroups.base import (
     CPU_PERIOD_US,
     CgroupStats,
     Limits,
+    Placement,
     enforcement_common,
 )
 from stockade.cgroups.fs import (
@@ -133,6 +134,9 @@ class V2RunCgroup:
             except OSError as e:
                 raise cgroup_error("open cgroup directory", self.path, e) from e
         return self._fd
+
+    def placement(self) -> Placement:
+        return Placement(clone_fd=self.clone_into_fd())
 
     def attach(self, pid: int) -> None:
         self._write("cgroup.procs", str(pid))

@@ -40,10 +40,7 @@ from . import native
 _MSG = struct.Struct("IIII")
 _U32 = struct.Struct("I")
 _MAGIC = 0x314C4B53
-_BASE, _RUN, _JOIN = 1, 2, 3
-# The token of a spare reserved with ``join`` (a CLI server's spare sets it): sent
-# with this process's runs so the launcher hands them the reserved run child.
-reserved_token = 0
+_BASE, _RUN = 1, 2
 _PLAN_IN_FD = 1
 _INLINE_MAX = 200 * 1024
 _IDLE_MAX = 4  # launchers kept for bases no run uses any more
@@ -255,9 +252,9 @@ class Launcher:
             if child is not None:
                 child.close()
 
-    def _send(self, kind: int, packed: bytes, fds: list[int], reserved: int = 0, token: int = 0) -> None:
+    def _send(self, kind: int, packed: bytes, fds: list[int], reserved: int = 0) -> None:
         extra: list[int] = []
-        flags = (token & 0xFFFFFF) << 8
+        flags = 0
         body = packed
         if len(packed) > _INLINE_MAX:
             mfd = os.memfd_create("stockade-plan", os.MFD_CLOEXEC)
@@ -286,8 +283,7 @@ class Launcher:
             with self.lock:
                 self.inflight += 1
             try:
-                self._send(_RUN, packed, [rep_w, sync_r, st_theirs.fileno(), *fds], reserved=hold_slot + 1,
-                           token=reserved_token)
+                self._send(_RUN, packed, [rep_w, sync_r, st_theirs.fileno(), *fds], reserved=hold_slot + 1)
             finally:
                 os.close(rep_w)
                 os.close(sync_r)
@@ -370,9 +366,9 @@ def _pack(plan: Plan, rest: tuple[Any, ...]) -> _Packed | None:
     if parts is None:
         return None
     base, run = parts
-    slots, cg_slot, con_slot, pty, hold_before_exec = rest
+    slots, cg_slot, con_slot, pty, hold_before_exec, join_slots = rest
     low = native.Lowered(plan, slots, None, pty=pty, console_sock=con_slot,
-                         hold_before_exec=hold_before_exec, mounts=run, skip_first_go=True)
+                         hold_before_exec=hold_before_exec, mounts=run, skip_first_go=True, join_fds=join_slots)
     low.plan.cgroup_fd = cg_slot
     got = (plan, base, _key(plan, base), run, low.pack())
     with _lock:
@@ -442,41 +438,6 @@ def _forget_after_fork() -> None:
             la.pidfd = -1
         del _launchers[key]
     _unavailable.clear()
-
-
-def _launcher_for(plan: Plan) -> Launcher | None:
-    parts = split(plan)
-    if parts is None:
-        return None
-    with _lock:
-        return _launchers.get(_key(plan, parts[0]))
-
-
-def join(plan: Plan, procs_fds: list[int], token: int) -> bool:
-    """Reserve this plan's launcher's spare run child for the runs that send
-    ``token`` (``reserved_token``), and have it enter the cgroups whose
-    ``cgroup.procs`` files are ``procs_fds`` now (cgroup v1: the move waits for an
-    RCU grace period unless one just passed; the spare waits, not the run). The
-    run's init is then born in them; a run that finds it elsewhere (the spare was
-    not free) is moved by its caller, as always."""
-    la = _launcher_for(plan)
-    if la is None or not procs_fds or not 0 < token < 1 << 24:
-        return False
-    try:
-        la._send(_JOIN, b"", procs_fds, token=token)
-    except OSError:
-        return False
-    return True
-
-
-def release(plan: Plan, token: int) -> None:
-    """Give up a reservation no run used: the launcher lets that spare go."""
-    la = _launcher_for(plan)
-    if la is not None and 0 < token < 1 << 24:
-        try:
-            la._send(_JOIN, b"", [], token=token)
-        except OSError:
-            pass
 
 
 def preconnect(plan: Plan) -> bool:
@@ -597,6 +558,7 @@ def start(
     console_sock: int,
     hold_before_exec: bool,
     hold_fd: int = -1,
+    join_fds: tuple[int, ...] = (),
 ) -> native.Child | None:
     """Start the plan through a launcher; None when this plan has to start cold.
 
@@ -615,9 +577,10 @@ def start(
     slots = (slot(stdio[0]), slot(stdio[1]), slot(stdio[2]))
     cg_slot = slot(cgroup_fd)
     con_slot = slot(console_sock)
+    join_slots = tuple(slot(fd) for fd in join_fds)
     hold_slot = slot(hold_fd)  # not in the packed plan: only the message header names it
     fds.extend(plan.keep_fds)
-    rest = (slots, cg_slot, con_slot, pty, hold_before_exec)
+    rest = (slots, cg_slot, con_slot, pty, hold_before_exec, join_slots)
     # the same plan object comes back for the next run of a Sandbox (prepare's cache);
     # one prepare made for another session or command is packed from its origin's
     got = _packed_plan(plan, rest)

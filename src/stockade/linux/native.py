@@ -99,6 +99,7 @@ class Lowered:
         hold_before_exec: bool = False,
         mounts: tuple[MountOp, ...] | None = None,
         skip_first_go: bool = False,
+        join_fds: tuple[int, ...] = (),
     ) -> None:
         keep: list[Any] = []
         self._keep = keep
@@ -143,6 +144,11 @@ class Lowered:
             flags |= _NS_FLAG[n]
         p.clone_flags = flags
         p.cgroup_fd = -1 if cgroup_fd is None else cgroup_fd
+        if join_fds:
+            jf = ffi.new("int[]", list(join_fds))
+            keep.append(jf)
+            p.cgroup_join_fds = jf
+            p.n_cgroup_join_fds = len(join_fds)
         p.uid_map = s(plan.uid_map.line())
         p.gid_map = s(plan.gid_map.line())
         p.deny_setgroups = int(plan.deny_setgroups)
@@ -301,16 +307,18 @@ def start(
     console_sock: int = -1,
     hold_before_exec: bool = False,
     hold_fd: int = -1,
+    join_fds: tuple[int, ...] = (),
 ) -> Child:
     """Start a sandbox for the plan: through a pre-spawned launcher when possible
     (linux/launcher.py), else by cloning this process. ``hold_fd``: the session's
     overlay lock (``Session.lock``; a cold start's overlay is gone once its init is
-    reaped)."""
+    reaped). ``join_fds``: cgroup v1 ``tasks`` files the sandbox's init enters first
+    (``RunCgroup.placement``)."""
     from . import launcher
 
     if launcher.enabled():
         child = launcher.start(plan, stdio, cgroup_fd, pty=pty, console_sock=console_sock,
-                               hold_before_exec=hold_before_exec, hold_fd=hold_fd)
+                               hold_before_exec=hold_before_exec, hold_fd=hold_fd, join_fds=join_fds)
         if child is not None:
             return child
     if hold_fd >= 0:
@@ -318,7 +326,8 @@ def start(
         import fcntl
 
         fcntl.flock(hold_fd, fcntl.LOCK_EX)
-    lowered = Lowered(plan, stdio, cgroup_fd, pty=pty, console_sock=console_sock, hold_before_exec=hold_before_exec)
+    lowered = Lowered(plan, stdio, cgroup_fd, pty=pty, console_sock=console_sock, hold_before_exec=hold_before_exec,
+                      join_fds=join_fds)
     return spawn(lowered)
 
 
@@ -398,13 +407,18 @@ _REMEDIES: dict[str, str] = {
     "rlimit": "a resource limit is above the hard limit of the caller; lower it",
     "unshare": "the launcher could not create a run's namespaces; set STOCKADE_LAUNCHER=0 to start each sandbox directly, and see `stockade doctor`",
     "launcher": "the sandbox launcher could not start; set STOCKADE_LAUNCHER=0 to start each sandbox directly, and see `stockade doctor`",
+    "cgroup-join": ("the sandbox could not enter its cgroup; check that the cgroup still exists and is writable by "
+                    "this user, or run with STOCKADE_CGROUP=none (rlimits only), and see `stockade doctor`"),
 }
 
 
-def report_error(rep: Report, ops: Sequence[MountOp]) -> SandboxError:
+def report_error(rep: Report, ops: Sequence[MountOp], cgroup_paths: Sequence[str] = ()) -> SandboxError:
     """The error a child's failure record describes; ``ops`` are the mount ops its
-    step index refers to. Paths are given as the sandbox (or host) names them."""
+    step index refers to, ``cgroup_paths`` the tasks files a cgroup-join index does.
+    Paths are given as the sandbox (or host) names them."""
     path = rep.path
+    if rep.step == "cgroup-join" and 0 <= rep.value < len(cgroup_paths):
+        path = cgroup_paths[rep.value]
     for pre in (NEW, OLD):
         if path.startswith(pre):
             path = path[len(pre):] or "/"

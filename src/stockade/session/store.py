@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -239,6 +240,34 @@ def _new_id() -> str:
     return time.strftime("%m%d") + "-" + os.urandom(3).hex()
 
 
+_FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_TOPDIR_FL = 0x80086601, 0x40086602, 0x00020000
+_spread_roots: set[str] = set()
+
+
+def _spread(path: str) -> None:
+    """Have ext4 place this directory's subdirectories in block groups of their own
+    (the Orlov allocator's top-directory flag, as for /home). Every overlay mount
+    deletes and recreates a few inodes in the session's work dir, and a journal-less
+    ext4 will not reuse an inode freed in the last 30 s: each new inode of the same
+    group then walks past all of those (~0.3 ms per file after a few hundred runs).
+    Spread, a new session, and a session's runs/ and work/, each allocate in a group
+    of their own. A hint only: other filesystems do not have it."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        flags = int.from_bytes(fcntl.ioctl(fd, _FS_IOC_GETFLAGS, bytes(4)), sys.byteorder, signed=True)
+        if not flags & _FS_TOPDIR_FL:
+            fcntl.ioctl(fd, _FS_IOC_SETFLAGS, (flags | _FS_TOPDIR_FL).to_bytes(4, sys.byteorder, signed=True))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _new_dir(root: Path, subs: tuple[str, ...] = ("upper", "work")) -> Path:
     """A hidden session directory with its empty layers, not yet published."""
     try:
@@ -247,8 +276,12 @@ def _new_dir(root: Path, subs: tuple[str, ...] = ("upper", "work")) -> Path:
         pass
     except FileNotFoundError:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if str(root) not in _spread_roots:  # once per process: older state dirs get it too
+        _spread(str(root))
+        _spread_roots.add(str(root))
     tmp = root / f".new-{os.getpid()}-{os.urandom(6).hex()}"
     os.mkdir(tmp, 0o700)
+    _spread(str(tmp))
     try:
         for sub in subs:
             os.mkdir(os.path.join(tmp, sub), 0o755 if sub == "upper" else 0o700)
