@@ -179,6 +179,8 @@ def test_hybrid_takes_each_controller_from_where_it_is(tmp_path: Path) -> None:
     assert enf["pids"] == "cgroup v2 pids.max" and enf["memory"].startswith("cgroup v1")
     run = m.create("h", Limits(memory=64 * MiB, pids=10))
     assert run.clone_into_fd() is not None
+    place = run.placement()  # born in the v2 cgroup; the v1 ones by attach (the fake opens nothing)
+    assert place.clone_fd == run.clone_into_fd() and place.attach and place.join_fds == ()
     run.attach(77)
     assert fs.procs(run.v2.path) == [77]
     run.kill()

@@ -318,3 +318,43 @@ def test_a_spare_is_not_a_forked_childs(tmp_path: Path) -> None:
     assert set(run_dirs(roots)) == held
     m.flush()
     assert run_dirs(roots) == []
+
+
+class _OpeningFS(FakeCgroupFS):
+    """The fake tree, with interface files opened for real (as on a host)."""
+
+    def open_file(self, path: str, write: bool) -> int | None:
+        return os.open(path, (os.O_WRONLY if write else os.O_RDONLY) | os.O_CLOEXEC)
+
+
+def test_placement_hands_the_sandbox_every_tasks_file(tmp_path: Path) -> None:
+    """The sandbox's init enters its cgroups itself through their tasks files (a task
+    moving itself skips the grace period); no attach by pid is left to do."""
+    fs = _OpeningFS()
+    _f, m, _ = build(tmp_path)
+    m.fs = fs
+    for h in {id(h): h for h in m.hierarchies.values()}.values():
+        root = os.path.dirname(h.own_dir)
+        fs.make_root(root, version="v1", controllers=sorted(h.controllers))
+    run = m.create("p", Limits(pids=10, cpus=1))
+    for _h, p in run.dirs:
+        open(os.path.join(p, "tasks"), "w").close()  # what the kernel's tree has
+    place = run.placement()
+    assert not place.attach and place.clone_fd is None
+    assert place.join_paths == tuple(os.path.join(p, "tasks") for _h, p in run.dirs)
+    assert len(place.join_fds) == len(run.dirs) == len({os.fstat(fd).st_ino for fd in place.join_fds})
+    assert run.placement().join_fds == place.join_fds  # opened once
+    run.remove()
+    for fd in place.join_fds:  # closed with the run's cgroups
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    with pytest.raises(SandboxError, match="removed"):
+        run.placement()
+
+
+def test_placement_falls_back_to_attach_without_open_files(tmp_path: Path) -> None:
+    _fs, m, _ = build(tmp_path)  # the fake tree reaches files only by path
+    run = m.create("q", Limits(pids=10))
+    place = run.placement()
+    assert place.attach and place.join_fds == () and place.clone_fd is None
+    run.remove()

@@ -1,0 +1,183 @@
+"""How a run gets into its cgroups on a v1 host, checked from the host side: the
+sandbox's init enters every run cgroup itself before anything of the command's
+(launcher and cold starts, API and served CLI), a cgroup it cannot enter fails the
+run closed, and session directories are spread over ext4 block groups."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stockade.cgroups import detect as det
+from tests.conftest import need
+
+V1_HIERARCHIES = ("memory", "cpuacct", "pids")
+
+
+@pytest.fixture
+def v1(state_dir: Path) -> Iterator[None]:
+    det.reset()
+    need(os.geteuid() == 0, "needs root for cgroups on this host")
+    need(det.detect().kind == "v1", "the v1 path (this host's cgroups)")
+    yield
+    det.reset()
+
+
+def _lines(pid: int) -> dict[str, str]:
+    """controller -> cgroup path, as the host sees ``pid``."""
+    out: dict[str, str] = {}
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _hid, ctrls, path = line.split(":", 2)
+        for c in ctrls.split(","):
+            out[c] = path
+    return out
+
+
+def _find(pattern: str, deadline: float) -> int:
+    while time.time() < deadline:
+        r = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+        if r.stdout.split():
+            return int(r.stdout.split()[0])
+        time.sleep(0.01)
+    raise AssertionError(f"no process matches {pattern!r}")
+
+
+def _check_in_run_cgroups(cmd_pid: int) -> None:
+    """The command and its init (its parent) are in the same run cgroup in every
+    hierarchy the run uses, a cgroup made for this run (not the caller's own)."""
+    init = int(Path(f"/proc/{cmd_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert Path(f"/proc/{init}/comm").read_text().strip() == "stockade-init"
+    mine, cmd, ini = _lines(os.getpid()), _lines(cmd_pid), _lines(init)
+    for c in V1_HIERARCHIES:
+        assert cmd[c] == ini[c], (c, cmd, ini)
+        assert os.path.basename(cmd[c]).startswith("stockade-"), (c, cmd)
+        assert os.path.dirname(cmd[c]) == (mine[c].rstrip("/") or "/"), (c, cmd, mine)  # made under ours
+
+
+@pytest.mark.parametrize("launcher", ["1", "0"])
+def test_the_sandbox_enters_its_run_cgroups_first(v1: None, api_project: Path, launcher: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launcher and cold starts: the command and init are in the run's cgroups (host
+    view), and the sandbox's cgroup namespace is rooted at them: init entered them
+    before it made that namespace, its first step."""
+    import stockade
+
+    monkeypatch.setenv("STOCKADE_LAUNCHER", launcher)
+    marker = f"{uuid.uuid4().int % 10**6 / 10**6 + 2:.6f}"
+    res: dict[str, object] = {}
+
+    def run() -> None:
+        res["r"] = stockade.run(["sh", "-c", f"cat /proc/self/cgroup; exec sleep {marker}"], project=api_project,
+                                capture_output=True, text=True)
+
+    with stockade.Sandbox(api_project) as sb:
+        for _ in range(2):  # a first run, then one in cgroups made while the first started
+            sb.run(["true"])
+        t = threading.Thread(target=run)
+        t.start()
+        try:
+            _check_in_run_cgroups(_find(f"^sleep {marker}$", time.time() + 20))
+        finally:
+            t.join(30)
+    r = res["r"]
+    assert r.returncode == 0, r.stderr  # type: ignore[attr-defined]
+    inside = dict(line.split(":", 2)[1:] for line in r.stdout.splitlines())  # type: ignore[attr-defined]
+    assert all(inside[c] == "/" for c in V1_HIERARCHIES), inside
+
+
+def test_a_served_cli_run_enters_its_run_cgroups_first(v1: None, api_project: Path, state_dir: Path) -> None:
+    exe = shutil.which("stockade", path=os.path.dirname(sys.executable)) or ""
+    need(bool(exe), "the stockade console script")
+    env = {**os.environ, "STOCKADE_SERVER_IDLE": "2", "STOCKADE_LAUNCHER_IDLE": "2"}
+    subprocess.run([exe, "run", "--", "true"], cwd=api_project, env=env, check=True, capture_output=True)
+    marker = f"{uuid.uuid4().int % 10**6 / 10**6 + 2:.6f}"
+    served = False
+    for _ in range(50):  # the server starts in the background
+        r = subprocess.run([exe, "run", "--", "true"], cwd=api_project, env={**env, "STOCKADE_SERVER": "debug"},
+                           capture_output=True)
+        if b"served by supervisor" in r.stderr:
+            served = True
+            break
+        time.sleep(0.1)
+    assert served
+    p = subprocess.Popen([exe, "run", "--", "sleep", marker], cwd=api_project, env={**env, "STOCKADE_SERVER": "debug"},
+                         stderr=subprocess.PIPE)
+    try:
+        _check_in_run_cgroups(_find(f"^sleep {marker}$", time.time() + 20))
+    finally:
+        _out, err = p.communicate(timeout=30)
+    assert p.returncode == 0 and b"served by supervisor" in err, err
+
+
+@pytest.mark.parametrize("launcher", ["1", "0"])
+def test_a_cgroup_the_sandbox_cannot_enter_fails_the_run_closed(v1: None, api_project: Path, launcher: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's cgroups vanish between the caller opening them and the sandbox
+    entering them: the run fails naming the step, the file and the errno, and its
+    command never runs (nothing written, in the project or the session's layer)."""
+    import stockade
+    from stockade.cgroups.v1 import V1RunCgroup
+    from stockade.errors import SandboxError
+
+    monkeypatch.setenv("STOCKADE_LAUNCHER", launcher)
+    real = V1RunCgroup.placement
+
+    def placement(self: V1RunCgroup) -> object:
+        place = real(self)
+        for _h, path in self.dirs:
+            os.rmdir(path)  # empty: the open tasks files stay, the cgroups go
+        return place
+
+    monkeypatch.setattr(V1RunCgroup, "placement", placement)
+    with pytest.raises(SandboxError) as ei:
+        stockade.run(["sh", "-c", "echo ran > ran.txt"], project=api_project, session="closed")
+    msg = str(ei.value)
+    assert "cgroup-join" in msg and "/tasks" in msg and "ENODEV" in msg, msg
+    assert "STOCKADE_CGROUP=none" in msg
+    assert not (api_project / "ran.txt").exists()
+    assert not list(Path(os.environ["STOCKADE_STATE_DIR"]).glob("sessions/closed/upper/ran.txt"))
+
+
+def test_sessions_are_spread_over_ext4_block_groups(state_dir: Path, api_project: Path) -> None:
+    """A journal-less ext4 walks every inode freed in the last 30 s of a group on
+    each allocation there; each overlay mount frees a few in the session's work dir.
+    The sessions dir and each session carry ext4's top-directory flag, so new
+    sessions, and a session's work/ and runs/, allocate in groups of their own."""
+    import fcntl
+    import struct
+
+    import stockade
+
+    if subprocess.run(["stat", "-f", "-c", "%T", str(state_dir)], capture_output=True, text=True).stdout.strip() != "ext2/ext3":
+        pytest.skip("the state dir is not on ext4 here")
+    sessions = state_dir / "sessions"
+    sessions.mkdir()  # made by an older version: the flag is added to it too
+
+    def top(p: Path) -> bool:
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            flags: int = struct.unpack("i", fcntl.ioctl(fd, 0x80086601, bytes(4)))[0]
+        finally:
+            os.close(fd)
+        return bool(flags & 0x00020000)
+
+    assert not top(sessions)
+    ids = [stockade.run(["true"], project=api_project).session for _ in range(2)]
+    with stockade.Sandbox(api_project, session="named") as sb:
+        sb.run(["true"])
+    assert top(sessions)
+    for sid in [*ids, "named"]:
+        d = sessions / sid
+        assert top(d), sid
+        assert not top(d / "upper") and not top(d / "runs")  # not inherited: only the session's own entries spread
+        groups = {os.stat(d / sub).st_ino // 8192 for sub in ("upper", "work", "runs")}
+        assert len(groups) >= 2, (sid, groups)  # spread (8192: this fs's inodes per group, at most)
