@@ -29,6 +29,20 @@ def _bwrap_argv(proj: str) -> list[str]:
     return argv
 
 
+def _must(argv: list[str], env: dict[str, str] | None = None) -> Callable[[], object]:
+    """A command candidate that must succeed: a failing one (an error path is fast)
+    stops the benchmark instead of being timed."""
+
+    def run() -> object:
+        r = subprocess.run(argv, stderr=subprocess.DEVNULL, env=env)
+        if r.returncode != 0:
+            err = subprocess.run(argv, stderr=subprocess.PIPE, env=env).stderr.decode(errors="replace").strip()
+            raise SystemExit(f"bench: {' '.join(argv)} exited {r.returncode}: {err}")
+        return r
+
+    return run
+
+
 def main() -> None:
     import stockade
 
@@ -41,12 +55,12 @@ def main() -> None:
         import stockade.cgroups.detect as cgdetect
 
         fns: dict[str, Callable[[], object]] = {}
-        fns["bare /bin/true (subprocess.run)"] = lambda: subprocess.run(["/bin/true"])
+        fns["bare /bin/true (subprocess.run)"] = _must(["/bin/true"])
         bw = shutil.which("bwrap")
         if bw:
             argv = _bwrap_argv(str(proj))
             assert subprocess.run(argv).returncode == 0
-            fns["bubblewrap (subprocess.run)"] = lambda: subprocess.run(argv)
+            fns["bubblewrap (subprocess.run)"] = _must(argv)
         fns["stockade.run(['true']) (new session each)"] = lambda: stockade.run(["true"], project=proj)
         sb = stockade.Sandbox(proj)
         fns["stockade Sandbox.run(['true'])"] = lambda: sb.run(["true"])
@@ -67,7 +81,8 @@ def main() -> None:
         results["  same, cgroups off (rlimits only)"] = bench(lambda: sb.run(["true"]), N)
         del os.environ["STOCKADE_CGROUP"]
         cgdetect.reset()
-        exe = shutil.which("stockade") or ""
+        # the console script of this interpreter's environment (what `make` installs), as typed in a shell
+        exe = shutil.which("stockade", path=os.path.dirname(sys.executable)) or shutil.which("stockade") or ""
         cli = [exe, "run", "--project", str(proj), "--session", "cli", "--", "true"] if exe else [sys.executable, "-m", "stockade", "run", "--project", str(proj), "--session", "cli", "--", "true"]
         pyc = [sys.executable, "-I", "-S", "-c", "pass"]
         os.environ["STOCKADE_LAUNCHER_IDLE"] = "5"  # the CLI's shared launcher and server end soon after the bench
@@ -77,10 +92,10 @@ def main() -> None:
         for i in range(5):
             env = {**os.environ, "STOCKADE_STATE_DIR": str(base / f"first{i}")}
             t0 = time.perf_counter()
-            subprocess.run(cli, stderr=subprocess.DEVNULL, env=env)
+            _must(cli, env)()
             firsts.append(time.perf_counter() - t0)
         for _ in range(3):  # the first makes the state dir, the next starts the server
-            subprocess.run(cli, stderr=subprocess.DEVNULL)
+            _must(cli)()
         time.sleep(1)
         inproc = {**os.environ, "STOCKADE_SERVER": "0"}
         # its own project: a prepared run is kept per project and options, and holds
@@ -88,28 +103,31 @@ def main() -> None:
         proj2 = base / "proj2"
         proj2.mkdir()
         (proj2 / "f").write_text("x\n")
-        cli2 = [str(proj2) if a == str(proj) else a for a in cli]
+        cli2 = [str(proj2) if a == str(proj) else "cli2" if a == "cli" else a for a in cli]  # a session is one project's
         # cgroups off, what a v2 host's CLONE_INTO_CGROUP gives: no v1 attach, so no
         # grace period (again its own project: another environment)
         proj3 = base / "proj3"
         proj3.mkdir()
         (proj3 / "f").write_text("x\n")
-        cli3 = [str(proj3) if a == str(proj) else a for a in cli]
+        cli3 = [str(proj3) if a == str(proj) else "cli3" if a == "cli" else a for a in cli]
         nocg = {**os.environ, "STOCKADE_CGROUP": "none"}
-        subprocess.run(cli3, stderr=subprocess.DEVNULL, env=nocg)
+        for _ in range(3):
+            _must(cli3, nocg)()
+            _must(cli2, inproc)()
         more = interleaved({
-            "`stockade run -- true` (CLI, served)": lambda: subprocess.run(cli, stderr=subprocess.DEVNULL),
-            "  CLI served, cgroups off (rlimits only)": lambda: subprocess.run(cli3, stderr=subprocess.DEVNULL, env=nocg),
-            "  same, in-process (STOCKADE_SERVER=0)": lambda: subprocess.run(cli2, stderr=subprocess.DEVNULL, env=inproc),
-            "python -I -S -c pass (interpreter floor)": lambda: subprocess.run(pyc),
-            "python -c pass (with site, as the CLI)": lambda: subprocess.run(pyc[:1] + pyc[3:]),
+            "`stockade run -- true` (CLI, served)": _must(cli),
+            "  CLI served, cgroups off (rlimits only)": _must(cli3, nocg),
+            "  same, in-process (STOCKADE_SERVER=0)": _must(cli2, inproc),
+            "python -I -S -c pass (interpreter floor)": _must(pyc),
+            "python -c pass (with site, as the CLI)": _must(pyc[:1] + pyc[3:]),
         }, max(20, N // 5))
         results.update(more)
         # back to back: the v1 cgroup attach finds the last run's grace period passed
-        results["  CLI served, back to back (no pause)"] = bench(lambda: subprocess.run(cli, stderr=subprocess.DEVNULL), max(20, N // 5))
+        results["  CLI served, back to back (no pause)"] = bench(_must(cli), max(20, N // 5))
         results["  CLI, first run (no launcher, no server yet)"] = firsts
         ref = median(results["bubblewrap (subprocess.run)"]) if bw else None
-        print(f"== launch cost (median of {N}, candidates interleaved; ratio vs bubblewrap; cgroup backend {cgdetect.detect().kind})")
+        print(f"== launch cost (median of {N}, candidates interleaved; ratio vs bubblewrap; cgroup backend {cgdetect.detect().kind};"
+              f" CLI: {' '.join(cli[:cli.index('run')])})")
         for name, xs in results.items():
             ratio = f"{median(xs) / ref:5.2f}x" if ref else "   -  "
             print(f"  {name:<44} {ms(xs)}  {ratio}")

@@ -32,6 +32,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from . import _client, paths
@@ -146,10 +147,12 @@ def _warm() -> None:
                 pass
 
 
-def _prefault() -> None:
+def _prefault(waiting: Callable[[], bool]) -> None:
     """Copy this fork's private writable pages now (MADV_POPULATE_WRITE, Linux 5.14),
     while no client waits: Python writes reference counts all over the heap, and
-    each first write after ``fork`` is a page fault and a copy on the run's path."""
+    each first write after ``fork`` is a page fault and a copy on the run's path.
+    Stops when a client comes (``waiting``): copying all of them first would make it
+    wait for pages its run never writes."""
     try:
         import ctypes
 
@@ -160,6 +163,8 @@ def _prefault() -> None:
     except (OSError, AttributeError):
         return
     for line in maps:
+        if waiting():
+            return
         fields = line.split()
         if len(fields) < 2 or fields[1][:2] != "rw" or fields[1][3] != "p" or (len(fields) > 5 and fields[5].startswith("[v")):
             continue
@@ -398,10 +403,10 @@ class Server:
         made = self._cgroups_ahead()
         conn = None
         try:
-            _prefault()
             poll = select.poll()
             poll.register(lst, select.POLLIN)
             poll.register(ctl, select.POLLIN)
+            _prefault(lambda: bool(poll.poll(0)))
             while conn is None:
                 events = poll.poll()
                 if any(fd == ctl for fd, _ev in events):
