@@ -189,7 +189,7 @@ def _python_share(sb: object, proj: Path, n: int) -> None:
     finally:
         for obj, name, f in saved:
             setattr(obj, name, f)
-    print(f"== where the time goes (median of {n}): the Python around the sandbox vs starting it, supervising it, attaching its v1 cgroups")
+    print(f"== where the time goes (median of {n}): the Python around the sandbox vs starting it, supervising it (attach: a v1 move by pid, only when init could not enter its cgroups itself)")
     for k, cols in rows.items():
         print(f"  {k:<28} " + "  ".join(f"{part} {median(v) * 1e3:.2f} ms" for part, v in cols.items()))
 
