@@ -285,15 +285,6 @@ class V1RunCgroup:
         """This run's cgroup in hierarchy ``h`` as /proc/<pid>/cgroup shows it."""
         return h.own_rel.rstrip("/") + "/" + self.dirname
 
-    def holds(self, pid: int) -> bool:
-        """Whether ``pid`` is in every one of these cgroups (itself, not below)."""
-        lines = proc_cgroup_lines(pid)
-        for h, _path in self.dirs:
-            rel = self._rel(h)
-            if not any(set(ctrls.split(",")) & h.controllers and path == rel for _hid, ctrls, path in lines):
-                return False
-        return True
-
     def placement(self) -> Placement:
         """The sandbox's init joins through the tasks files (opened now if they were
         not ahead); when one cannot be opened, the caller attaches it by pid."""
