@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from stockade.cgroups import detect as det
-from tests.conftest import need
+from tests.conftest import NOBODY, User, need, unpriv_python, world_tmpdir
 
 V1_HIERARCHIES = ("memory", "cpuacct", "pids")
 
@@ -145,6 +145,49 @@ def test_a_cgroup_the_sandbox_cannot_enter_fails_the_run_closed(v1: None, api_pr
     assert "STOCKADE_CGROUP=none" in msg
     assert not (api_project / "ran.txt").exists()
     assert not list(Path(os.environ["STOCKADE_STATE_DIR"]).glob("sessions/closed/upper/ran.txt"))
+
+
+def test_an_unprivileged_user_in_delegated_v1_cgroups_is_limited(v1: None) -> None:
+    """uid 65534 whose own v1 cgroups are delegated to it (owned by it, as systemd
+    delegates): its runs get cgroups under them, the sandbox's init (that uid,
+    mapped) enters them itself, the memory limit holds (an OOM kill, not rlimits),
+    and nothing is left under the delegated cgroups afterwards."""
+    py = unpriv_python()
+    need(py is not None, "no Python interpreter executable by uid 65534 with this ABI")
+    assert py is not None
+    manager = det.detect()
+    hierarchies = {id(h): h for h in getattr(manager, "hierarchies", {}).values()}.values()
+    base = world_tmpdir("stockade-deleg-")
+    user = User("unpriv", NOBODY, NOBODY, base / "home", base / "home" / "state", py)
+    proj = base / "proj"
+    for d in (user.home, proj):
+        d.mkdir()
+        os.chown(d, NOBODY, NOBODY)
+    deleg = [os.path.join(h.own_dir, f"stockade-test-deleg-{os.getpid()}") for h in hierarchies]
+    try:
+        for d in deleg:
+            os.mkdir(d)
+            for p in [d, *(os.path.join(d, n) for n in os.listdir(d))]:
+                os.chown(p, NOBODY, NOBODY)
+        hog = "x = bytearray(256 << 20); x[::4096] = b'1' * len(x[::4096])"
+        enter = "; ".join(f"echo $$ > {d}/cgroup.procs" for d in deleg)
+        argv = [*user.prefix(), py, "-m", "stockade", "run", "--memory", "64M", "--", "python3", "-c", hog]
+        r = subprocess.run(["sh", "-c", f'{enter} && exec "$@"', "sh", *argv], cwd=proj, env=user.env(),
+                           capture_output=True, timeout=120)
+        assert r.returncode == 137 and b"oom-killed" in r.stderr, r.stderr.decode()
+        for d in deleg:
+            assert [n for n in os.listdir(d) if os.path.isdir(os.path.join(d, n))] == [], d  # its run's cgroups, gone
+    finally:
+        for d in deleg:
+            for _ in range(100):
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.05)  # the CLI's server may still be in it: it idles out
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_sessions_are_spread_over_ext4_block_groups(state_dir: Path, api_project: Path) -> None:
