@@ -135,6 +135,11 @@ def main() -> None:
             print("  (bubblewrap not installed: `apt-get install bubblewrap` for the comparison)")
         _python_share(sb, proj, N)
     finally:
+        from stockade.cgroups.base import flush_deferred
+        from stockade.linux import launcher
+
+        flush_deferred()  # the cgroups made ahead for a next run, and this process's launchers
+        launcher.shutdown()
         shutil.rmtree(base, ignore_errors=True)
 
 
