@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 
 def bench(fn: Callable[[], object], n: int, warmup: int = 3) -> list[float]:
@@ -39,3 +42,19 @@ def interleaved(fns: dict[str, Callable[[], object]], n: int, warmup: int = 3) -
             fn()
             out[k].append(time.perf_counter() - t)
     return out
+
+
+@contextlib.contextmanager
+def state_dir(base: Path) -> Iterator[Path]:
+    """A benchmark's own state dir (under its temporary ``base``) for its duration;
+    the variable is restored after, so that no later benchmark of the same process
+    writes into a removed one or into the user's state."""
+    old = os.environ.get("STOCKADE_STATE_DIR")
+    os.environ["STOCKADE_STATE_DIR"] = str(base / "state")
+    try:
+        yield base / "state"
+    finally:
+        if old is None:
+            os.environ.pop("STOCKADE_STATE_DIR", None)
+        else:
+            os.environ["STOCKADE_STATE_DIR"] = old

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._util import bench, median, ms
+from ._util import bench, median, ms, state_dir
 
 N = int(os.environ.get("BENCH_CONF_N", "15"))
 UNIT_N = int(os.environ.get("BENCH_CONF_UNIT_N", "9"))
@@ -319,7 +319,8 @@ def main() -> None:
     import stockade
 
     base = Path(tempfile.mkdtemp(prefix="stockade-bench-conf-"))
-    os.environ.setdefault("STOCKADE_STATE_DIR", str(base / "state"))
+    own_state = state_dir(base)
+    own_state.__enter__()
     proj = base / "repo"
     proj.mkdir()
     try:
@@ -340,6 +341,7 @@ def main() -> None:
         sys.stdout.flush()
         _compile_rows()
     finally:
+        own_state.__exit__(None, None, None)
         shutil.rmtree(base, ignore_errors=True)
 
 

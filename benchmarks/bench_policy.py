@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ._util import state_dir
+
 FILES = 100_000
 DIRS = 2_000  # 50 files per directory, two levels deep
 
@@ -47,7 +49,8 @@ def main() -> None:
     from stockade import policy
 
     base = Path(tempfile.mkdtemp(prefix="stockade-bench-policy-"))
-    os.environ.setdefault("STOCKADE_STATE_DIR", str(base / "state"))
+    own_state = state_dir(base)
+    own_state.__enter__()
     try:
         proj = base / "proj"
         proj.mkdir()
@@ -82,6 +85,7 @@ def main() -> None:
         print(f"policy.load (tiers, merge, no scan):         median {statistics.median(load_ms):8.2f} ms")
         print(f"env filter ({len(environ)} variables):                median {statistics.median(env_ms):8.3f} ms")
     finally:
+        own_state.__exit__(None, None, None)
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -47,7 +47,8 @@ def main() -> None:
     import stockade
 
     base = Path(tempfile.mkdtemp(prefix="stockade-bench-"))
-    os.environ["STOCKADE_STATE_DIR"] = str(base / "state")
+    saved_env = {k: os.environ.get(k) for k in ("STOCKADE_STATE_DIR", "STOCKADE_LAUNCHER_IDLE", "STOCKADE_SERVER_IDLE")}
+    os.environ["STOCKADE_STATE_DIR"] = str(base / "state")  # restored at the end, with the idle times
     proj = base / "proj"
     proj.mkdir()
     (proj / "f").write_text("x\n")
@@ -141,6 +142,11 @@ def main() -> None:
         flush_deferred()  # the cgroups made ahead for a next run, and this process's launchers
         launcher.shutdown()
         shutil.rmtree(base, ignore_errors=True)
+        for k, v in saved_env.items():  # the next benchmarks in this process use their own state dirs
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _python_share(sb: object, proj: Path, n: int) -> None:
