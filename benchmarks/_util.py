@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,16 +47,18 @@ def interleaved(fns: dict[str, Callable[[], object]], n: int, warmup: int = 3) -
 
 
 @contextlib.contextmanager
-def state_dir(base: Path) -> Iterator[Path]:
-    """A benchmark's own state dir (under its temporary ``base``) for its duration;
-    the variable is restored after, so that no later benchmark of the same process
-    writes into a removed one or into the user's state."""
+def bench_dir(prefix: str) -> Iterator[Path]:
+    """A benchmark's temporary directory, with its own state dir in it for its
+    duration; removed after, and the variable restored, so that no later benchmark
+    of the same process writes into a removed one or into the user's state."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))
     old = os.environ.get("STOCKADE_STATE_DIR")
     os.environ["STOCKADE_STATE_DIR"] = str(base / "state")
     try:
-        yield base / "state"
+        yield base
     finally:
         if old is None:
             os.environ.pop("STOCKADE_STATE_DIR", None)
         else:
             os.environ["STOCKADE_STATE_DIR"] = old
+        shutil.rmtree(base, ignore_errors=True)

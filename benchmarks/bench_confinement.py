@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._util import bench, median, ms, state_dir
+from ._util import bench, bench_dir, median, ms
 
 N = int(os.environ.get("BENCH_CONF_N", "15"))
 UNIT_N = int(os.environ.get("BENCH_CONF_UNIT_N", "9"))
@@ -318,12 +318,9 @@ def _compile_rows() -> None:
 def main() -> None:
     import stockade
 
-    base = Path(tempfile.mkdtemp(prefix="stockade-bench-conf-"))
-    own_state = state_dir(base)
-    own_state.__enter__()
-    proj = base / "repo"
-    proj.mkdir()
-    try:
+    with bench_dir("stockade-bench-conf-") as base:
+        proj = base / "repo"
+        proj.mkdir()
         t = time.perf_counter()
         _make_repo(proj)
         print(f"(setup: {FILES}-file git repository in {time.perf_counter() - t:.1f} s)")
@@ -340,9 +337,6 @@ def main() -> None:
         _unit_costs(proj, sandboxes, allow_all)
         sys.stdout.flush()
         _compile_rows()
-    finally:
-        own_state.__exit__(None, None, None)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,12 @@ changed directories are listed again.  Also times ``policy.load`` and ``env()``.
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from ._util import state_dir
+from ._util import bench_dir
 
 FILES = 100_000
 DIRS = 2_000  # 50 files per directory, two levels deep
@@ -48,10 +47,7 @@ def _time(fn: object, n: int) -> list[float]:
 def main() -> None:
     from stockade import policy
 
-    base = Path(tempfile.mkdtemp(prefix="stockade-bench-policy-"))
-    own_state = state_dir(base)
-    own_state.__enter__()
-    try:
+    with bench_dir("stockade-bench-policy-") as base:
         proj = base / "proj"
         proj.mkdir()
         t = time.perf_counter()
@@ -84,9 +80,6 @@ def main() -> None:
         print(f"secret scan, cached (later runs):            median {statistics.median(cached_ms):8.1f} ms")
         print(f"policy.load (tiers, merge, no scan):         median {statistics.median(load_ms):8.2f} ms")
         print(f"env filter ({len(environ)} variables):                median {statistics.median(env_ms):8.3f} ms")
-    finally:
-        own_state.__exit__(None, None, None)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

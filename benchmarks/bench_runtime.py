@@ -6,12 +6,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ._util import bench, interleaved, median, ms
+from ._util import bench, bench_dir, interleaved, median, ms
 
 N = int(os.environ.get("BENCH_N", "200"))
 
@@ -44,11 +43,14 @@ def _must(argv: list[str], env: dict[str, str] | None = None) -> Callable[[], ob
 
 
 def main() -> None:
+    with bench_dir("stockade-bench-") as base:
+        _launches(base)
+
+
+def _launches(base: Path) -> None:
     import stockade
 
-    base = Path(tempfile.mkdtemp(prefix="stockade-bench-"))
-    saved_env = {k: os.environ.get(k) for k in ("STOCKADE_STATE_DIR", "STOCKADE_LAUNCHER_IDLE", "STOCKADE_SERVER_IDLE")}
-    os.environ["STOCKADE_STATE_DIR"] = str(base / "state")  # restored at the end, with the idle times
+    saved_env = {k: os.environ.get(k) for k in ("STOCKADE_LAUNCHER_IDLE", "STOCKADE_SERVER_IDLE")}
     proj = base / "proj"
     proj.mkdir()
     (proj / "f").write_text("x\n")
@@ -141,8 +143,7 @@ def main() -> None:
 
         flush_deferred()  # the cgroups made ahead for a next run, and this process's launchers
         launcher.shutdown()
-        shutil.rmtree(base, ignore_errors=True)
-        for k, v in saved_env.items():  # the next benchmarks in this process use their own state dirs
+        for k, v in saved_env.items():  # the next benchmarks in this process keep theirs
             if v is None:
                 os.environ.pop(k, None)
             else:

@@ -450,19 +450,8 @@ static void make_spare(unsigned long flags)
     live++;
 }
 
-static int send_msg(int sock, ssize_t n, const int *fds, int nfds);
-
 /* Hand the request, as received, to the spare. 0 when it took it. */
 static int to_spare(ssize_t n, const int *fds, int nfds)
-{
-    int sock = spare_sock;
-    spare_sock = -1;
-    int r = send_msg(sock, n, fds, nfds);
-    close(sock);
-    return r;
-}
-
-static int send_msg(int sock, ssize_t n, const int *fds, int nfds)
 {
     struct iovec iov = {.iov_base = msgbuf, .iov_len = (size_t)n};
     union {
@@ -477,14 +466,13 @@ static int send_msg(int sock, ssize_t n, const int *fds, int nfds)
     c->cmsg_type = SCM_RIGHTS;
     c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
     memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
-    if (nfds == 0) {
-        msg.msg_control = NULL;
-        msg.msg_controllen = 0;
-    }
+    int sock = spare_sock;
+    spare_sock = -1;
     ssize_t r;
     do
         r = sendmsg(sock, &msg, MSG_NOSIGNAL);
     while (r < 0 && errno == EINTR);
+    close(sock);
     return r == n ? 0 : -1;
 }
 

@@ -373,34 +373,29 @@ class Server:
     # ------------------------------------------------------------------ a spare
 
     @staticmethod
-    def _cgroups_ahead() -> Any:
+    def _cgroups_ahead() -> None:
         """Make the cgroups the likeliest next run (the last one's prepared entry)
         will use, while no client waits (cgroup v1: three mkdirs and their limits).
-        The manager holding them, or None."""
+        Held by its manager until a run takes them or ``flush_deferred``."""
         from . import warm
 
         if not warm._preloaded:
-            return None
+            return
         _sig, _data, plan, limits, manager = next(reversed(warm._preloaded.values()))
         ahead = getattr(manager, "make_ahead", None)
         if ahead is None:
-            return None
+            return
         try:
             ahead(limits, pid_namespace="pid" in plan.namespaces)
         except OSError:
-            return None
+            return
         manager.defer_removal = True  # the supervisor removes the run's after its reply
-        return manager
-
-    @staticmethod
-    def _unmake(manager: Any) -> None:
-        """Remove the cgroups made ahead that no run took."""
-        if manager is not None:
-            manager.flush()
 
     def spare(self, lst: socket.socket, ctl: int, status: int) -> None:
         """Wait for a client (or retirement); serve it: decline, or become its supervisor."""
-        made = self._cgroups_ahead()
+        from .cgroups.base import flush_deferred
+
+        self._cgroups_ahead()
         conn = None
         try:
             poll = select.poll()
@@ -417,7 +412,7 @@ class Server:
                     continue  # another spare took it
         finally:
             if conn is None:
-                self._unmake(made)  # nobody will run in the cgroups made ahead
+                flush_deferred()  # nobody will run in the cgroups made ahead
         os.write(status, b"T\n")
         lst.close()
         os.close(ctl)
@@ -434,9 +429,9 @@ class Server:
         else:
             if self.code.fd >= 0:
                 os.close(self.code.fd)
-            supervise(req, status, made)
+            supervise(req, status)
             return
-        self._unmake(made)
+        flush_deferred()
 
 
 def _adopt(req: Request) -> None:
@@ -473,7 +468,7 @@ def _adopt(req: Request) -> None:
     req.fds = []
 
 
-def supervise(req: Request, note: int, made: Any = None) -> None:
+def supervise(req: Request, note: int) -> None:
     """In the forked child: become the client's CLI for this one run."""
     gc.disable()  # a short-lived process: collections would only copy shared pages
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -530,10 +525,9 @@ def supervise(req: Request, note: int, made: Any = None) -> None:
         except Exception:  # housekeeping only
             pass
     try:
-        Server._unmake(made)  # what the run did not use
-        from .cgroups.v1 import flush_all
+        from .cgroups.base import flush_deferred
 
-        flush_all()  # what atexit would do: os._exit below skips it
+        flush_deferred()  # what atexit would do (os._exit below skips it): the run's, and any unused
     except Exception:
         pass
     from . import warm

@@ -60,7 +60,7 @@ class CgroupFS:
 
     def open_file(self, path: str, write: bool) -> int | None:
         """An fd on an interface file, to write or ``pread`` later without opening it
-        again (a run's cgroup.procs and stat files, opened while nothing waits);
+        again (a run's tasks and stat files, opened while nothing waits);
         None where files are only reached by path (the fake cgroupfs)."""
         return os.open(path, (os.O_WRONLY if write else os.O_RDONLY) | os.O_CLOEXEC)
 

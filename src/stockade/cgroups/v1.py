@@ -101,14 +101,13 @@ class V1Manager:
 
     def create(self, name: str, limits: Limits, *, pid_namespace: bool = False) -> V1RunCgroup:
         """The run's cgroups: the ones ``prepare_next`` made for these limits, or new."""
-        stale = None
         with self._lock:
             spare = self._spare
             if spare is not None:
                 self._spare = None
                 if self._spare_key != (limits, pid_namespace):
-                    stale, spare = spare, None
-                    self._retired.append(stale)  # made for other limits: removed later
+                    self._retired.append(spare)  # made for other limits: removed later
+                    spare = None
         if spare is not None:
             return spare
         return self._make(run_dir_name(name), limits, pid_namespace)
@@ -291,20 +290,12 @@ class V1RunCgroup:
         if self._removed:
             raise SandboxError("open cgroup", path=self.dirs[0][1] if self.dirs else "",
                                detail="the run's cgroups were removed")
+        self.open_files()
         paths = tuple(os.path.join(p, "tasks") for _h, p in self.dirs)
-        fds: list[int] = []
-        for path in paths:
-            fd = self._fds.get(path)
-            if fd is None:
-                try:
-                    fd = self.fs.open_file(path, True)
-                except OSError:
-                    fd = None
-                if fd is None:
-                    return Placement(attach=True)  # attach says what is wrong, if anything
-                self._fds[path] = fd
-            fds.append(fd)
-        return Placement(join_fds=tuple(fds), join_paths=paths)
+        fds = tuple(self._fds.get(p, -1) for p in paths)
+        if -1 in fds:
+            return Placement(attach=True)  # attach says what is wrong, if anything
+        return Placement(join_fds=fds, join_paths=paths)
 
     def attach(self, pid: int) -> None:
         data = str(pid)
@@ -426,7 +417,6 @@ class V1RunCgroup:
             self.kill()
         except SandboxError:
             pass
-
 
 
 def _remove_quietly(run: V1RunCgroup) -> None:

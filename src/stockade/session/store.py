@@ -252,8 +252,6 @@ def _spread(path: str) -> None:
     group then walks past all of those (~0.3 ms per file after a few hundred runs).
     Spread, a new session, and a session's runs/ and work/, each allocate in a group
     of their own. A hint only: other filesystems do not have it."""
-    import fcntl
-
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
