@@ -14,12 +14,12 @@ each reported as a median.
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ._util import bench_dir
 
 if TYPE_CHECKING:
     from stockade.session.store import Session
@@ -114,10 +114,7 @@ def main() -> None:
     from stockade.changes.snapshot import create as snap_create
     from stockade.session import store
 
-    base = Path(tempfile.mkdtemp(prefix="stockade-bench-changes-"))
-    old_env = os.environ.get("STOCKADE_STATE_DIR")
-    os.environ["STOCKADE_STATE_DIR"] = str(base / "state")
-    try:
+    with bench_dir("stockade-bench-changes-") as base:
         print("changes: scan + --stat with 10 changed files")
         sessions = {}
         for n in (1_000, 10_000, 100_000):
@@ -159,12 +156,6 @@ def main() -> None:
                 snap_create(s, f"s{k}")
                 times.append(time.perf_counter() - t0)
             print(f"  {label}: {statistics.median(times) * 1000:.2f} ms (budget <= 10 ms)")
-    finally:
-        if old_env is None:
-            os.environ.pop("STOCKADE_STATE_DIR", None)
-        else:
-            os.environ["STOCKADE_STATE_DIR"] = old_env
-        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":
