@@ -87,6 +87,8 @@ def test_fork_bomb_contained_and_gone(cgroups: None, env: dict[str, str], tmp_pa
     token = f"bomb-{uuid.uuid4().hex}"
     rc, err, pid, _ = stockade(["--pids", "48", "--timeout", "20s", "--", "sh", "-c", "b(){ b | b & }; b; sleep 1", token], env, tmp_path)
     assert rc != 124, err  # the bomb did not run away
+    (run_json,) = Path(env["STOCKADE_STATE_DIR"]).glob("sessions/*/runs/*/run.json")
+    assert "pids-limit-hit" in json.loads(run_json.read_text())["outcome"]  # it did reach the limit
     assert token_pids(token) == [] and run_dirs_of(pid) == []
 
 
