@@ -94,9 +94,12 @@ def test_fork_bomb_contained_and_gone(cgroups: None, env: dict[str, str], tmp_pa
 
 def test_double_forked_daemon_does_not_outlive_the_run(cgroups: None, env: dict[str, str], tmp_path: Path) -> None:
     token = f"daemon-{uuid.uuid4().hex}"
-    script = '(setsid sh -c "sleep 300; : $0" "$0" </dev/null >/dev/null 2>&1 &); exit 0'
+    # the command exits only once the daemon is up (its file in the overlay proves it)
+    script = ('(setsid sh -c "touch daemon-up; sleep 300; : $0" "$0" </dev/null >/dev/null 2>&1 &); '
+              'while [ ! -e daemon-up ]; do sleep 0.01; done; exit 0')
     rc, err, pid, wall = stockade(["--", "sh", "-c", script, token], env, tmp_path)
     assert rc == 0, err
+    assert list(Path(env["STOCKADE_STATE_DIR"]).glob("sessions/*/upper/daemon-up"))
     assert wall < 60
     assert token_pids(token) == [] and run_dirs_of(pid) == []
 
