@@ -206,6 +206,43 @@ def api_project(state_dir: Path) -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def overlay_holders(upper: str) -> list[str]:
+    """Pids whose mount namespace has an overlay on this upper dir: a sandbox's overlay
+    is in its own namespace only, so the host's own mount table never shows it."""
+    # the path as given to mount(2): seen from the new root, the host's is under /oldroot
+    names = (f"upperdir={upper},", f"upperdir=/oldroot{upper},")
+    holders = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            text = (d / "mountinfo").read_text()
+            if any(n in text for n in names):
+                holders.append(d.name)
+        except OSError:
+            continue
+    return holders
+
+
+def flock_waiters(path: Path | str) -> int:
+    """How many flock(2) calls are blocked on this file or directory, from /proc/locks:
+    a test can see a waiter block instead of hoping a fixed sleep was long enough."""
+    st = os.stat(path)
+    key = f" {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino} "
+    with open("/proc/locks") as f:
+        return sum(1 for line in f if " -> FLOCK " in line and key in line)
+
+
+def wait_for_flock_waiter(path: Path | str, timeout: float = 20) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not flock_waiters(path):
+        if time.monotonic() > deadline:
+            pytest.fail(f"nothing came to wait for the lock on {path} within {timeout}s")
+        time.sleep(0.005)
+
+
 def tree_snapshot(root: Path) -> dict[str, tuple[int, bytes | str]]:
     """Every entry under root with its mode and content (or link target), for byte-identical checks."""
     out: dict[str, tuple[int, bytes | str]] = {}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import User, world_tmpdir
+from tests.conftest import User, overlay_holders, wait_for_flock_waiter, world_tmpdir
 
 VIEW = (
     "cat /proc/self/mountinfo; hostname; grep -E 'Cap|NoNewPrivs|Seccomp' /proc/self/status; "
@@ -271,19 +271,6 @@ def test_an_unusable_launcher_means_a_cold_start(user: User, project: Path) -> N
         shutil.rmtree(d)
 
 
-def _overlay_holders(upper: str) -> list[str]:
-    holders = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if upper in (d / "mountinfo").read_text():
-                holders.append(d.name)
-        except OSError:
-            continue
-    return holders
-
-
 def test_the_session_lock_waits_for_the_last_overlay(user: User, project: Path, state_dir: Path) -> None:
     """The next run of a session mounts the same upper layer: the previous overlay
     must be unmounted by then (overlayfs warns of, and does not define, two live
@@ -300,7 +287,7 @@ def test_the_session_lock_waits_for_the_last_overlay(user: User, project: Path, 
         for i in range(10):
             assert sb.run(["sh", "-c", f"echo {i} > f{i}"]).returncode == 0
             with sb.session.lock():
-                assert _overlay_holders(upper) == []
+                assert overlay_holders(upper) == []
 
 
 @pytest.mark.parametrize("launcher", ["1", "0"])
@@ -328,9 +315,9 @@ def test_a_run_mounts_its_overlay_only_under_the_overlay_lock(
             done: list[int] = []
             t = threading.Thread(target=lambda: done.append(sb.run(["sh", "-c", "echo y > g"]).returncode))
             t.start()
-            time.sleep(1.0)
+            wait_for_flock_waiter(sb.session.work)
             assert done == [] and t.is_alive()
-            assert _overlay_holders(str(sb.session.upper)) == []
+            assert overlay_holders(str(sb.session.upper)) == []
         finally:
             os.close(fd)
         t.join(30)

@@ -27,32 +27,47 @@ def env(tmp_path: Path) -> Iterator[dict[str, str]]:
     e = dict(os.environ)
     e["STOCKADE_STATE_DIR"] = str(tmp_path / "state")
     e.pop("STOCKADE_CGROUP", None)
+    e["STOCKADE_SERVER"] = "0"  # in-process: the run's cgroups carry the CLI's pid
     yield e
 
 
 def run_dirs_of(pid: int) -> list[str]:
-    """Run cgroups created by the CLI process ``pid`` (its name has -<pid>-)."""
-    m = det.detect()
-    d = m.describe()
-    parents: list[str] = []
-    if d["backend"] == "v2":
-        parents = [str(d["parent"])]
-    elif d["backend"] == "v1":
-        parents = list(dict(d["hierarchies"]).values())  # type: ignore[call-overload]
+    """Run cgroups created by process ``pid`` (their names carry -<pid>-), in every
+    hierarchy of this host's backend (v2, v1 or both)."""
+    def parents(d: dict[str, object]) -> list[str]:
+        if d["backend"] == "v2":
+            return [str(d["parent"])]
+        if d["backend"] == "v1":
+            return [str(p) for p in dict(d["hierarchies"]).values()]  # type: ignore[call-overload]
+        if d["backend"] == "hybrid":
+            return parents(d["v2"]) + parents(d["v1"])  # type: ignore[arg-type]
+        return []
+
     out = []
-    for p in parents:
+    for p in parents(det.detect().describe()):
         out += [n for n in os.listdir(p) if n.startswith("stockade-") and f"-{pid}-" in n]
     return out
 
 
-def stockade(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120) -> tuple[int, str, int, float]:
+def stockade(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120,
+             seen: set[str] | None = None) -> tuple[int, str, int, float]:
+    """Run the CLI; ``seen`` collects the run cgroups observed while it ran."""
     t0 = time.monotonic()
     proj = cwd / "proj"
     proj.mkdir(exist_ok=True)
-    p = subprocess.Popen([sys.executable, "-m", "stockade", "run", *args], env=env, cwd=proj,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _out, err = p.communicate(timeout=timeout)
-    return p.returncode, err.decode(), p.pid, time.monotonic() - t0
+    with open(cwd / "cli.err", "w+b") as err:
+        p = subprocess.Popen([sys.executable, "-m", "stockade", "run", *args], env=env, cwd=proj,
+                             stdout=subprocess.DEVNULL, stderr=err)
+        while p.poll() is None:
+            if time.monotonic() - t0 > timeout:
+                p.kill()
+                p.wait()
+                pytest.fail(f"stockade run {args} took more than {timeout}s")
+            if seen is not None:
+                seen.update(run_dirs_of(p.pid))
+            time.sleep(0.02)
+        err.seek(0)
+        return p.returncode, err.read().decode(), p.pid, time.monotonic() - t0
 
 
 @pytest.fixture
@@ -72,8 +87,10 @@ def test_oom_exit_137_and_summary(cgroups: None, env: dict[str, str], tmp_path: 
 
 def test_timeout_exit_124_in_about_two_seconds(cgroups: None, env: dict[str, str], tmp_path: Path) -> None:
     token = f"spin-{uuid.uuid4().hex}"
-    rc, err, pid, wall = stockade(["--timeout", "2s", "--", "sh", "-c", "while :; do :; done", token], env, tmp_path)
+    seen: set[str] = set()
+    rc, err, pid, wall = stockade(["--timeout", "2s", "--", "sh", "-c", "while :; do :; done", token], env, tmp_path, seen=seen)
     assert rc == 124, err
+    assert seen  # the run had cgroups (named after the CLI), so "none left" below means something
     assert "timeout" in err
     # the run's own duration (spawn to end), not the CLI's Python start-up (slow in the VM)
     (run_json,) = Path(env["STOCKADE_STATE_DIR"]).glob("sessions/*/runs/*/run.json")
@@ -134,21 +151,14 @@ with stockade.Sandbox(proj, limits=Limits(memory=256 * MiB, pids=24)) as sb:
                  ["sh", "-c", "for i in $(seq 40); do sleep 2 & done; wait"], ["true"]):
         r = sb.run(argv, capture_output=True)
         out.append([r.returncode, r.outcome_kind, r.peak_memory, r.cpu_time])
-pid = os.getpid()
-left = []
-from stockade.cgroups import detect
-d = detect.detect().describe()
-for p in dict(d.get("hierarchies", {})).values():
-    left += [n for n in os.listdir(p) if n.startswith("stockade-") and f"-{pid}-" in n]
-print(json.dumps({"runs": out, "left": left}))
+print(json.dumps(out))
 """
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "proj")], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout)
-    assert res["left"] == []
-    runs = res["runs"]
-    if det.detect().kind != "v1":
-        return  # the rest holds on every backend, but this is the v1 path's test
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "proj")], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert run_dirs_of(p.pid) == []
+    runs = json.loads(out)
     small = [runs[i] for i in (0, 2, 4, 7)]
     assert all(x[0] == 0 and x[1] == "exited" for x in small), runs
     assert runs[1][0] == 0 and runs[1][2] >= 96 << 20

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import User, make_wheel, tree_snapshot, world_tmpdir
+from tests.conftest import User, make_wheel, overlay_holders, tree_snapshot, world_tmpdir
 
 
 def _session_dirs(user: User) -> list[Path]:
@@ -180,24 +180,21 @@ def test_bad_input(user: User, project: Path) -> None:
 
 def test_session_lock_no_wait(user: User, project: Path) -> None:
     p = subprocess.Popen(
-        [*user.prefix(), user.python, "-m", "stockade", "run", "--session", "busy", "--", "sleep", "5"],
-        cwd=project, env=user.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [*user.prefix(), user.python, "-m", "stockade", "run", "--session", "busy", "--", "sleep", "300"],
+        cwd=project, env=user.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.time() + 10
-        while not list((user.state / "sessions/busy/runs").glob("*/")) and time.time() < deadline:
+        deadline = time.time() + 20
+        while not list((user.state / "sessions/busy/runs").glob("*/")):  # made under the lock
+            if time.time() > deadline:
+                pytest.fail("the first run never started")
             time.sleep(0.05)
-        time.sleep(0.3)
         r = user.cli(["run", "--session", "busy", "--no-wait", "--", "true"], cwd=project)
         assert r.returncode == 2
         assert b"in use by another run" in r.stderr
     finally:
         p.kill()
         p.wait()
-
-
-def _mounts_mentioning(s: str) -> int:
-    return sum(1 for line in Path("/proc/self/mountinfo").read_text().splitlines() if s in line)
 
 
 def test_sigkill_of_stockade_leaves_nothing(user: User, project: Path) -> None:
@@ -207,25 +204,30 @@ def test_sigkill_of_stockade_leaves_nothing(user: User, project: Path) -> None:
          "bash", "-c", f"(exec -a {marker} sleep 300 &) ; exec -a {marker} sleep 300"],
         cwd=project, env=user.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    deadline = time.time() + 15
-    while time.time() < deadline:
-        if subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout.split():
-            break
-        time.sleep(0.05)
-    else:
+    upper = str(user.state / "sessions" / "k" / "upper")
+    try:
+        deadline = time.time() + 15
+        while not subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout.split():
+            if time.time() > deadline:
+                pytest.fail("sandboxed sleep never started")
+            time.sleep(0.05)
+        assert overlay_holders(upper)  # the sandbox's own mount table has the overlay
+    except BaseException:
         p.kill()
-        pytest.fail("sandboxed sleep never started")
+        p.wait()
+        raise
     p.send_signal(signal.SIGKILL)
     p.wait()
     deadline = time.time() + 5
-    while time.time() < deadline and subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout.split():
+    while time.time() < deadline and (overlay_holders(upper)
+                                      or subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout.split()):
         time.sleep(0.05)
     assert subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout == b""
-    assert _mounts_mentioning(str(project)) == 0
+    assert overlay_holders(upper) == []
     # the lock is free again, and the next run sweeps the dead run's cgroups
     r = user.cli(["run", "--session", "k", "--no-wait", "--", "true"], cwd=project)
     assert r.returncode == 0, r.stderr.decode()
-    leftovers = subprocess.run(["find", "/sys/fs/cgroup", "-maxdepth", "5", "-type", "d", "-name", "stockade-k-*"], capture_output=True, text=True).stdout
+    leftovers = subprocess.run(["find", "/sys/fs/cgroup", "-type", "d", "-name", "stockade-k-*"], capture_output=True, text=True).stdout
     assert leftovers == ""
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from stockade.errors import UsageError
 from stockade.session import store
+from tests.conftest import wait_for_flock_waiter
 
 
 def test_concurrent_open_or_create_of_one_name(state_dir: Path, tmp_path: Path) -> None:
@@ -85,7 +86,8 @@ def test_the_lock_waits_for_an_overlay_still_mounted(state_dir: Path, tmp_path: 
 
     t = threading.Thread(target=other)
     t.start()
-    assert not entered.wait(0.3)
+    wait_for_flock_waiter(s.work)
+    assert not entered.is_set()
     os.close(fd)  # the overlay is gone
     assert entered.wait(10)
     t.join()
