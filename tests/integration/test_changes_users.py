@@ -3,6 +3,7 @@ apply (files owned by the user), rollback."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,8 +16,14 @@ def test_round_trip(user: User, project: Path) -> None:
     script = "echo 'print(2)' > src/main.py; rm data.bin; mkdir -p new/dir && echo hi > new/dir/f; chmod +x README.md"
     r = user.cli(["run", "--session", "rt", "--", "sh", "-c", script], cwd=project)
     assert r.returncode == 0, r.stderr.decode()
-    assert "2 added, 2 modified, 1 deleted" in r.stderr.decode() or "added" in r.stderr.decode()
+    # git-like counts: new/ and new/dir only hold the one added file; chmod is a modification
+    assert "stockade: session rt — 1 added, 2 modified, 1 deleted; review: stockade diff rt" in r.stderr.decode().splitlines()
     assert tree_snapshot(project) == before
+    r = user.cli(["status", "rt", "--json"], cwd=project)
+    assert r.returncode == 0, r.stderr.decode()
+    kinds = {c["path"]: c["kind"] for c in json.loads(r.stdout)["changes"]}
+    assert kinds == {"src/main.py": "modified", "README.md": "modified", "data.bin": "deleted",
+                     "new": "added", "new/dir": "added", "new/dir/f": "added"}, kinds
     patch = user.cli(["diff", "rt"], cwd=project)
     assert patch.returncode == 0, patch.stderr.decode()
     pristine = project.parent / "pristine"

@@ -53,18 +53,25 @@ def test_landlock_blocks_a_passed_host_directory_fd(user: User, project: Path) -
     (d / "canary").write_text("host canary\n")
     (d / "canary").chmod(0o644)
     code = (
-        "import os, subprocess, sys\n"
+        "import json, os, subprocess, sys\n"
         f"fd = os.open({str(d)!r}, os.O_RDONLY | os.O_DIRECTORY)\n"
         "os.set_inheritable(fd, True)\n"
         "r = subprocess.run([sys.executable if os.access(sys.executable, os.X_OK) else '/usr/bin/python3', '-m', 'stockade', 'run', '--pass-fd', str(fd), '--', 'sh', '-c',\n"
-        "    f'cat /proc/self/fd/{fd}/canary; ls /proc/self/fd/{fd}/; echo > /proc/self/fd/{fd}/new'],\n"
+        "    f'readlink /proc/self/fd/{fd}; cat /proc/self/fd/{fd}/canary; ls /proc/self/fd/{fd}/; echo > /proc/self/fd/{fd}/new; echo END'],\n"
         "    pass_fds=[fd], capture_output=True)\n"
-        "sys.stdout.write(r.stdout.decode() + '|' + r.stderr.decode())\n"
+        "print(json.dumps({'fd': fd, 'rc': r.returncode, 'out': r.stdout.decode(), 'err': r.stderr.decode()}))\n"
     )
     try:
         r = user.py(code, cwd=project)
-        out = r.stdout.decode()
-        assert "host canary" not in out, out
+        assert r.returncode == 0, r.stderr.decode()
+        res = json.loads(r.stdout)
+        out, err, fd = res["out"], res["err"], res["fd"]
+        assert res["rc"] == 0 and out.endswith("END\n"), res  # the script ran to its end
+        assert out.splitlines()[0] == str(d), res  # the fd reached the sandbox
+        # DAC would allow both reads: only Landlock refuses them
+        assert f"cat: /proc/self/fd/{fd}/canary: Permission denied" in err, err
+        assert "canary" not in out, out
+        assert f"/proc/self/fd/{fd}/new: Permission denied" in err, err
         assert not (d / "new").exists()
         assert (d / "canary").read_text() == "host canary\n"
     finally:

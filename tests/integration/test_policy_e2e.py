@@ -7,17 +7,31 @@ sandbox's output, host files unchanged, the audit stream's contents.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import User, world_tmpdir
+from tests.conftest import User
 
 
 def _secret() -> str:
     return f"STOCKADE-SECRET-{secrets.token_hex(10)}"
+
+
+def _host_tmpdir(prefix: str) -> Path:
+    """Under /var/tmp: the sandbox has its own /tmp, so only a path it never mounts shows a leak."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
+    d.chmod(0o755)
+    return d
+
+
+def _absent(err: str, path: Path) -> bool:
+    """The tool's "No such file" error names this very path (coreutils quotes it for ls)."""
+    return re.search(rf"{re.escape(str(path))}'?: No such file or directory", err) is not None
 
 
 @pytest.fixture
@@ -81,20 +95,27 @@ def test_ac2_mask_mode_empty(user: User, proj: Path) -> None:
 
 def test_ac1_home_ssh_key_invisible(user: User, proj: Path) -> None:
     s = _secret()
-    key = user.home / ".ssh" / "id_rsa"
+    base = _host_tmpdir("stockade-ac1-")
+    home = base / "home"  # $HOME of the caller, so its ~/.ssh rules apply
+    key = home / ".ssh" / "id_rsa"
     _write(user, key, s, 0o600)
     key.parent.chmod(0o700)
-    user.own(key.parent)
-    other = world_tmpdir("stockade-other-") / "other-project"
+    user.own(home)
+    other = base / "other-project"
     _write(user, other / "notes.txt", s)
+    (proj.parent / "sibling-project").mkdir()
     try:
         r = _run(user, proj, "ac1", "sh", "-c",
-                 f"cat {key}; ls -a {key.parent}; cat {other / 'notes.txt'}; ls {proj.parent}; echo DONE")
-        out = r.stdout.decode() + r.stderr.decode()
-        assert "DONE" in out and s not in out
-        assert "id_rsa" not in r.stdout.decode()
+                 f"cat {key}; ls -a {key.parent}; cat {other / 'notes.txt'}; echo LS; ls {proj.parent}; echo DONE",
+                 env={"HOME": str(home)})
+        out, err = r.stdout.decode(), r.stderr.decode()
+        assert "DONE" in out and s not in out + err
+        # absent, not merely unreadable: each error names its own path
+        for p in (key, key.parent, other / "notes.txt"):
+            assert _absent(err, p), (p, err)
+        assert out.split("LS\n", 1)[1] == "proj\nDONE\n", out
     finally:
-        shutil.rmtree(other.parent, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_ac3_secret_variables_absent(user: User, proj: Path) -> None:
@@ -141,7 +162,7 @@ def test_ac4_denied_command_refused_before_spawn(user: User, proj: Path) -> None
 
 def test_session_deny_beats_global_allow(user: User, proj: Path) -> None:
     s = _secret()
-    data = world_tmpdir("stockade-data-")
+    data = _host_tmpdir("stockade-data-")
     try:
         _write(user, data / "shared.txt", s)
         user.own(data)
@@ -154,6 +175,7 @@ def test_session_deny_beats_global_allow(user: User, proj: Path) -> None:
         assert r.returncode == 0, r.stderr.decode()
         r = _run(user, proj, "deny", "cat", str(data / "shared.txt"))
         assert s not in r.stdout.decode() and r.returncode != 0
+        assert _absent(r.stderr.decode(), data / "shared.txt"), r.stderr.decode()
         why = user.cli(["policy", "why", str(data / "shared.txt"), "--session", "deny", "--project", str(proj), "--json"], cwd=proj)
         assert why.returncode == 0, why.stderr.decode()
         d = json.loads(why.stdout)

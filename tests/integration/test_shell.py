@@ -8,7 +8,6 @@ import pty
 import select
 import signal
 import struct
-import sys
 import termios
 import time
 from pathlib import Path
@@ -63,13 +62,27 @@ def test_interactive_session(user: User, project: Path) -> None:
 
 
 def test_sandbox_does_not_hold_the_users_terminal(user: User, project: Path) -> None:
-    # the host pty our test owns must not appear among the sandbox's open files
-    rc, out = _drive(user, project, [], args=["--", "sh", "-c", "ls -l /proc/*/fd/ 2>/dev/null | grep -c pts; readlink /proc/self/fd/*; true"])
-    assert rc == 0
-    assert os.ttyname(sys.stdin.fileno()) if sys.stdin.isatty() else True
-    for line in out.decode(errors="replace").splitlines():
-        if line.startswith("/dev/pts/"):
-            assert line.strip() == "/dev/pts/0"
+    # Names can't tell the two apart (both may be /dev/pts/0): every pty fd the
+    # command's processes hold must live on the sandbox's own devpts.
+    script = (
+        "echo DEVPTS $(stat -c %d /dev/pts/ptmx); "
+        "for f in /proc/[0-9]*/fd/*; do "
+        "s=$(stat -L -c '%t %d' $f 2>&1) || { case $s in *denied*) echo DENIED $f;; esac; continue; }; "
+        "case ${s% *} in 88|89|8a|8b|8c|8d|8e|8f) echo PTSFD $f ${s#* };; esac; "  # majors 136-143
+        "done; echo END"
+    )
+    rc, out = _drive(user, project, [], args=["--", "sh", "-c", script])
+    text = out.decode(errors="replace")
+    assert rc == 0 and "END" in text, text
+    lines = [line.split() for line in text.splitlines()]
+    devpts = {w[1] for w in lines if w[:1] == ["DEVPTS"]}
+    assert len(devpts) == 1, text
+    assert int(next(iter(devpts))) != os.stat("/dev/pts/ptmx").st_dev  # not the host's devpts
+    pts = [w for w in lines if w[:1] == ["PTSFD"]]
+    assert pts, text  # the shell's own stdio at least
+    assert all(w[2] in devpts for w in pts), text
+    # only stockade-init (not dumpable) is out of the command's reach
+    assert all(w[1].startswith("/proc/1/fd/") for w in lines if w[:1] == ["DENIED"]), text
 
 
 def test_input_the_command_never_reads_does_not_block_its_output(user: User, project: Path) -> None:
