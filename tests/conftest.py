@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -222,6 +223,41 @@ def overlay_holders(upper: str) -> list[str]:
         except OSError:
             continue
     return holders
+
+
+def sigkill_cli_mid_run(user: User, project: Path, marker: str, env: dict[str, str] | None = None,
+                        stderr: int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+    """Start `stockade run --session k` with two sleeps named ``marker`` (one of them
+    double-forked), SIGKILL the CLI once they run with the overlay mounted, and check
+    from the host that the sleeps and the overlay are gone. Returns the dead CLI."""
+    import time
+
+    def sleeps() -> bytes:
+        return subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout
+
+    p = subprocess.Popen([*user.prefix(), user.python, "-m", "stockade", "run", "--session", "k", "--",
+                          "bash", "-c", f"(exec -a {marker} sleep 300 &) ; exec -a {marker} sleep 300"],
+                         cwd=project, env=user.env(env), stdout=subprocess.DEVNULL, stderr=stderr)
+    upper = str(user.state / "sessions" / "k" / "upper")
+    try:
+        deadline = time.time() + 15
+        while not sleeps():
+            if time.time() > deadline:
+                pytest.fail("sandboxed sleep never started")
+            time.sleep(0.05)
+        assert overlay_holders(upper)  # the sandbox's own mount table has the overlay
+    except BaseException:
+        p.kill()
+        p.wait()
+        raise
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    deadline = time.time() + 5
+    while time.time() < deadline and (overlay_holders(upper) or sleeps()):
+        time.sleep(0.05)
+    assert sleeps() == b""
+    assert overlay_holders(upper) == []
+    return p
 
 
 def flock_waiters(path: Path | str) -> int:

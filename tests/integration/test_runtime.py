@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import User, make_wheel, overlay_holders, tree_snapshot, world_tmpdir
+from tests.conftest import User, make_wheel, sigkill_cli_mid_run, tree_snapshot, world_tmpdir
 
 
 def _session_dirs(user: User) -> list[Path]:
@@ -198,32 +198,7 @@ def test_session_lock_no_wait(user: User, project: Path) -> None:
 
 
 def test_sigkill_of_stockade_leaves_nothing(user: User, project: Path) -> None:
-    marker = f"stockade-orphan-{os.getpid()}"
-    p = subprocess.Popen(
-        [*user.prefix(), user.python, "-m", "stockade", "run", "--session", "k", "--",
-         "bash", "-c", f"(exec -a {marker} sleep 300 &) ; exec -a {marker} sleep 300"],
-        cwd=project, env=user.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    upper = str(user.state / "sessions" / "k" / "upper")
-    try:
-        deadline = time.time() + 15
-        while not subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout.split():
-            if time.time() > deadline:
-                pytest.fail("sandboxed sleep never started")
-            time.sleep(0.05)
-        assert overlay_holders(upper)  # the sandbox's own mount table has the overlay
-    except BaseException:
-        p.kill()
-        p.wait()
-        raise
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    deadline = time.time() + 5
-    while time.time() < deadline and (overlay_holders(upper)
-                                      or subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout.split()):
-        time.sleep(0.05)
-    assert subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout == b""
-    assert overlay_holders(upper) == []
+    sigkill_cli_mid_run(user, project, f"stockade-orphan-{os.getpid()}")
     # the lock is free again, and the next run sweeps the dead run's cgroups
     r = user.cli(["run", "--session", "k", "--no-wait", "--", "true"], cwd=project)
     assert r.returncode == 0, r.stderr.decode()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import SRC, User, overlay_holders, unpriv_python
+from ..conftest import SRC, User, sigkill_cli_mid_run, unpriv_python
 
 # Servers of these tests outlive a slow step (the suite's default is 2 s idle); the
 # fixture below ends them with the test.
@@ -109,30 +109,7 @@ def test_signals_reach_the_command_of_a_served_run(user: User, project: Path) ->
 @pytest.mark.vm  # cgroup v2 (runs placed by CLONE_INTO_CGROUP under the client's cgroup)
 def test_killing_a_served_client_ends_its_run(user: User, project: Path) -> None:
     _start_server(user, project)
-    marker = f"stockade-served-{os.getpid()}"
-    p = subprocess.Popen([*user.prefix(), user.python, "-m", "stockade", "run", "--session", "k", "--",
-                          "bash", "-c", f"(exec -a {marker} sleep 300 &) ; exec -a {marker} sleep 300"],
-                         cwd=project, env=user.env(DEBUG), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    upper = str(user.state / "sessions" / "k" / "upper")
-    try:
-        deadline = time.time() + 15
-        while not subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout:  # the sandboxed sleeps
-            if time.time() > deadline:
-                pytest.fail("sandboxed sleep never started")
-            time.sleep(0.05)
-        assert overlay_holders(upper)  # the sandbox's own mount table has the overlay
-    except BaseException:
-        p.kill()
-        p.wait()
-        raise
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    deadline = time.time() + 5
-    while time.time() < deadline and (overlay_holders(upper)
-                                      or subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout):
-        time.sleep(0.05)
-    assert subprocess.run(["pgrep", "-f", f"^{marker}"], capture_output=True).stdout == b""
-    assert overlay_holders(upper) == []
+    p = sigkill_cli_mid_run(user, project, f"stockade-served-{os.getpid()}", DEBUG, stderr=subprocess.PIPE)
     assert p.stderr is not None
     err = p.stderr.read()
     assert b"served by supervisor " in err, err
