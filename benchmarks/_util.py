@@ -49,16 +49,15 @@ def interleaved(fns: dict[str, Callable[[], object]], n: int, warmup: int = 3) -
 @contextlib.contextmanager
 def bench_dir(prefix: str) -> Iterator[Path]:
     """A benchmark's temporary directory, with its own state dir in it for its
-    duration; removed after, and the variable restored, so that no later benchmark
-    of the same process writes into a removed one or into the user's state."""
+    duration; removed after, and the environment restored (the state dir and any
+    variable the benchmark set), so that no later benchmark of the same process
+    writes into a removed one, into the user's state, or with another's settings."""
     base = Path(tempfile.mkdtemp(prefix=prefix))
-    old = os.environ.get("STOCKADE_STATE_DIR")
+    saved = dict(os.environ)
     os.environ["STOCKADE_STATE_DIR"] = str(base / "state")
     try:
         yield base
     finally:
-        if old is None:
-            os.environ.pop("STOCKADE_STATE_DIR", None)
-        else:
-            os.environ["STOCKADE_STATE_DIR"] = old
+        os.environ.clear()
+        os.environ.update(saved)
         shutil.rmtree(base, ignore_errors=True)

@@ -50,7 +50,6 @@ def main() -> None:
 def _launches(base: Path) -> None:
     import stockade
 
-    saved_env = {k: os.environ.get(k) for k in ("STOCKADE_LAUNCHER_IDLE", "STOCKADE_SERVER_IDLE")}
     proj = base / "proj"
     proj.mkdir()
     (proj / "f").write_text("x\n")
@@ -143,11 +142,6 @@ def _launches(base: Path) -> None:
 
         flush_deferred()  # the cgroups made ahead for a next run, and this process's launchers
         launcher.shutdown()
-        for k, v in saved_env.items():  # the next benchmarks in this process keep theirs
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _python_share(sb: object, proj: Path, n: int) -> None:

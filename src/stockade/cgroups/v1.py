@@ -280,10 +280,6 @@ class V1RunCgroup:
     def clone_into_fd(self) -> int | None:
         return None
 
-    def _rel(self, h: Hierarchy) -> str:
-        """This run's cgroup in hierarchy ``h`` as /proc/<pid>/cgroup shows it."""
-        return h.own_rel.rstrip("/") + "/" + self.dirname
-
     def placement(self) -> Placement:
         """The sandbox's init joins through the tasks files (opened now if they were
         not ahead); when one cannot be opened, the caller attaches it by pid."""
@@ -316,7 +312,7 @@ class V1RunCgroup:
     def _is_member(self, pid: int) -> bool:
         lines = proc_cgroup_lines(pid)
         for h, _path in self.dirs:
-            rel = self._rel(h)
+            rel = h.own_rel.rstrip("/") + "/" + self.dirname
             for _hid, ctrls, path in lines:
                 if set(ctrls.split(",")) & h.controllers and (
                     path == rel or path.startswith(rel + "/")

@@ -260,12 +260,9 @@ class Launcher:
             mfd = os.memfd_create("stockade-plan", os.MFD_CLOEXEC)
             os.write(mfd, packed)  # memfd writes are whole
             extra = [mfd]
-            flags |= _PLAN_IN_FD
+            flags = _PLAN_IN_FD
             body = b""
         try:
-            if not fds and not extra:  # send_fds with no fds still sends an empty SCM_RIGHTS
-                self.ctl.sendmsg([_MSG.pack(_MAGIC, kind, flags, reserved), body])
-                return
             socket.send_fds(self.ctl, [_MSG.pack(_MAGIC, kind, flags, reserved), body], fds + extra)
         finally:
             for fd in extra:
