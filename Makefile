@@ -5,7 +5,7 @@ BOOT := $(VENV)/.bootstrapped
 NATIVE_SRC := $(wildcard csrc/*.c csrc/*.h csrc/*.py csrc/launcher/*.c) pyproject.toml setup.py
 VMTEST ?= ../shared/vmtest/vmtest.sh
 
-.PHONY: run test test-vm bench lint clean native
+.PHONY: run test test-vm bench lint clean native install
 
 $(BOOT): $(NATIVE_SRC) scripts/bootstrap.sh pyproject.toml
 	@./scripts/bootstrap.sh
@@ -21,6 +21,10 @@ test: $(BOOT)
 # Kernel-specific tests under a second kernel (Debian 6.1: cgroup v2, Landlock ABI 2).
 test-vm: $(BOOT)
 	./scripts/test-vm.sh
+
+# A user install (pipx-style venv + $(PREFIX)/bin/stockade); PREFIX defaults to ~/.local (root: /usr/local).
+install: $(BOOT)
+	@./scripts/install.sh
 
 bench: $(BOOT)
 	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null; } || true

@@ -16,6 +16,12 @@ fi
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
+# A venv runs its interpreter from where it was made: under a 0700 home, nobody
+# else (uid 65534, `--user`, CI's build user) can start it.
+closed=$(./scripts/private-interp.sh .venv/bin/python || true)
+if [ -n "$closed" ]; then
+    echo "bootstrap: note: .venv's interpreter $(readlink -f .venv/bin/python) is under $closed, which other users cannot enter: only $(id -un) can run this stockade. For a venv every user can run: make clean && PYTHON=/usr/bin/python3 make run" >&2
+fi
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel cffi >/dev/null
 .venv/bin/python -m pip install -q --no-build-isolation -e '.[dev]'
 # Byte-compile now: with PYTHONDONTWRITEBYTECODE set (common on CI) every CLI start
