@@ -470,6 +470,33 @@ def probe_apparmor(proc: Path = Path("/proc")) -> Probe:
     return Probe("apparmor", "info", "enabled" if enabled == "Y" else "not enabled or no userns restriction", None, data)
 
 
+def closed_dir(path: str) -> str | None:
+    """The first directory on the way to ``path`` that other users cannot enter."""
+    d = os.path.dirname(os.path.realpath(path))
+    while True:
+        try:
+            if not os.stat(d).st_mode & 0o001:
+                return d
+        except OSError:
+            return d
+        if d == "/":
+            return None
+        d = os.path.dirname(d)
+
+
+def probe_interpreter(python: str | None = None) -> Probe:
+    """A venv runs the interpreter it was made from: under a 0700 home (a pyenv), no
+    other user (uid 65534, `--user`, a CI build user) can start this stockade."""
+    exe = os.path.realpath(python or sys.executable)
+    closed = closed_dir(exe)
+    if closed is None:
+        return Probe("interpreter", "info", f"{exe} (other users can run it)")
+    return Probe("interpreter", "info", f"{exe} is under {closed}, which other users cannot enter: "
+                 "only its owner can run this stockade",
+                 "build a venv from a system interpreter: make clean && PYTHON=/usr/bin/python3 make run",
+                 {"closed": closed})
+
+
 def run_self_test(timeout: float = 30.0) -> Probe:
     """A short real sandbox: `true` through stockade.api.run. Always live."""
     try:
@@ -557,6 +584,7 @@ def run(*, refresh: bool = False, self_test: bool = True) -> Report:
     from .session.store import state_dir
 
     probes, cached = cached_probes(state_dir(), refresh=refresh)
+    probes.append(probe_interpreter())
     if self_test:
         probes.append(run_self_test())
     return Report(probes, cached)

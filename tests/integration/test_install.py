@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -65,3 +64,21 @@ def test_make_install_runs_for_root_and_another_user() -> None:
     finally:
         shutil.rmtree(prefix, ignore_errors=True)
         shutil.rmtree(proj, ignore_errors=True)
+
+
+def test_doctor_names_a_closed_interpreter() -> None:
+    from stockade.doctor import probe_interpreter
+
+    base = world_tmpdir("stockade-interp-")
+    try:
+        (base / "home" / "bin").mkdir(parents=True)
+        py = base / "home" / "bin" / "python3"
+        py.write_text("")
+        (base / "home").chmod(0o700)
+        p = probe_interpreter(str(py))
+        assert p.data == {"closed": str(base / "home")}
+        assert p.fix and "PYTHON=/usr/bin/python3" in p.fix
+        (base / "home").chmod(0o755)
+        assert probe_interpreter(str(py)).fix is None
+    finally:
+        shutil.rmtree(base)
