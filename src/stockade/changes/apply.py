@@ -49,57 +49,9 @@ from ..errors import SessionNotFound, UsageError
 from ..session import store
 from ..session.store import Session
 from ._safefs import Root, Roots, copy_to_new, link_new, rmtree_at
+from .held import held_back
 from .layers import expose
 from .model import Change, ChangeSet, Kind, is_explicit, normalize_pathspec
-
-# ---- host-code-execution vectors held back unless named explicitly ------------------
-
-HELD_BACK_PATTERNS: tuple[str, ...] = (
-    ".git",  # the repository itself: hooks, config, index, packed refs...
-    ".gitmodules",
-    ".envrc",
-    ".direnv",
-    ".vscode/tasks.json",
-    ".vscode/settings.json",
-    ".vscode/launch.json",
-    ".idea/workspace.xml",
-    ".idea/runConfigurations",
-    ".devcontainer",
-    ".pre-commit-config.yaml",
-    ".husky",
-    "lefthook.yml",
-    ".lefthook.yml",
-    ".npmrc",
-    ".yarnrc",
-    ".yarnrc.yml",
-)
-# basenames held back wherever they are (the project may be a home directory)
-HELD_BACK_NAMES: frozenset[str] = frozenset(
-    {
-        ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".profile",
-        ".zshrc", ".zshenv", ".zprofile", ".zlogin", ".zlogout", ".cshrc", ".tcshrc",
-        ".kshrc", ".mkshrc", ".inputrc", ".envrc", "sitecustomize.py", "usercustomize.py",
-    }
-)
-
-
-_HELD_BACK_SET = frozenset(HELD_BACK_PATTERNS)
-assert all(p.count("/") <= 1 for p in HELD_BACK_PATTERNS)  # held_back_reason looks 2 deep
-
-
-def held_back_reason(path: str) -> str | None:
-    parts = path.split("/", 2)
-    if parts[0] in _HELD_BACK_SET:
-        return parts[0]
-    if len(parts) > 1 and (two := f"{parts[0]}/{parts[1]}") in _HELD_BACK_SET:
-        return two
-    base = parts[-1] if len(parts) < 3 else path.rsplit("/", 1)[-1]
-    if base in HELD_BACK_NAMES:
-        return base
-    if base.endswith(".pth"):
-        return "*.pth (runs at every Python start)"
-    return None
-
 
 # ---- results ----------------------------------------------------------------------
 
@@ -112,12 +64,14 @@ class ApplyResult:
     refused: tuple[str, ...] = ()
     dry_run: bool = False
     operations: tuple[str, ...] = field(default=())
+    why_held: dict[str, str] = field(default_factory=dict)  # held-back path -> the reason
 
     def to_json(self) -> dict[str, Any]:
         return {
             "apply_id": self.apply_id,
             "applied": list(self.applied),
             "held_back": list(self.held_back),
+            "held_back_reasons": dict(self.why_held),
             "refused": list(self.refused),
             "dry_run": self.dry_run,
         }
@@ -752,26 +706,31 @@ def _new_apply_id() -> str:
 
 def _select(cs: ChangeSet, paths: Sequence[str] | None, exclude: Sequence[str] | None,
             only: Sequence[Change] | None) -> tuple[list[Change], list[str], list[str]]:
-    """(to apply, held back, refused)."""
+    """(chosen, the pathspecs that name paths literally, refused)."""
     if only is not None:
         chosen = list(only)
         specs = [c.path for c in chosen]
     else:
         chosen = list(cs.select(list(paths) if paths else None, list(exclude) if exclude else None))
         specs = [normalize_pathspec(s, cs.project) for s in paths] if paths else []
-    held: list[str] = []
-    refused: list[str] = []
+    refused = [c.path for c in chosen if c.kind is Kind.REFUSED]
+    return [c for c in chosen if c.kind is not Kind.REFUSED], specs, refused
+
+
+def _hold(cs: ChangeSet, chosen: list[Change], specs: Sequence[str]) -> tuple[list[Change], dict[str, str]]:
+    """(to apply, held back -> why): what ``held_back`` names waits unless a spec names it
+    literally; a new directory whose only new contents are held back waits with them;
+    the new parent directories of what is applied are pulled in."""
+    why_all = held_back(cs, chosen)
+    held: dict[str, str] = {}
     out: list[Change] = []
     for c in chosen:
-        if c.kind is Kind.REFUSED:
-            refused.append(c.path)
-            continue
-        if held_back_reason(c.path) and not any(is_explicit(s, c.path) for s in specs):
-            held.append(c.path)
-            continue
-        out.append(c)
+        why = why_all.get(c.path)
+        if why and not any(is_explicit(s, c.path) for s in specs):
+            held[c.path] = why
+        else:
+            out.append(c)
     if held:
-        # directories whose only new contents are held back are held back with them
         def _dir_only_for_held(c: Change) -> bool:
             if c.new_mode is None or not stat.S_ISDIR(c.new_mode):
                 return False
@@ -782,7 +741,7 @@ def _select(cs: ChangeSet, paths: Sequence[str] | None, exclude: Sequence[str] |
 
         for c in [c for c in out if _dir_only_for_held(c)]:
             out.remove(c)
-            held.append(c.path)
+            held[c.path] = "a new directory holding only held-back entries"
     # a change needs its new parent directories: pull in directory changes above it
     have = {c.path for c in out}
     by_path = {c.path: c for c in cs.changes}
@@ -798,7 +757,19 @@ def _select(cs: ChangeSet, paths: Sequence[str] | None, exclude: Sequence[str] |
             out.append(a)
             have.add(anc)
     out.sort(key=lambda c: os.fsencode(c.path))
-    return out, held, refused
+    return out, held
+
+
+def _nothing_why(held: dict[str, str], refused: list[str]) -> str:
+    if held:
+        by_why: dict[str, list[str]] = {}
+        for p, w in held.items():
+            by_why.setdefault(w, []).append(p)
+        shown = "; ".join(f"{', '.join(ps[:8])}{', ...' if len(ps) > 8 else ''} ({w})" for w, ps in by_why.items())
+        return f"; {len(held)} held back: {shown}; name them explicitly to apply them"
+    if refused:
+        return f"; {len(refused)} refused (fifos, sockets, devices)"
+    return ""
 
 
 def apply_changes(
@@ -811,25 +782,25 @@ def apply_changes(
 ) -> ApplyResult:
     session = cs.session
     recover_pending()
-    chosen, held, refused = _select(cs, paths, exclude, only)
+    picked, specs, refused = _select(cs, paths, exclude, only)
+    chosen, held = _hold(cs, picked, specs)
     if not chosen:
-        why = ""
-        if held:
-            why = (f"; {len(held)} held back as host-code-execution vectors ({', '.join(held[:3])}"
-                   f"{'...' if len(held) > 3 else ''}): name them explicitly to apply them")
-        elif refused:
-            why = f"; {len(refused)} refused (fifos, sockets, devices)"
-        raise UsageError(f"nothing to apply in session {session.id}{why}")
+        raise UsageError(f"nothing to apply in session {session.id}{_nothing_why(held, refused)}")
     flushing = None if dry_run else _flush_early(cs.project)
     with session.lock(wait=False), _global_lock():
-        # re-scan under the lock so the plan matches the layers exactly
+        # re-scan under the lock so the plan matches the layers exactly, and decide again
+        # what is held back on what will be written (a run between the two scans may
+        # have changed a symlink or a policy table)
         from .scan import scan
 
         fresh = scan(session, classify=False)
         current = {c.path: c for c in fresh.changes}
-        chosen = [current[c.path] for c in chosen if c.path in current]
+        first = {c.path for c in chosen}  # what was reviewed: nothing new joins under the lock
+        chosen, held_now = _hold(fresh, [current[c.path] for c in picked if c.path in current], specs)
+        chosen = [c for c in chosen if c.path in first]
+        held = {**held, **held_now}
         if not chosen:
-            raise UsageError(f"nothing to apply in session {session.id}")
+            raise UsageError(f"nothing to apply in session {session.id}{_nothing_why(held, refused)}")
         project = cs.project
         with Root(project) as host:
             planner = _Planner(fresh, chosen, host)
@@ -845,11 +816,11 @@ def apply_changes(
         desc = tuple(f"{op['op']} {op['path']}" for op in ops)
         applied = tuple(c.path for c in chosen)
         if dry_run:
-            return ApplyResult(None, applied, tuple(held), tuple(refused), True, desc)
+            return ApplyResult(None, applied, tuple(held), tuple(refused), True, desc, held)
         apply_id = _new_apply_id()
         whole = _whole_dirs(fresh.changes, chosen, planner.created_dirs)
         _run_apply(apply_id, session, project, chosen, ops, whole, flushing)
-        return ApplyResult(apply_id, applied, tuple(held), tuple(refused), False, desc)
+        return ApplyResult(apply_id, applied, tuple(held), tuple(refused), False, desc, held)
 
 
 def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Change],

@@ -67,7 +67,27 @@ def _session_and_rest(args: argparse.Namespace, positional: list[str]) -> tuple[
             return store.open_session(first), positional[1:]
         except (UsageError, SessionNotFound):
             pass
-    return store.resolve(None), positional
+    try:
+        latest = store.resolve(None)
+    except SessionNotFound:
+        if positional and store._NAME_RE.fullmatch(positional[0]):
+            raise UsageError(f"unknown session {positional[0]!r}: there are no sessions yet; "
+                             "start one with `stockade run -- CMD`") from None
+        raise
+    if positional and store._NAME_RE.fullmatch(positional[0]) and not _names_a_path(latest, positional[0]):
+        # a session-like word that is no path either: say so, not "pathspec did not match"
+        raise UsageError(f"unknown session {positional[0]!r} (nor a path in session {latest.id}); "
+                         "list sessions with `stockade list`")
+    return latest, positional
+
+
+def _names_a_path(session: Session, word: str) -> bool:
+    """Is ``word`` a top-level path of the project or of one of the session's layers?"""
+    try:
+        dirs = [session.project, *session.lower_stack()]
+    except Exception:  # a broken meta.json: let the caller report it
+        return True
+    return any(os.path.lexists(os.path.join(d, word)) for d in dirs)
 
 
 def _changes(session: Session, classify: bool = True) -> ChangeSet:
@@ -169,7 +189,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     applies = list_applies(session.id)
     if args.json:
         data = cs.to_json()
-        data["changes"] = [c.to_json() for c in changes]
+        data["changes"] = cs.changes_json(changes)
         data["runs"] = runs
         data["applies"] = [{"id": a.id, "state": a.state, "paths": len(a.paths)} for a in applies]
         _out(json.dumps(data, indent=1, default=str) + "\n")
@@ -189,13 +209,18 @@ def cmd_status(args: argparse.Namespace) -> int:
             _out(f"  {r.get('run', '?'):>3}  exit {code!s:<4} {status:<20} {cmd}\n")
     if changes:
         _out(f"changes ({cs.counts().phrase()}):\n")
+        held = cs.held_back(changes)
         for c in changes:
             extra = f"  ({c.reason})" if c.reason else ""
             if c.kind.value == "typechange":
                 extra = f"  ({c.old_type} -> {c.new_type})"
             elif c.is_dir:
                 extra = extra or "  (directory)"
+            if c.path in held:
+                extra += f"  (held back: {held[c.path]})"
             _out(f"  {c.letter} {_quote(c.path)}{extra}\n")
+        if held:
+            _out(f"held back from `stockade apply` unless named: {len(held)} path(s)\n")
     else:
         _out("no changes\n")
     if applies:
@@ -210,17 +235,29 @@ def cmd_diff(args: argparse.Namespace) -> int:
     cs = _changes(session)
     sel = cs.select(rest or None)
     if args.json:
-        _out(json.dumps({"session": session.id, "changes": [c.to_json() for c in sel]}, indent=1) + "\n")
+        _out(json.dumps({"session": session.id, "changes": cs.changes_json(sel)}, indent=1) + "\n")
         return 0
     if args.stat:
         from .diff import render_stat
 
         _out(render_stat(cs, sel))
-        return 0
-    from .diff import render_diff
+    else:
+        from .diff import render_diff
 
-    _out(render_diff(cs, sel, color=_use_color(args.color)))
+        _out(render_diff(cs, sel, color=_use_color(args.color)))
+    # on stderr: the patch on stdout stays one `git apply` accepts
+    _say_held(session.id, cs.held_back(sel), "`stockade apply` holds back")
     return 0
+
+
+def _say_held(sid: str, held: dict[str, str], lead: str) -> None:
+    """Each held-back path and why, on stderr (review output; the patch or JSON stays clean)."""
+    if not held:
+        return
+    _err(f"stockade: {lead} {len(held)} path(s) unless named explicitly "
+         f"(stockade apply {sid} PATH):")
+    for p, why in held.items():
+        _err(f"  {_quote(p)}: {why}")
 
 
 def _interactive(cs: ChangeSet, paths: list[str] | None, exclude: list[str] | None) -> list[Any] | None:
@@ -229,12 +266,14 @@ def _interactive(cs: ChangeSet, paths: list[str] | None, exclude: list[str] | No
     chosen = []
     todo = [c for c in cs.select(paths, exclude) if c.kind.value != "refused"]
     all_rest = False
+    held = cs.held_back(todo)
     for i, c in enumerate(todo):
-        if all_rest:
+        if all_rest and c.path not in held:  # "all the rest" never takes a held-back path
             chosen.append(c)
             continue
         while True:
-            sys.stderr.write(f"({i + 1}/{len(todo)}) apply {c.kind.value} {_quote(c.path)} [y,n,d,a,q,?]? ")
+            note = f" (held back: {held[c.path]})" if c.path in held else ""
+            sys.stderr.write(f"({i + 1}/{len(todo)}) apply {c.kind.value} {_quote(c.path)}{note} [y,n,d,a,q,?]? ")
             sys.stderr.flush()
             ans = sys.stdin.readline()
             if not ans:
@@ -280,9 +319,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     else:
         _err(f"stockade: applied {len(res.applied)} path(s) from session {session.id} "
              f"(apply {res.apply_id}); undo with: stockade rollback {res.apply_id}")
-    if res.held_back:
-        _err(f"stockade: held back {len(res.held_back)} host-code-execution path(s); name them "
-             f"explicitly to apply: {', '.join(_quote(p) for p in res.held_back)}")
+    _say_held(session.id, res.why_held, "would hold back" if res.dry_run else "held back")
     if res.refused:
         _err(f"stockade: refused {len(res.refused)} path(s) (fifos, sockets, devices, masked secrets): "
              f"{', '.join(_quote(p) for p in res.refused)}")

@@ -273,11 +273,24 @@ class ChangeSet:
 
         return discard_changes(self, paths=paths)
 
+    def held_back(self, changes: tuple[Change, ...] | list[Change] | None = None) -> dict[str, str]:
+        """path -> why ``apply`` holds it back unless a pathspec names it literally
+        (host-code-execution vectors, stockade policy files, symlinks leading out)."""
+        from .held import held_back
+
+        return held_back(self, changes)
+
+    def changes_json(self, changes: tuple[Change, ...] | list[Change] | None = None) -> list[dict[str, object]]:
+        """``changes`` (default: all) as JSON, each held-back one with ``held_back``: why."""
+        todo = self.changes if changes is None else changes
+        held = self.held_back(todo)
+        return [{**c.to_json(), **({"held_back": held[c.path]} if c.path in held else {})} for c in todo]
+
     def to_json(self) -> dict[str, object]:
         c = self.counts()
         return {
             "session": self.session.id,
             "project": str(self.project),
             "counts": {"added": c.added, "modified": c.modified, "deleted": c.deleted, "refused": c.refused},
-            "changes": [ch.to_json() for ch in self.changes],
+            "changes": self.changes_json(),
         }
