@@ -206,7 +206,7 @@ class HostFacts:
 
 
 @functools.lru_cache(maxsize=1)
-def _system_layout() -> tuple[tuple[str, str | None], ...]:
+def system_layout() -> tuple[tuple[str, str | None], ...]:
     out: list[tuple[str, str | None]] = []
     for d in SYSTEM_DIRS:
         try:
@@ -288,7 +288,8 @@ def host_facts(etc_extra: Sequence[str] = ()) -> HostFacts:
     started = time.time_ns()
     etc = []
     files: list[tuple[str, tuple[int, int, int, int]]] = []
-    for name in (*ETC_ALLOW, *etc_extra):
+    # etc.extra entries are absolute (/etc/NAME); ETC_ALLOW's are names
+    for name in (*ETC_ALLOW, *(e.removeprefix("/etc/") for e in etc_extra)):
         e = _etc_entry(name)
         if e is not None:
             etc.append(e)
@@ -301,7 +302,7 @@ def host_facts(etc_extra: Sequence[str] = ()) -> HostFacts:
     facts = HostFacts(
         euid=euid,
         egid=egid,
-        system=_system_layout(),
+        system=system_layout(),
         etc=tuple(etc),
         proc_entries=_proc_entries(),
         landlock_abi=landlock_abi(),

@@ -366,6 +366,7 @@ def prepare(
     grant_masks: list[Any] = []
     for g in pol.grants:
         grant_masks.extend(pol.masked(g.host_path))
+    grant_masks.extend(pol.outside_masks())  # denied system and /etc paths: mounted like the grants'
     # Secrets in the project are overlay content (a lower layer of whiteouts or empty
     # files), never mounts: see session/masklayer.py. Those in grants are mounted after
     # the host is detached.

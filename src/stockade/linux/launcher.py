@@ -100,8 +100,11 @@ def split(plan: Plan) -> tuple[tuple[MountOp, ...], tuple[MountOp, ...]] | None:
             base.append(m)
     # mount points of the per-run mounts, made once in the shared tree
     made: list[str] = []
+    # a point inside a base bind or on a base file exists already (a mask over a denied
+    # system file): making it again would truncate through a read-only bind (EROFS)
+    present = [m.target for m in base if m.kind in ("bind", "file")]
     for m in run:
-        if m.kind not in _MOUNT_KINDS or _under(m.target, made):
+        if m.kind not in _MOUNT_KINDS or _under(m.target, made) or _under(m.target, present):
             continue
         if m.target in ("/", "/dev"):
             return None

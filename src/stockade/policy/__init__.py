@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -93,6 +93,42 @@ class Grant:
     writable: bool
     source: str
     origin: str = ""
+
+
+# /etc entries the runtime writes itself (resolv.conf only with --net host)
+ETC_MADE = ("passwd", "group", "hostname", "hosts", "resolv.conf")
+# private in the sandbox: a host path beneath these is never what the sandbox sees there
+_OWN_MOUNTS = ("/dev/shm", "/dev/mqueue")
+
+
+def sandbox_sees(p: str, etc_extra: Sequence[str] = ()) -> bool:
+    """Whether the sandbox shows the host path ``p`` (resolved) outside the project and
+    the grants: beneath a system dir or a curated /etc entry."""
+    from ..plan import ETC_ALLOW, system_layout
+
+    for d, link in system_layout():
+        if link is None and is_under(p, d):
+            return True
+    if p == "/etc":
+        return True
+    if is_under(p, "/etc"):
+        return any(is_under(p, "/etc/" + n) for n in (*ETC_MADE, *ETC_ALLOW)) or any(is_under(p, e) for e in etc_extra)
+    return False
+
+
+def deny_refusal(p: str) -> str | None:
+    """Why a deny of ``p`` (resolved) cannot be honoured, or None.
+
+    /proc and /dev inside are the sandbox's own (a new procfs, a minimal /dev): a host
+    path there is not what the sandbox sees, so neither hiding it nor ``why`` could be
+    right."""
+    if any(is_under(p, o) for o in _OWN_MOUNTS):
+        return None
+    if is_under(p, "/proc") or is_under(p, "/dev"):
+        top = "/proc" if is_under(p, "/proc") else "/dev"
+        return (f"{p} is inside {top}, which the sandbox gets its own of "
+                f"({'a new procfs' if top == '/proc' else 'a minimal /dev'}); a deny there cannot be honoured, remove it")
+    return None
 
 
 # --------------------------------------------------------------------------- layers
@@ -245,6 +281,10 @@ class Effective:
         self.etc_extra: list[str] = sorted({i.value for i in self.etc_items})
 
         self.paths: PathResolution = resolve_paths(e for lay in layers for e in lay.paths)
+        for d in self.paths.denies:
+            why_not = deny_refusal(d.path) if d.origin.layer != "default" else None
+            if why_not is not None:
+                raise PolicyError(f"deny {d.path} ({d.origin}): {why_not}")
         self.warnings += self.paths.warnings
         self.warnings += exposure_warnings(self.paths, self.home, str(self.project))
         self.grants: list[Grant] = []
@@ -415,6 +455,33 @@ class Effective:
         self._masked[root] = result
         return result
 
+    def outside_masks(self) -> list[Masked]:
+        """Denied paths the sandbox would see outside the project and the grants (the
+        system dirs, the curated /etc): hidden like secrets, an empty read-only file or
+        directory mounted over each, so ``why`` (DENIED) and the sandbox agree.
+
+        Denies elsewhere (the home, /tmp, other trees) name paths the sandbox cannot see
+        anyway; those inside the project and grants are masked by :meth:`masked`."""
+        trees = [str(t) for t in self.visible_trees()]
+        out: list[Masked] = []
+        facts: list[tuple[str, bool, bool, bool]] = []
+        for d in sorted(self.paths.denies, key=lambda d: d.path):
+            p = d.path
+            if any(is_under(p, t) for t in trees) or not sandbox_sees(p, self.etc_extra):
+                continue
+            exists = os.path.lexists(p)
+            is_link = exists and os.path.islink(p)
+            is_dir = exists and os.path.isdir(p)
+            facts.append((p, exists, is_link, is_dir))
+            if not exists or is_link:  # realpath'ed: a symlink here dangles or loops
+                continue
+            if out and out[-1].is_dir and is_under(p, str(out[-1].path)):
+                continue  # inside a directory already masked
+            out.append(Masked(Path(p), is_dir, p, d.origin.layer, str(d.origin)))
+        # for stockade.warm: a later process revalidates these facts before reusing the plan
+        self.scan_deps["(outside)"] = ({"dirs": {}}, facts, False)
+        return out
+
     # ---- show / why ----------------------------------------------------------------
     def rules(self) -> list[Rule]:
         out: list[Rule] = []
@@ -458,7 +525,11 @@ class Effective:
         if d is not None:
             rule = path_rule(d)
             what = f"denied by path rule {d.path}" if d.path == p else f"denied: inside {d.path}, denied by path rule"
-            return Decision(p, False, "denied", rule, f"{what} from {d.origin}", beaten)
+            how = ""
+            if not any(is_under(d.path, str(t)) for t in self.visible_trees()) and sandbox_sees(d.path, self.etc_extra):
+                kind = "directory" if os.path.isdir(d.path) else "file"
+                how = f"; hidden inside: an empty read-only {kind} is mounted over {d.path}"
+            return Decision(p, False, "denied", rule, f"{what} from {d.origin}{how}", beaten)
         proj = str(self.project)
         tree: str | None = None
         grant: Grant | None = None
@@ -527,6 +598,13 @@ class Effective:
                 if is_under(p, i.value):
                     return Decision(p, True, "ro", Rule("etc", "allow", i.value, i.origin),
                                     f"visible read-only: etc.extra {i.value} from {i.origin}", beaten)
+            from ..plan import ETC_ALLOW
+
+            for n in (*ETC_MADE[:4], *ETC_ALLOW):  # resolv.conf: only with --net host
+                if is_under(p, "/etc/" + n) and (n in ETC_MADE or os.path.lexists("/etc/" + n)):
+                    made = n in ETC_MADE
+                    return Decision(p, True, "ro", None,
+                                    f"visible read-only: {'written by the runtime' if made else 'a curated entry'} (/etc/{n})", beaten)
             return Decision(p, False, "absent", None,
                             "/etc is hidden except the runtime's curated entries (passwd, hosts, ssl/certs, ...) and etc.extra",
                             beaten)
