@@ -91,3 +91,33 @@ def test_the_lock_waits_for_an_overlay_still_mounted(state_dir: Path, tmp_path: 
     os.close(fd)  # the overlay is gone
     assert entered.wait(10)
     t.join()
+
+
+def test_busy_session_names_a_remedy_the_verb_has(state_dir: Path, tmp_path: Path) -> None:
+    """apply/discard/snapshot/clean have no --no-wait: their busy message must not suggest dropping it."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+
+    from stockade.errors import SessionBusy
+    from tests.conftest import ROOT
+
+    proj = tmp_path / "p"
+    proj.mkdir()
+    s = store.create(proj)
+    (s.upper / "f").write_text("x\n")
+    fd = os.open(s.dir, os.O_RDONLY | os.O_DIRECTORY)  # what a live run holds
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STOCKADE_SERVER": "0"}
+        for verb in (["apply", s.id], ["discard", s.id], ["snapshot", "create", "x", "-s", s.id], ["clean", s.id]):
+            r = subprocess.run([sys.executable, "-m", "stockade", *verb], env=env, capture_output=True, timeout=60)
+            err = r.stderr.decode()
+            assert r.returncode == 2 and err.count("\n") == 1, (verb, err)
+            assert "in use" in err and "--no-wait" not in err and f"stockade status {s.id}" in err, (verb, err)
+        with pytest.raises(SessionBusy, match="drop --no-wait"), s.lock(wait=False, for_run=True):
+            pass  # `run --no-wait` has the flag
+    finally:
+        os.close(fd)
+    assert (s.upper / "f").exists() and not (proj / "f").exists()

@@ -211,9 +211,14 @@ class Session:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 if not wait:
-                    raise SessionBusy(
-                        f"session {self.id!r} is in use by another run; wait for it or drop --no-wait"
-                    ) from None
+                    # a run asked not to wait (--no-wait); apply, discard, snapshot... never wait
+                    # (they act on a change set a run is still making), so retrying is the remedy
+                    if for_run:
+                        msg = "is in use by another run; wait for it or drop --no-wait"
+                    else:
+                        msg = ("is in use by a run or another stockade command; retry when it has "
+                               f"ended (`stockade status {self.id}` lists its runs)")
+                    raise SessionBusy(f"session {self.id!r} {msg}") from None
                 fcntl.flock(fd, fcntl.LOCK_EX)
             hold = os.open(self.work, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
