@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+import stockade
 from stockade.changes.held import WORKSPACE_POLICY_FILES
 from stockade.changes.scan import scan
 from stockade.errors import UsageError
-from tests.conftest import ROOT
 from tests.unit.test_changes_support import Builder, tree_snapshot
 
 WIDEN = '[[paths]]\npath = "/root"\naccess = "rw"\n'
@@ -198,7 +198,7 @@ def test_held_back_is_decided_again_under_the_lock(tmp_path: Path, state_dir: Pa
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[bytes]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}", "STOCKADE_SERVER": "0"}
+    env = {**os.environ, "PYTHONPATH": str(Path(stockade.__file__).parents[1]), "STOCKADE_SERVER": "0"}
     return subprocess.run([sys.executable, "-m", "stockade", *args], env=env, capture_output=True, timeout=120)
 
 

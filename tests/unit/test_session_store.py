@@ -101,8 +101,6 @@ def test_busy_session_names_a_remedy_the_verb_has(state_dir: Path, tmp_path: Pat
     import sys
 
     from stockade.errors import SessionBusy
-    from tests.conftest import ROOT
-
     proj = tmp_path / "p"
     proj.mkdir()
     s = store.create(proj)
@@ -110,7 +108,7 @@ def test_busy_session_names_a_remedy_the_verb_has(state_dir: Path, tmp_path: Pat
     fd = os.open(s.dir, os.O_RDONLY | os.O_DIRECTORY)  # what a live run holds
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STOCKADE_SERVER": "0"}
+        env = {**os.environ, "PYTHONPATH": str(Path(store.__file__).parents[2]), "STOCKADE_SERVER": "0"}
         for verb in (["apply", s.id], ["discard", s.id], ["snapshot", "create", "x", "-s", s.id], ["clean", s.id]):
             r = subprocess.run([sys.executable, "-m", "stockade", *verb], env=env, capture_output=True, timeout=60)
             err = r.stderr.decode()
