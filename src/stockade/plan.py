@@ -330,6 +330,66 @@ def landlock_abi() -> int:
     return native.landlock_abi()
 
 
+_LOADER_GLOBS = ("ld-linux*.so*", "ld64.so*", "ld-musl-*.so*")
+_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32")
+
+
+def _pt_interp(path: str) -> str | None:
+    """The ELF interpreter (PT_INTERP) a 64- or 32-bit little-endian binary names."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            h = f.read(64)
+            if len(h) < 52 or h[:4] != b"\x7fELF" or h[5] != 1:
+                return None
+            wide = h[4] == 2
+            phoff, phsz, phnum = (struct.unpack_from("<Q", h, 32)[0], *struct.unpack_from("<HH", h, 54)) if wide else (
+                struct.unpack_from("<I", h, 28)[0], *struct.unpack_from("<HH", h, 42))
+            f.seek(phoff)
+            table = f.read(phsz * phnum)
+            for i in range(phnum):
+                e = table[i * phsz:(i + 1) * phsz]
+                if len(e) < 16 or struct.unpack_from("<I", e, 0)[0] != 3:  # PT_INTERP
+                    continue
+                if wide:
+                    off = struct.unpack_from("<Q", e, 8)[0]
+                    size = struct.unpack_from("<Q", e, 32)[0]
+                else:
+                    off = struct.unpack_from("<I", e, 4)[0]
+                    size = struct.unpack_from("<I", e, 16)[0]
+                f.seek(off)
+                return f.read(size).rstrip(b"\0").decode()
+    except (OSError, UnicodeDecodeError, struct.error):
+        return None
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def elf_loaders() -> tuple[str, ...]:
+    """The host's dynamic loaders (resolved): every dynamically linked program is
+    started by one, so an exec allowlist without them runs nothing (the kernel opens
+    the loader for execution). Found by their standard names in the library dirs and
+    as the PT_INTERP of the shell and env."""
+    import glob
+
+    found: set[str] = set()
+    for d in _LIB_DIRS:
+        for sub in (d, d + "/*-linux-*"):
+            for pat in _LOADER_GLOBS:
+                found.update(glob.glob(os.path.join(sub, pat)))
+    for b in ("/bin/sh", "/usr/bin/env"):
+        interp = _pt_interp(b)
+        if interp:
+            found.add(interp)
+    out = set()
+    for p in found:
+        r = os.path.realpath(p)
+        if os.path.isfile(r):
+            out.add(r)
+    return tuple(sorted(out))
+
+
 # ---------------------------------------------------------------------------
 # Landlock access rights (include/uapi/linux/landlock.h)
 
@@ -684,13 +744,22 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     ops.append(MountOp("remount-ro", "/", why="the root tmpfs itself is read-only"))
 
     ll: LandlockPlan | None = None
+    exec_allow = req.exec_allow
+    if req.landlock and exec_allow is not None:
+        # the kernel opens a dynamic program's loader for execution too: without it an
+        # allowlist of /usr/bin runs nothing ("Permission denied"). The loader file
+        # alone gets read+execute; the libraries it maps need only read (system dirs).
+        extra = [p for p in elf_loaders() if not any(p == d or p.startswith(d.rstrip("/") + "/") for d in exec_allow)]
+        exec_allow = (*exec_allow, *extra)
+        notes += [f"exec allowlist: the dynamic loader {p} may execute too (read+execute, never write; "
+                  "programs in the allowed dirs cannot start without it)" for p in extra]
     if req.landlock:
         ll = landlock_plan(
             facts.landlock_abi,
             read_only_trees=[*ro_trees, "/proc", "/dev"],
             writable_trees=writable,
             device_files=["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx", "/dev/pts"],
-            exec_allow=req.exec_allow,
+            exec_allow=exec_allow,
             network=req.network,
         )
 

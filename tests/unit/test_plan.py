@@ -98,7 +98,8 @@ def test_landlock_rights_degrade_by_abi(tmp_path: Path, abi: int, fs: int, net: 
         assert a & ~fs == 0 or p.startswith("/dev"), (p, hex(a))
 
 
-def test_exec_allow_limits_execute(tmp_path: Path) -> None:
+def test_exec_allow_limits_execute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(P, "elf_loaders", lambda: ())  # the loader: see the test below
     plan = P.build(req(tmp_path, exec_allow=("/usr/bin",)), facts())
     assert plan.landlock is not None
     execs = [p for p, a, _ in plan.landlock.rules if a & P.LL_EXECUTE]
@@ -153,3 +154,29 @@ def test_masks_are_mounted_after_the_host_is_detached(tmp_path: Path) -> None:
     assert order.index(("detach-host", "/")) < order.index(("bind", "/opt/tools/.env"))
     mask = next(m for m in plan.mounts if m.target == "/opt/tools/.env")
     assert mask.source_in_stage and mask.source == "/empty"
+
+
+def test_exec_allow_adds_the_dynamic_loader_read_execute_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allowlist of /usr/bin needs the loader in /usr/lib: the file alone, never write."""
+    ld = "/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2"
+    monkeypatch.setattr(P, "elf_loaders", lambda: (ld,))
+    plan = P.build(req(tmp_path, exec_allow=("/usr/bin",)), facts())
+    assert plan.landlock is not None
+    rules = {p: acc for p, acc, _ in plan.landlock.rules}
+    assert rules[ld] == P.LL_EXECUTE | P.LL_READ_FILE | P.LL_READ_DIR
+    assert "/usr/lib" not in rules  # not the library dirs: they need read only (system trees have it)
+    assert any(ld in n and "loader" in n for n in plan.notes)
+    # an allowlist that covers the loader adds nothing; no allowlist adds nothing
+    for allow in (("/usr",), None):
+        p2 = P.build(req(tmp_path, exec_allow=allow), facts())
+        assert p2.landlock is not None and ld not in {p for p, _a, _o in p2.landlock.rules}
+        assert not any("loader" in n for n in p2.notes)
+
+
+def test_pt_interp_of_the_shell_is_a_loader_found_by_name() -> None:
+    interp = P._pt_interp("/bin/sh")
+    if interp is None:
+        pytest.skip("/bin/sh is statically linked")
+    import os
+
+    assert os.path.realpath(interp) in P.elf_loaders()
