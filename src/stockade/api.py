@@ -277,6 +277,7 @@ def _execute(
     """Start, supervise and record one run. ``plain_result`` (the CLI): a PlainResult
     with the same fields instead of a RunResult. ``hold_fd``: the session's overlay
     lock (``Session.lock``)."""
+    from .audit import record_argv
     from .linux import native
 
     run_no, run_path = sess.new_run_dir()
@@ -284,7 +285,7 @@ def _execute(
     started = time.time()
     record: dict[str, Any] = {
         "run": run_no,
-        "argv": list(argv),
+        "argv": record_argv(argv),  # redacted here, once: status, log and export read this record
         "cwd": plan.cwd,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "status": "running",

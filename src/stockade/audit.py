@@ -104,11 +104,44 @@ def _redact(s: str) -> str:
     return _HEADER.sub(lambda m: f"{m.group(1)}: [REDACTED]", s)
 
 
+def printable(s: str) -> str:
+    """``s`` as valid Unicode: bytes of an argument or path that were not UTF-8
+    (``os.fsdecode``'s surrogate escapes) become ``\\xNN`` text, so that a record
+    always encodes, prints and parses."""
+    if s.isascii():
+        return s
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        pass
+    try:
+        return s.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte (API callers)
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# inside a shell script argument (``sh -c '...'``): NAME=value, --name=value, --name value
+_WORD_ASSIGN = re.compile(r"""(?<![^\s'";&|(])(-{0,2})([A-Za-z_][A-Za-z0-9_.-]*)=("[^"]*"|'[^']*'|[^\s;&|)]+)""")
+_WORD_FLAG = re.compile(r"""(?<![^\s'";&|(])(-{1,2})([A-Za-z][A-Za-z0-9_-]*)(\s+)("[^"]*"|'[^']*'|[^\s;&|)-][^\s;&|)]*)""")
+
+
+def _redact_words(s: str) -> str:
+    if "=" in s:
+        s = _WORD_ASSIGN.sub(lambda m: f"{m.group(1)}{m.group(2)}=[REDACTED]" if secret_name(m.group(2)) else m.group(0), s)
+    if "-" in s:
+        s = _WORD_FLAG.sub(lambda m: f"{m.group(1)}{m.group(2)}{m.group(3)}[REDACTED]" if secret_name(m.group(2)) else m.group(0), s)
+    return s
+
+
 def redact_argv(argv: Iterable[str]) -> list[str]:
-    """Redact values of secret-looking ``NAME=value``, ``--name=value`` and ``--name value``."""
+    """Redact values of secret-looking ``NAME=value``, ``--name=value`` and ``--name value``
+    (as arguments, and as words of an argument that is a script), token formats and URL
+    passwords; non-UTF-8 bytes become ``\\xNN`` (``printable``)."""
     out: list[str] = []
     hide_next = False
-    for arg in argv:
+    for raw in argv:
+        arg = printable(raw)
         if hide_next:
             out.append("[REDACTED]")
             hide_next = False
@@ -120,8 +153,17 @@ def redact_argv(argv: Iterable[str]) -> list[str]:
         f = _FLAG.match(arg)
         if f and secret_name(f.group(1)):
             hide_next = True
+        elif any(c.isspace() for c in arg):
+            arg = _redact_words(arg)
         out.append(redact_text(arg))
     return out
+
+
+def record_argv(argv: Iterable[str]) -> list[str]:
+    """A command line as every record keeps it (``run.json``, ``events.jsonl``, and
+    through them ``stockade status``, ``log`` and ``export``): secrets redacted,
+    non-UTF-8 bytes escaped. The one place a record's argv is made."""
+    return redact_argv(argv)
 
 
 _SCALARS = (bool, int, float)
@@ -131,7 +173,7 @@ _SEQUENCES = (list, tuple, set, frozenset)
 def cap(value: Any, depth: int = 0) -> Any:
     """Redact and length-cap a JSON-able value."""
     if isinstance(value, str):
-        v = redact_text(value)
+        v = redact_text(printable(value))
         if len(v) > MAX_FIELD:
             v = v[: MAX_FIELD - 20] + f"...[+{len(v) - MAX_FIELD + 20} chars]"
         return v
@@ -143,7 +185,7 @@ def cap(value: Any, depth: int = 0) -> Any:
         return cap(repr(value), depth)
     if isinstance(value, Mapping):
         items = list(value.items())
-        out = {str(k)[:128]: cap(v, depth + 1) for k, v in items[:MAX_ITEMS]}
+        out = {printable(str(k))[:128]: cap(v, depth + 1) for k, v in items[:MAX_ITEMS]}
         if len(items) > MAX_ITEMS:
             out["_truncated"] = len(items) - MAX_ITEMS
         return out
@@ -196,7 +238,7 @@ class AuditLog:
             if k in rec:
                 raise ValueError(f"audit: extra field {k!r} collides with a standard field")
             if k == "argv" and isinstance(v, (list, tuple)):
-                v = redact_argv(str(a) for a in v)
+                v = record_argv(str(a) for a in v)
             elif k == "env" and isinstance(v, Mapping):
                 v = {n: ("[REDACTED]" if secret_name(str(n)) else val) for n, val in v.items()}
             rec[k] = cap(v)
@@ -251,7 +293,7 @@ class AuditLog:
             self.event("env", n, "blocked", run=run, policy="env-filter", reason="variable removed (name only logged)")
 
     def command_refused(self, run: int | None, argv: list[str], reason: str) -> None:
-        self.event("exec", " ".join(redact_argv(argv)), "blocked", run=run, policy="commands.deny", reason=reason)
+        self.event("exec", " ".join(record_argv(argv)), "blocked", run=run, policy="commands.deny", reason=reason)
 
     def read_only(self, run: int | None, project: str) -> None:
         self.event("write", project, "blocked", run=run, policy="read-only",

@@ -243,7 +243,8 @@ def save(key: tuple[Any, ...], prep: Prepared, *, seccomp: str, masked_items: li
             "rlimits": tuple(limits_hit[3]),
             "landlock": planmod.landlock_abi(),
         },
-        "plan": _enc(plan),
+        # not the command: load() puts each run's own in, and a cache is no record to keep secrets in
+        "plan": ("\0dc", "Plan", {**_enc(plan)[2], "argv": ()}),
         "manager": manager,
         "limits": _enc(prep.limits),
         "timeout": prep.timeout,

@@ -158,3 +158,45 @@ def test_needles_cover_every_token_pattern(label: str, src: str, data: st.DataOb
 def test_needles_cover_secret_headers(s: str) -> None:
     assert _tokens.may_hold_secret(s)
     assert audit.redact_text(s) != s
+
+
+# ---- one redaction for every record (issue #12 item 4) and non-UTF-8 argv (item 18) ----------
+
+# (argv, the secret values it holds): each form a secret takes on a command line
+SECRET_ARGVS: list[tuple[list[str], tuple[str, ...]]] = [
+    (["mysql", "--password=hunter2"], ("hunter2",)),
+    (["gh", "--token", "tok3n55"], ("tok3n55",)),
+    (["env", "API_KEY=k3yv4lue", "make"], ("k3yv4lue",)),
+    (["git", "clone", "https://bob:pw9zzq@h.example/r.git"], ("pw9zzq",)),
+    (["sh", "-c", "deploy DB_PASSWORD=scr1ptpw --auth-token scr1pttok && curl -H 'Authorization: Bearer hdr9x'"],
+     ("scr1ptpw", "scr1pttok", "hdr9x")),
+    (["sh", "-c", "x --password=\"two words\"; y"], ("two words",)),
+]
+
+
+@pytest.mark.parametrize("argv,secrets", SECRET_ARGVS)
+def test_record_argv_redacts_every_form(argv: list[str], secrets: tuple[str, ...]) -> None:
+    out = audit.record_argv(argv)
+    assert len(out) == len(argv) and out[0] == argv[0]
+    for s in secrets:
+        assert s not in " ".join(out), out
+    assert "[REDACTED]" in " ".join(out)
+
+
+def test_record_argv_keeps_what_is_no_secret() -> None:
+    argv = ["sh", "-c", "make -j4 KEYMAP=us --key file.pem && echo done", "--keyboard", "x=1"]
+    assert audit.record_argv(argv) == argv
+
+
+def test_non_utf8_argv_is_recorded_as_escapes(log: audit.AuditLog) -> None:
+    import os
+
+    arg = os.fsdecode(b"\x9b|caf\xc3\xa9")  # a stray byte, then valid UTF-8
+    assert audit.record_argv(["echo", arg]) == ["echo", "\\x9b|café"]
+    assert audit.printable("\ud800x") == "\\ud800x"  # a lone surrogate an API caller passed
+    # every field of an event: argv, target (a path), reason, extras and their keys
+    log.event("run", "/p/" + arg, "started", argv=["echo", arg], reason=arg, extra={arg: [arg]})
+    (rec,) = _events(log)
+    assert rec["argv"] == ["echo", "\\x9b|café"] and rec["target"] == "/p/\\x9b|café"
+    assert rec["extra"] == {"\\x9b|café": ["\\x9b|café"]}
+    log.path.read_bytes().decode("utf-8")  # the file is valid UTF-8
