@@ -18,6 +18,7 @@
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <linux/capability.h>
+#include <linux/securebits.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -226,6 +227,14 @@ static void __attribute__((noreturn)) child_rest(const struct sk_plan *p, int sy
     /* Mounts ran with the cloning credentials (overlay records the mounter);
      * now become the sandbox user. Raw syscalls: glibc's set*id would signal
      * threads that exist only in the parent. */
+    /* As a real root's sandbox of another user, host root is mapped too (plan.py
+     * _mounter_id) and leaving uid 0 would clear the capabilities the steps up to
+     * the caps step still need; that step drops them all and locks this bit. */
+    if (p->drop_caps) {
+        int sb = prctl(PR_GET_SECUREBITS, 0, 0, 0, 0);
+        if (sb < 0 || prctl(PR_SET_SECUREBITS, (unsigned long)sb | SECBIT_NO_SETUID_FIXUP, 0, 0, 0) < 0)
+            FAIL(SK_STEP_CAPS, "PR_SET_SECUREBITS");
+    }
     if (p->drop_groups && syscall(SYS_setgroups, 0, NULL) < 0)
         FAIL(SK_STEP_SETGROUPS, NULL);
     if (syscall(SYS_setresgid, p->gid, p->gid, p->gid) < 0)

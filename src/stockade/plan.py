@@ -77,9 +77,12 @@ class IdMap:
     inside: int
     outside: int
     count: int = 1
+    # further single ids, (inside, outside): a real-root caller's own id, mapped so
+    # that the mounts it makes in the new namespaces can create inodes (see _identity)
+    extra: tuple[tuple[int, int], ...] = ()
 
     def line(self) -> str:
-        return f"{self.inside} {self.outside} {self.count}\n"
+        return f"{self.inside} {self.outside} {self.count}\n" + "".join(f"{i} {o} 1\n" for i, o in self.extra)
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,7 @@ class Plan:
         out.append(f"namespaces:  {' '.join(self.namespaces)}")
         out.append(
             f"identity:    uid {self.uid} gid {self.gid} ({self.user_name}), home {self.home}; "
-            f"uid_map '{self.uid_map.line().strip()}', gid_map '{self.gid_map.line().strip()}'"
+            f"uid_map '{self.uid_map.line().strip().replace(chr(10), ', ')}', gid_map '{self.gid_map.line().strip().replace(chr(10), ', ')}'"
         )
         out.append(f"hostname:    {self.hostname}")
         out.append(f"network:     {self.network}")
@@ -604,6 +607,23 @@ def _identity(req: Request, facts: HostFacts) -> tuple[int, int, int, int, str, 
     return out_uid, out_gid, in_uid, in_gid, name, home
 
 
+def _mounter_id(mine: int, out_id: int, in_id: int) -> tuple[tuple[int, int], ...]:
+    """The extra (inside, outside) map entry for a real-root caller's own uid or gid.
+
+    The namespaces' mounts are made with the caller's credentials (overlayfs keeps
+    them to reach the session's upper layer in the caller's state dir), and a new
+    inode on a filesystem mounted in the namespace (the staging tmpfs, a mount point)
+    needs its creator's ids mapped there: unmapped, mkdir fails with EOVERFLOW. So
+    when the sandbox user is another id (the project's owner, ``--user``), the
+    caller's own is mapped too: as 0 inside, or as nobody (65534) when the sandbox
+    user is 0 inside (``--root``). The command itself runs as the sandbox user with
+    every capability dropped and no_new_privs on nosuid mounts: a mapped host root
+    gives it nothing (it shows as that owner on root's files)."""
+    if out_id == mine:
+        return ()
+    return ((65534 if in_id == 0 else 0, mine),)
+
+
 def _passwd(uid: int, gid: int, name: str, home: str) -> tuple[bytes, bytes]:
     users = {0: "root:x:0:0:root:/root:/bin/sh", 65534: "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin"}
     users[uid] = f"{name}:x:{uid}:{gid}:{name}:{home}:/bin/sh"
@@ -782,8 +802,8 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         gid=in_gid,
         user_name=name,
         home=home,
-        uid_map=IdMap(in_uid, out_uid),
-        gid_map=IdMap(in_gid, out_gid),
+        uid_map=IdMap(in_uid, out_uid, extra=_mounter_id(facts.euid, out_uid, in_uid) if privileged else ()),
+        gid_map=IdMap(in_gid, out_gid, extra=_mounter_id(facts.egid, out_gid, in_gid) if privileged else ()),
         deny_setgroups=not privileged,
         drop_groups=privileged,
         namespaces=namespaces,

@@ -61,6 +61,24 @@ def _cwd(project: Path, cwd: str | os.PathLike[str] | None) -> Path:
     return planmod.resolve_cwd(project, cwd)
 
 
+def _own_upper(sess: store.Session, project: Path) -> None:
+    """As real root, give the session's upper layer the project directory's owner and
+    mode. overlayfs shows a directory with its upper-most layer's attributes, and the
+    project's root always has the upper one: left root's, a sandbox user other than
+    root (the project's owner, ``--user``) could not write where it may on the host.
+    Checked per run: a snapshot leaves a fresh upper."""
+    try:
+        want = os.stat(project)
+        st = os.stat(sess.upper)
+    except OSError:
+        return  # no upper (read-only, or gone): the run reports what it needs
+    if (st.st_uid, st.st_gid) != (want.st_uid, want.st_gid):
+        os.chown(sess.upper, want.st_uid, want.st_gid)
+    mode = want.st_mode & 0o7777
+    if st.st_mode & 0o7777 != mode:
+        os.chmod(sess.upper, mode)
+
+
 # --------------------------------------------------------------------------- seccomp
 
 _SECCOMP: dict[str, tuple[Any, str, tuple[int, int, int, int, int]]] = {}
@@ -300,6 +318,8 @@ def prepare(
         )
         hit = warm.load(wkey, sess, argv)
         if hit is not None:
+            if os.geteuid() == 0 and not hit.plan.read_only:
+                _own_upper(sess, project)
             for fd in pass_fds:
                 try:
                     os.fstat(fd)
@@ -415,6 +435,8 @@ def prepare(
         degraded=tuple(degraded),
     )
     plan = _build(req)
+    if not explain_only and not read_only and os.geteuid() == 0:
+        _own_upper(sess, project)
     if len(pass_fds) > 64:
         raise UsageError(f"--pass-fd: at most 64 descriptors can be passed, not {len(pass_fds)}")
     for fd in pass_fds:

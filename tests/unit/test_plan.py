@@ -65,8 +65,13 @@ def test_identity_unprivileged_and_root(tmp_path: Path) -> None:
     plan = P.build(req(tmp_path, root=True), facts(euid=1000))
     assert (plan.uid, plan.uid_map.line()) == (0, "0 1000 1\n")
     # real root runs as the project's owner by default, or --user
+    # host root (whose credentials make the mounts) is mapped too, as 0, or as nobody under --root
     plan = P.build(req(tmp_path, user=4242), facts(euid=0))
-    assert (plan.uid, plan.uid_map.line(), plan.drop_groups, plan.deny_setgroups) == (4242, "4242 4242 1\n", True, False)
+    assert (plan.uid, plan.uid_map.line(), plan.drop_groups, plan.deny_setgroups) == (4242, "4242 4242 1\n0 0 1\n", True, False)
+    plan = P.build(req(tmp_path, user=4242, root=True), facts(euid=0))
+    assert (plan.uid, plan.uid_map.line()) == (0, "0 4242 1\n65534 0 1\n")
+    plan = P.build(req(tmp_path, user=0), facts(euid=0))
+    assert (plan.uid, plan.uid_map.line(), plan.gid_map.line()) == (0, "0 0 1\n", "0 0 1\n")
     with pytest.raises(UsageError):
         P.build(req(tmp_path, user=4242), facts(euid=1000))
 
