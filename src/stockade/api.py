@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from . import plan as planmod
-from .errors import UsageError
+from .errors import SessionNotFound, StockadeError, UsageError
 from .prepare import Prepared
 from .prepare import prepare as _prepare
 from .session import store
@@ -130,11 +130,45 @@ def run(
 ) -> RunResult:
     """Run ``args`` sandboxed, like ``subprocess.run``; the result also has ``.session``."""
     proj = planmod.resolve_project(project)
+    fresh = session is None
+    if not fresh:
+        try:
+            store.open_session(str(session))  # (a bad name is refused here, before anything is made)
+        except SessionNotFound:
+            fresh = True
     sess = store.open_or_create(proj, session)
     # a new session each call: the next one's directories are made while this sandbox
     # starts (not in a CLI process: it makes one run)
     ahead = session is None and not kwargs.get("plain_result")
-    return _run_in_session(sess, proj, args, session_ahead=ahead, **kwargs)
+    try:
+        return _run_in_session(sess, proj, args, session_ahead=ahead, **kwargs)
+    except StockadeError:
+        if fresh:
+            _discard_unused(sess)
+        raise
+
+
+def _discard_unused(sess: store.Session) -> None:
+    """Bad input (or a sandbox that failed to start) leaves nothing behind: the session
+    this call made is removed when no command ran in it. Every check that refuses a run
+    happens after the session exists (the plan needs its layers), so this is the one
+    place that undoes it, for every caller (API, in-process and served CLI, shell)."""
+    import shutil
+
+    from .audit import read_events
+
+    try:
+        with sess.lock(wait=False):
+            if sess.has_layer_entries() or any(r.get("status") not in ("setup-failed", "incomplete") for r in sess.runs()):
+                return
+            # a command the policy refused stays on record
+            if any(e.get("operation") == "exec" and e.get("result") == "blocked" for e in read_events(sess.events_path)):
+                return
+            trash = sess.dir.with_name(f".clean-{sess.id}-{os.getpid()}")
+            os.rename(sess.dir, trash)
+    except (StockadeError, OSError):
+        return  # in use by another run (a same-named session made meanwhile): not ours to remove
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _run_in_session(

@@ -21,6 +21,14 @@ def _parser_class() -> type[argparse.ArgumentParser]:
     import argparse
 
     class _Parser(argparse.ArgumentParser):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            # "-5M", "-1s": a value (then refused by its option with a clear message), never
+            # an unknown option; argparse only takes "-5" and "-1.5" so (no option starts with a digit)
+            import re
+
+            self._negative_number_matcher = re.compile(r"^-\.?\d")
+
         def error(self, message: str) -> Any:  # one line, exit 2
             sys.stderr.write(f"stockade: {message} (see `{self.prog} --help`)\n")
             raise SystemExit(2)
@@ -110,14 +118,30 @@ def _fast_run(argv: list[str]) -> dict[str, Any] | None:
     }
 
 
+def _natural(what: str) -> Any:
+    """An argparse type: an integer >= 0, else "invalid value '-5': expected <what>"."""
+    import argparse
+
+    def parse(raw: str) -> int:
+        try:
+            n = int(raw, 10)
+        except ValueError:
+            n = -1
+        if n < 0 or n > 0x7FFFFFFF:
+            raise argparse.ArgumentTypeError(f"invalid value {raw!r}: expected {what}")
+        return n
+
+    return parse
+
+
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--project", "-p", default=".", metavar="DIR", help="project directory (default: .)")
     p.add_argument("--session", "-s", metavar="NAME", help="reuse or create the named session")
     p.add_argument("--cwd", metavar="DIR", help="working directory inside the project")
     p.add_argument("--root", action="store_true", help="appear as uid 0 inside (no capabilities)")
-    p.add_argument("--user", type=int, metavar="UID", help="(real root only) run as this uid instead of the project's owner")
+    p.add_argument("--user", type=_natural("a uid such as 1000"), metavar="UID", help="(real root only) run as this uid instead of the project's owner")
     p.add_argument("--net", default="none", choices=("none", "host"), help="network: none (own netns, lo only) or host")
-    p.add_argument("--pass-fd", type=int, action="append", default=[], metavar="N", help="pass file descriptor N through")
+    p.add_argument("--pass-fd", type=_natural("an open file descriptor number such as 3"), action="append", default=[], metavar="N", help="pass file descriptor N through")
     p.add_argument("--seccomp", default="default", metavar="NAME|PATH", help="seccomp profile (default, strict, permissive, a JSON file, or off)")
     p.add_argument("--no-landlock", action="store_true", help="do not apply Landlock (needs --allow-degraded landlock)")
     p.add_argument("--allow-degraded", action="append", default=[], metavar="WHAT", help="run without a layer the kernel lacks: landlock, seccomp, limits")

@@ -79,7 +79,9 @@ class Report:
     def format(self) -> str:
         out = []
         for p in self.probes:
-            out.append(f"{p.status.upper():<9} {p.name:<12} {p.detail}")
+            first, *more = p.detail.split("\n")
+            out.append(f"{p.status.upper():<9} {p.name:<12} {first}")
+            out.extend(f"{'':<22}{ln}" for ln in more)
             if p.fix and p.status != "ok":
                 out.append(f"{'':<22}fix: {p.fix}")
         out.append("")
@@ -422,7 +424,9 @@ def probe_cgroups() -> Probe:
     data = {"kind": kind, "reasons": list(d.reasons), "describe": {k: str(v) for k, v in desc.items()}}
     if kind == "none":
         return Probe("cgroups", "degraded",
-                     "no delegated cgroup: memory/pids/CPU limits fall back to rlimits (" + "; ".join(d.reasons)[:300] + ")",
+                     # each reason whole, one a line (a cut at a length garbled the last one)
+                     "no delegated cgroup: memory/pids/CPU limits fall back to rlimits"
+                     + "".join(f"\n- {r}" for r in d.reasons),
                      "run under `systemd-run --user --scope -p Delegate=yes stockade ...` or enable cgroup v2 delegation",
                      data)
     return Probe("cgroups", "ok", f"backend {kind}", None, data)

@@ -169,7 +169,18 @@ def _session_dir(args: argparse.Namespace, project: Path, *, create: bool = Fals
 
     name = getattr(args, "session", None)
     if name:
-        s = store.open_or_create(project, name) if create else store.open_session(name)
+        try:
+            s = store.open_session(name)
+        except SessionNotFound:
+            if not create:
+                raise
+            # a typo must not make a session: rules go to one that exists
+            raise UsageError(
+                f"no session named {name!r}; list them with `stockade list`, or start it with "
+                f"`stockade run --session {name} -- CMD`"
+            ) from None
+        if create and s.project != project:
+            raise UsageError(f"session {name!r} belongs to project {s.project}, not {project}; pass --project {s.project}")
         return s.dir, s.id
     try:
         s = store.latest_session(project)
