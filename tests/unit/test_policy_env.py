@@ -114,3 +114,33 @@ def test_env_properties(environ: dict[str, str], cli_env: dict[str, str]) -> Non
             assert not k.startswith(("AWS_", "GITHUB_")) and not k.endswith(("_TOKEN", "_SECRET", "_KEY"))
             assert token_kind(environ[k]) is None
     assert os.environ.get("HOME") is not None
+
+
+# One name per default block pattern, caught by that pattern alone: a test that uses
+# these notices the loss of any single pattern (GITHUB_TOKEN is caught by GITHUB_* and
+# *_TOKEN both, so it cannot). tests/security/test_walls.py checks them from the host.
+ONLY_BY: dict[str, str] = {
+    "*_KEY": "MYAPP_KEY",
+    "*_APIKEY": "MYAPP_APIKEY",
+    "*_SECRET": "MYAPP_SECRET",
+    "*_SECRET_*": "MYAPP_SECRET_V2",
+    "*_TOKEN": "MYAPP_TOKEN",
+    "*_TOKEN_*": "MYAPP_TOKEN_V2",
+    "*PASSWORD*": "MYAPPPASSWORDX",
+    "*PASSWD*": "MYAPPPASSWDX",
+    "*CREDENTIAL*": "MYAPPCREDENTIALSX",
+    "AWS_*": "AWS_PROFILE",
+    "GITHUB_*": "GITHUB_ACTOR",
+    "*_PAT": "MYAPP_PAT",
+    "SSH_AUTH_SOCK": "SSH_AUTH_SOCK",
+    "GPG_AGENT_INFO": "GPG_AGENT_INFO",
+}
+
+
+def test_each_default_block_pattern_has_a_name_only_it_catches() -> None:
+    from stockade.policy.env import DEFAULT_ALLOW, DEFAULT_BLOCK, name_matches
+
+    assert set(ONLY_BY) == set(DEFAULT_BLOCK)
+    for pat, name in ONLY_BY.items():
+        assert [p for p in DEFAULT_BLOCK if name_matches(p, name)] == [pat], name
+        assert not any(name_matches(a, name) for a in DEFAULT_ALLOW), name
