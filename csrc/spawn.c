@@ -172,11 +172,36 @@ static void setup_stdio(const struct sk_plan *p, const int *stdio, int rep)
     }
 }
 
-/* Close every fd >= 3 except the report pipe and the fds asked for. */
-static void close_fds(const struct sk_plan *p, int rep)
+/* Close every fd >= 3 except the report pipe and the fds asked for. With
+ * keep_src (a CLI server's supervisor: it holds its client's fds under other
+ * numbers, and its own fds may sit on the numbers asked for), each passed fd
+ * first moves from keep_src[i] to keep_fds[i]: the report pipe and every
+ * source go above the highest number asked for, then dup2 puts each in place.
+ * Returns the report pipe's fd (moved or not). */
+static int close_fds(const struct sk_plan *p, int rep)
 {
     int keep[66];
     size_t n = 0;
+    if (p->keep_src) {
+        int floor = 2, src[64];
+        for (size_t i = 0; i < p->n_keep_fds && i < 64; i++)
+            if (p->keep_fds[i] > floor)
+                floor = p->keep_fds[i];
+        if (rep <= floor) {
+            int r = fcntl(rep, F_DUPFD_CLOEXEC, floor + 1);
+            if (r < 0)
+                FAIL(SK_STEP_CLOSE_FDS, "F_DUPFD");
+            rep = r;
+        }
+        for (size_t i = 0; i < p->n_keep_fds && i < 64; i++) {
+            src[i] = p->keep_fds[i] < 3 ? -1 : fcntl(p->keep_src[i], F_DUPFD_CLOEXEC, floor + 1);
+            if (p->keep_fds[i] >= 3 && src[i] < 0)
+                FAIL(SK_STEP_CLOSE_FDS, "pass-fd");
+        }
+        for (size_t i = 0; i < p->n_keep_fds && i < 64; i++)
+            if (src[i] >= 0 && dup2(src[i], p->keep_fds[i]) < 0)
+                FAIL(SK_STEP_CLOSE_FDS, "pass-fd");
+    }
     keep[n++] = rep;
     for (size_t i = 0; i < p->n_keep_fds && n < 65; i++) {
         int fd = p->keep_fds[i];
@@ -204,6 +229,7 @@ static void close_fds(const struct sk_plan *p, int rep)
     }
     if (syscall(SYS_close_range, lo, ~0U, 0) < 0)
         FAIL(SK_STEP_CLOSE_FDS, "close_range");
+    return rep;
 }
 
 static void parent_alive_or_exit(int sync_fd)
@@ -268,7 +294,7 @@ static void __attribute__((noreturn)) child_rest(const struct sk_plan *p, int sy
         if (n != 1)
             _exit(125); /* the parent went away, or could not confine us */
     }
-    close_fds(p, rep);
+    rep = close_fds(p, rep);
     if (setsid() < 0)
         FAIL(SK_STEP_SETSID, NULL);
     if (p->drop_caps && sk_caps_child(rep) < 0)

@@ -95,6 +95,8 @@ struct sk_plan {
     int stdio[3];                     /* fds dup'ed onto 0, 1, 2 (-1: inherit) */
     const int *keep_fds;              /* passed through at the same number */
     size_t n_keep_fds;
+    const int *keep_src;              /* NULL: keep_fds[i] is this process's fd of that
+                                         number; else keep_src[i] goes to keep_fds[i] */
     int pty;                          /* make stdin (a pty) the command's controlling tty */
     int console_sock;                 /* >= 0: open a pty in the sandbox's devpts, use it as
                                          stdio and send its master over this socket */

@@ -85,6 +85,11 @@ class User:
     home: Path
     state: Path
     python: str
+    # How `stockade run` starts (the `cli_paths` marker runs a test through both):
+    # "inproc" (STOCKADE_SERVER=0), "served" (STOCKADE_SERVER=require: served, or a
+    # one-line error, never silently in-process); None: the default (served when a
+    # server is up, so a test's first run is in-process).
+    path: str | None = None
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         site = sysconfig.get_paths()["purelib"]
@@ -101,6 +106,11 @@ class User:
         }
         if MUST_WORK:
             env["STOCKADE_MUST_WORK"] = "1"
+        if self.path == "inproc":
+            env["STOCKADE_SERVER"] = "0"
+        elif self.path == "served":
+            env["STOCKADE_SERVER"] = "require"
+            env["STOCKADE_SERVER_IDLE"] = "10"  # ended with the test (end_servers)
         if extra:
             env.update(extra)
         return env
@@ -145,8 +155,42 @@ class User:
                 os.lchown(p, self.uid, self.gid)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cli_paths: run each test that uses `user` through both CLI paths "
+                            "(in-process and served): any difference between them fails a test")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "cli_path" in metafunc.fixturenames and metafunc.definition.get_closest_marker("cli_paths"):
+        metafunc.parametrize("cli_path", ["inproc", "served"], indirect=True)
+
+
+@pytest.fixture
+def cli_path(request: pytest.FixtureRequest) -> str | None:
+    """"inproc" or "served" in a module marked ``cli_paths``; else None (the default path)."""
+    return getattr(request, "param", None)
+
+
+def server_pids(state: Path) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"stockade.server import main; main\\(\\) {state}/servers"],
+                         capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def end_servers(state: Path) -> None:
+    """SIGTERM the CLI servers of this state dir (their spares and supervisors end with them)."""
+    pids = server_pids(state)
+    for pid in pids:
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid not in pids:
+                os.kill(pid, signal.SIGTERM)
+        except (OSError, ValueError):
+            pass
+
+
 @pytest.fixture(params=["root", "unpriv"])
-def user(request: pytest.FixtureRequest) -> Iterator[User]:
+def user(request: pytest.FixtureRequest, cli_path: str | None) -> Iterator[User]:
     base = world_tmpdir("stockade-user-")
     home = base / "home"
     home.mkdir()
@@ -161,9 +205,11 @@ def user(request: pytest.FixtureRequest) -> Iterator[User]:
         assert py is not None
         u = User("unpriv", NOBODY, NOBODY, home, state, py)
         os.chown(home, NOBODY, NOBODY)
+    u.path = cli_path
     try:
         yield u
     finally:
+        end_servers(state)
         shutil.rmtree(base, ignore_errors=True)
 
 

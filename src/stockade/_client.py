@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import sys
 
-MAGIC = b"SKS1"
+MAGIC = b"SKS2"
+MAX_FDS = 240  # the client's own fds sent along (SCM_RIGHTS carries at most 253); more: in-process
 _FWD = (1, 2, 3, 10, 12, 15, 28)  # SIGHUP INT QUIT USR1 USR2 TERM WINCH: what the CLI forwards to the sandbox
 _TSTP, _CONT, _STOP = 20, 18, 19
 
@@ -45,26 +46,52 @@ def servers_dir() -> str:
     return os.path.join(state_dir(), "servers")
 
 
-def encode_request(argv: list[str], umask: int) -> bytes:
-    fields = [MAGIC, os.fsencode(package_dir()), b"%d" % umask, b"%d" % len(argv)]
+def encode_request(argv: list[str], umask: int, numbers: list[int] | tuple[int, ...] = ()) -> bytes:
+    fields = [MAGIC, os.fsencode(package_dir()), b"%d" % umask, b",".join(b"%d" % n for n in numbers), b"%d" % len(argv)]
     fields += [os.fsencode(a) for a in argv]
     fields += [k + b"=" + v for k, v in os.environb.items()]
     return b"\0".join(fields)
 
 
 def run(argv: list[str]) -> int | None:
-    """Serve ``stockade <argv>`` through the server; None: run it in-process."""
-    if os.environ.get("STOCKADE_SERVER", "1") == "0":
-        return None
-    import _socket
+    """Serve ``stockade <argv>`` through the server; None: run it in-process.
 
+    ``STOCKADE_SERVER=require`` (tests, benchmarks): the run is served or not run
+    at all; a missing or stale server is started and waited for (nothing ran in a
+    declined request, so it is sent again), and a decline is a one-line error."""
+    mode = os.environ.get("STOCKADE_SERVER", "1")
+    if mode == "0":
+        return None
     d = servers_dir()
     name = key() + ".sock"
+    if mode != "require":
+        got = _connect_and_serve(argv, d, name)
+        return got if isinstance(got, int) else None
+    import time
+
+    os.makedirs(d, 0o700, exist_ok=True)
+    deadline = time.monotonic() + 30
+    while True:
+        got = _connect_and_serve(argv, d, name)
+        if isinstance(got, int):
+            return got
+        if got or time.monotonic() > deadline:
+            why = got or f"no server came up in 30 s (see {os.path.join(d, name[:-5] + '.log')})"
+            sys.stderr.write(f"stockade: STOCKADE_SERVER=require: this run cannot be served: {why}; "
+                             "unset STOCKADE_SERVER to run it in-process\n")
+            return 2
+        time.sleep(0.05)
+
+
+def _connect_and_serve(argv: list[str], d: str, name: str) -> int | str:
+    """The run's status, or why the server did not take it ("": none serves yet)."""
+    import _socket
+
     try:
         dfd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         spawn(d, name)
-        return None
+        return ""
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
     try:
         try:
@@ -72,7 +99,7 @@ def run(argv: list[str]) -> int | None:
             s.connect(f"/proc/self/fd/{dfd}/{name}")
         except OSError:
             spawn(d, name)
-            return None
+            return ""
         finally:
             os.close(dfd)
         return _serve(s, argv, d, name)
@@ -80,7 +107,27 @@ def run(argv: list[str]) -> int | None:
         s.close()
 
 
-def _serve(s: object, argv: list[str], d: str, name: str) -> int | None:
+def own_fds(skip: tuple[int, ...]) -> list[int] | None:
+    """This process's open fds above 2 (but ``skip``): the server's supervisor gets
+    them all, so ``--pass-fd N`` passes this process's N whatever argparse makes of
+    the options (it never uses its own fd N). None: too many to send."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    out = []
+    for name in names:
+        fd = int(name)
+        if fd > 2 and fd not in skip:
+            try:
+                os.fstat(fd)  # the listing's own fd is closed by now
+            except OSError:
+                continue
+            out.append(fd)
+    return sorted(out) if len(out) <= MAX_FDS else None
+
+
+def _serve(s: object, argv: list[str], d: str, name: str) -> int | str:
     import _signal
     import _socket
 
@@ -90,7 +137,11 @@ def _serve(s: object, argv: list[str], d: str, name: str) -> int | None:
     try:
         cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
-        return None  # a working directory we cannot name: the in-process path reports it
+        return "the working directory cannot be opened"  # the in-process path reports it
+    extra = own_fds((sock.fileno(), cwd))
+    if extra is None:
+        os.close(cwd)
+        return f"more than {MAX_FDS} open file descriptors"
     pending: list[int] = []
     target = [-1]
 
@@ -128,10 +179,11 @@ def _serve(s: object, argv: list[str], d: str, name: str) -> int | None:
     old[_CONT] = _signal.signal(_CONT, cont)
     try:
         try:
-            sock.sendmsg([encode_request(argv, umask)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,
-                                                           b"".join(fd.to_bytes(4, sys.byteorder) for fd in (0, 1, 2, cwd)))])
-        except OSError:
-            return None  # e.g. a closed stdio fd: in-process handles that
+            sock.sendmsg([encode_request(argv, umask, extra)],
+                         [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,
+                           b"".join(fd.to_bytes(4, sys.byteorder) for fd in (0, 1, 2, cwd, *extra)))])
+        except OSError as e:
+            return f"cannot send the request: {e}"  # e.g. a closed stdio fd: in-process handles that
         finally:
             os.close(cwd)
         try:
@@ -141,16 +193,18 @@ def _serve(s: object, argv: list[str], d: str, name: str) -> int | None:
         if msg[:1] != b"A":
             if msg[:1] == b"S" or not msg:  # stale code, or gone before taking the run: a new one
                 spawn(d, name)
-            elif os.environ.get("STOCKADE_SERVER") == "debug":
-                sys.stderr.write(f"stockade: server declined: {msg[1:].decode(errors='replace')}\n")
-            return None
+                return ""
+            why = f"server declined: {msg[1:].decode(errors='replace')}"
+            if os.environ.get("STOCKADE_SERVER") == "debug":
+                sys.stderr.write(f"stockade: {why}\n")
+            return why
         who = msg[1:].decode(errors="replace")
         pidfd = -1
         for level, kind, data in anc:
             if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS and len(data) >= 4:
                 pidfd = int.from_bytes(data[:4], sys.byteorder)
         if pidfd < 0:
-            return None
+            return "the server sent no pidfd"
         target[0] = pidfd
         if os.environ.get("STOCKADE_SERVER") == "debug":
             sys.stderr.write(f"stockade: served by supervisor {who}\n")
@@ -173,10 +227,18 @@ def _serve(s: object, argv: list[str], d: str, name: str) -> int | None:
             _signal.signal(sig, h)
 
 
+_spawned_at = [-1e9]
+
+
 def spawn(d: str, name: str) -> None:
     """Start a server for the next runs (this one goes on in-process)."""
     if os.environ.get("STOCKADE_SERVER", "1") in ("0", "once"):
         return
+    import time
+
+    if time.monotonic() - _spawned_at[0] < 3:
+        return  # the one this process started is still coming up (STOCKADE_SERVER=require waits)
+    _spawned_at[0] = time.monotonic()
     try:
         try:
             os.mkdir(d, 0o700)  # in an existing state dir only: the in-process run makes that one

@@ -348,6 +348,10 @@ def main(argv: list[str] | None = None, *, serve: bool = True) -> int:
         from ._client import serve_and_exit
 
         serve_and_exit(words)
+    if argv is None:  # the process's own command line: --pass-fd means the fds it was started with
+        from .callerfds import snapshot
+
+        snapshot()
     fast = _fast_run(words)
     if fast is not None:
         return _guarded(lambda: _run(fast))

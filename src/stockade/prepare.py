@@ -280,6 +280,16 @@ def load_policy(project: Path, sess: store.Session | None, cli: Any, env: Mappin
     return polmod.load_cached(project, sess.dir if sess is not None else None, cli)
 
 
+def _check_pass_fds(pass_fds: Sequence[int]) -> None:
+    """Each fd must be the caller's (a CLI server's supervisor holds its client's
+    under other numbers: ``callerfds``), never just any fd of this process."""
+    from .callerfds import source
+
+    for fd in pass_fds:
+        if source(fd) is None:
+            raise UsageError(f"--pass-fd {fd}: not an open file descriptor")
+
+
 def prepare(
     sess: store.Session,
     project: Path,
@@ -320,11 +330,7 @@ def prepare(
         if hit is not None:
             if os.geteuid() == 0 and not hit.plan.read_only:
                 _own_upper(sess, project)
-            for fd in pass_fds:
-                try:
-                    os.fstat(fd)
-                except OSError:
-                    raise UsageError(f"--pass-fd {fd}: not an open file descriptor") from None
+            _check_pass_fds(pass_fds)
             return hit
     if network not in ("none", "host"):
         raise UsageError(f"--net {network!r} is not a network mode; use none or host")
@@ -439,11 +445,7 @@ def prepare(
         _own_upper(sess, project)
     if len(pass_fds) > 64:
         raise UsageError(f"--pass-fd: at most 64 descriptors can be passed, not {len(pass_fds)}")
-    for fd in pass_fds:
-        try:
-            os.fstat(fd)
-        except OSError:
-            raise UsageError(f"--pass-fd {fd}: not an open file descriptor") from None
+    _check_pass_fds(pass_fds)
     info = {"policy": pol, "masked": masked_l, "removed": removed, "read_only": read_only, "project": str(project),
             "unenforced": tuple(unenforced)}
     prep = Prepared(plan, cg_manager, lim, timeout, info)

@@ -177,6 +177,8 @@ class Request:
                  env: list[bytes], umask: int) -> None:
         self.conn, self.pid, self.pidfd, self.fds = conn, pid, pidfd, fds
         self.argv, self.env, self.umask = argv, env, umask
+        self.numbers: list[int] = []  # the client's own numbers of fds[4:]
+        self.stale = False  # sent in another protocol version
 
     def close(self) -> None:
         for fd in (*self.fds, self.pidfd):
@@ -208,7 +210,7 @@ class Server:
             pidfd = -1
         conn.settimeout(5)  # a client sends its request at once
         try:
-            msg, anc, flags, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(4 * 8))
+            msg, anc, flags, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(4 * (4 + _client.MAX_FDS)))
         except OSError:
             msg, anc, flags = b"", [], 0
         conn.settimeout(None)
@@ -216,17 +218,25 @@ class Server:
         for level, kind, data in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds += [int.from_bytes(data[i:i + 4], sys.byteorder) for i in range(0, len(data) - len(data) % 4, 4)]
+        for fd in fds:
+            os.set_inheritable(fd, False)  # recvmsg gives them without CLOEXEC: no launcher may inherit one
         fields = msg.split(b"\0")
         req = Request(conn, pid, pidfd, fds, [], [], 0o022)
+        if fields[0][:3] == _client.MAGIC[:3] and fields[0] != _client.MAGIC:
+            req.stale = True  # another protocol: this server or the client is older; a new server settles it
+            return req
         try:
-            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or fields[0] != _client.MAGIC or len(fds) != 4:
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or fields[0] != _client.MAGIC:
                 raise ValueError("malformed request")
             if os.fsdecode(fields[1]) != self.pkg:
                 raise ValueError("another stockade package")
             req.umask = int(fields[2])
-            argc = int(fields[3])
-            req.argv = [os.fsdecode(a) for a in fields[4:4 + argc]]
-            req.env = [e for e in fields[4 + argc:] if b"=" in e]
+            req.numbers = [int(n) for n in fields[3].split(b",") if n]
+            if len(fds) != 4 + len(req.numbers) or min(req.numbers, default=3) < 3:
+                raise ValueError("malformed request")
+            argc = int(fields[4])
+            req.argv = [os.fsdecode(a) for a in fields[5:5 + argc]]
+            req.env = [e for e in fields[5 + argc:] if b"=" in e]
             if len(req.argv) != argc:
                 raise ValueError("malformed request")
         except (ValueError, IndexError) as e:
@@ -241,9 +251,9 @@ class Server:
             pass
         req.close()
 
-    def decline_reason(self, req: Request) -> str | None:
+    def decline_reason(self, req: Request, interp: bool = True) -> str | None:
         env = dict(e.split(b"=", 1) for e in req.env)
-        if _client.interp_env(env) != self.interp:
+        if interp and _client.interp_env(env) != self.interp:
             return "the interpreter environment (PYTHON*, LC_*, LANG) differs"
         try:
             them = _identity(req.pid)
@@ -421,6 +431,13 @@ class Server:
         req = self.receive(conn)
         if req is None:
             conn.close()
+        elif req.stale:
+            # only a peer we would serve may retire us (not a sandbox given the state dir)
+            if (reason := self.decline_reason(req, interp=False)) is not None:
+                self.reply(req, b"M" + reason.encode())
+            else:
+                self.reply(req, b"S")
+                os.write(status, b"S\n")
         elif self.code.changed():
             self.reply(req, b"S")  # the client starts a server of the new code
             os.write(status, b"S\n")
@@ -462,7 +479,12 @@ def _adopt(req: Request) -> None:
     os.fchdir(req.fds[3])
     for i in range(3):
         os.dup2(req.fds[i], i)
-    for fd in req.fds:
+    # the client's other fds stay where they arrived: `--pass-fd N` passes the
+    # client's N (callerfds), never this process's own fd N
+    from . import callerfds
+
+    callerfds.RECEIVED = dict(zip(req.numbers, req.fds[4:], strict=True))
+    for fd in req.fds[:4]:
         if fd > 2:
             os.close(fd)
     req.fds = []

@@ -579,7 +579,9 @@ def start(
     con_slot = slot(console_sock)
     join_slots = tuple(slot(fd) for fd in join_fds)
     hold_slot = slot(hold_fd)  # not in the packed plan: only the message header names it
-    fds.extend(plan.keep_fds)
+    from ..callerfds import sources
+
+    fds.extend(sources(plan.keep_fds) or plan.keep_fds)  # the caller's fds (a server's supervisor: as received)
     rest = (slots, cg_slot, con_slot, pty, hold_before_exec, join_slots)
     # the same plan object comes back for the next run of a Sandbox (prepare's cache);
     # one prepare made for another session or command is packed from its origin's

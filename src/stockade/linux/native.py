@@ -176,6 +176,13 @@ class Lowered:
             keep.append(kf)
             p.keep_fds = kf
             p.n_keep_fds = len(plan.keep_fds)
+            from ..callerfds import sources
+
+            src = sources(plan.keep_fds)  # a server's supervisor: its client's fds, not its own numbers
+            if src is not None:
+                ks = ffi.new("int[]", list(src))
+                keep.append(ks)
+                p.keep_src = ks
         p.pty = int(pty)
         p.console_sock = console_sock
         p.drop_caps = 1
