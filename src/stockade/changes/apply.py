@@ -114,8 +114,9 @@ def pending_dir() -> Path:
 @contextlib.contextmanager
 def _global_lock() -> Iterator[None]:
     d = applies_dir()
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    with store.disk_space("take the apply lock", d / "lock", _space_remedy(d, "nothing was applied")):
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -343,6 +344,8 @@ class _Exec(Roots):
         if not old or old.get("otype") != "file":
             return
         pfd, name = self.host.parent(op["path"])
+        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        old["id"] = [st.st_dev, st.st_ino]  # undo knows the original is still in place (rename replaces the inode)
         dst = str(self.backups / str(n))
         try:
             os.link(name, dst, src_dir_fd=pfd, follow_symlinks=False)
@@ -463,10 +466,13 @@ class _Exec(Roots):
         tmp = self.tmpname(n)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=pfd)
-        if old["otype"] == "file" and op.get("backup") == "link" and cur is not None:
-            bst = os.stat(self.backups / str(n))
-            if (bst.st_ino, bst.st_dev) == (cur.st_ino, cur.st_dev):
-                return  # the original is still in place (the op never ran)
+        if old["otype"] == "file" and cur is not None:
+            if old.get("id") == [cur.st_dev, cur.st_ino]:
+                return  # the original is still in place (the op never ran): nothing to copy back
+            if op.get("backup") == "link":
+                bst = os.stat(self.backups / str(n))
+                if (bst.st_ino, bst.st_dev) == (cur.st_ino, cur.st_dev):
+                    return
         if old["otype"] == "symlink":
             os.symlink(old["link"], tmp, dir_fd=pfd)
         elif old["otype"] == "file":
@@ -827,9 +833,7 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
                ops: list[dict[str, Any]], whole: AbstractSet[str],
                flushing: threading.Thread | None = None) -> None:
     adir = applies_dir() / apply_id
-    (adir / "backups").mkdir(parents=True, mode=0o700)
-    (adir / "removed").mkdir(mode=0o700)
-    pending_dir().mkdir(parents=True, exist_ok=True, mode=0o700)
+    marker = pending_dir() / apply_id
     stack = session.lower_stack()
     moves = _layer_cleanup_items(stack, chosen, whole)
     plan: dict[str, Any] = {
@@ -844,48 +848,101 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
         "ops": ops,
         "moves": moves,
     }
-    (pending_dir() / apply_id).touch()
-    prog = _Progress(adir / "progress")
-    ex = _Exec(apply_id, adir, project, stack)
+    untouched = "nothing was applied (the project is as it was; the session keeps every change)"
+    prog: _Progress | None = None
+    ex: _Exec | None = None
     try:
-        prog.note("s preparing")
-        _tick()
-        for n, op in enumerate(ops):
-            ex.backup(n, op)
+        try:
+            (adir / "backups").mkdir(parents=True, mode=0o700)
+            (adir / "removed").mkdir(mode=0o700)
+            pending_dir().mkdir(parents=True, exist_ok=True, mode=0o700)
+            marker.touch()
+            prog = _Progress(adir / "progress")
+            ex = _Exec(apply_id, adir, project, stack)
+            prog.note("s preparing")
             _tick()
-        _write_json(adir / "plan.json", plan)
-        _fsync_path(adir / "backups")
-        prog.note("s prepared", sync=True)
-        _tick()
-        noted = -1
-        for n, op in enumerate(ops):
-            if n > noted:
-                noted = _begin_upto(ops, n)
-                prog.note(f"b {noted}")
+            for n, op in enumerate(ops):
+                ex.backup(n, op)
                 _tick()
-            try:
-                ex.do(n, op)
-            except Exception as e:
-                _undo_all(ex, ops, n - 1 if isinstance(e, _NotDone) else n)
-                prog.note("s undone", sync=True)
-                _record_applied(session, ex.host, [op["path"] for op in ops])
-                (pending_dir() / apply_id).unlink()
-                raise
+            _write_json(adir / "plan.json", plan)
+            _fsync_path(adir / "backups")
+            prog.note("s prepared", sync=True)
             _tick()
-        if flushing is not None:
-            flushing.join()
-        _syncfs(ex.host.fd)
-        prog.note("s committed", sync=True)
+        except BaseException as e:
+            # nothing in the project changed yet: no journal to keep for recovery
+            shutil.rmtree(adir, ignore_errors=True)
+            marker.unlink(missing_ok=True)
+            if isinstance(e, OSError) and e.errno in store.NO_SPACE:
+                raise store.no_space(e, f"write apply {apply_id}'s journal", adir,
+                                     _space_remedy(adir, untouched)) from None
+            raise
+        noted = -1
+        begun = -1  # the last op that may have changed the project
+        target = adir
+        try:
+            for n, op in enumerate(ops):
+                if n > noted:
+                    target = adir
+                    noted = _begin_upto(ops, n)
+                    prog.note(f"b {noted}")
+                    _tick()
+                target = project / op["path"]
+                begun = n
+                try:
+                    ex.do(n, op)
+                except _NotDone:
+                    begun = n - 1
+                    raise
+                _tick()
+            if flushing is not None:
+                flushing.join()
+            _syncfs(ex.host.fd)
+            target = adir
+            prog.note("s committed", sync=True)
+        except Exception as e:
+            try:
+                _undo_all(ex, ops, begun)
+            except OSError as ue:
+                if ue.errno in store.NO_SPACE:
+                    raise store.no_space(ue, f"undo the failed apply {apply_id}", project, (
+                        f"free space on {store.mount_point(project)}, then run `stockade recover`: it puts "
+                        "back what this apply replaced (its journal keeps every original)")) from None
+                raise
+            # the project is whole again: a record that cannot be written (a full disk)
+            # loses nothing, and recovery would only undo again
+            with contextlib.suppress(OSError):
+                prog.note("s undone", sync=True)
+            with contextlib.suppress(OSError):
+                _record_applied(session, ex.host, [op["path"] for op in ops])
+            marker.unlink(missing_ok=True)
+            if isinstance(e, OSError) and e.errno in store.NO_SPACE:
+                raise store.no_space(e, f"apply {os.path.relpath(target, project)}" if target != adir
+                                     else f"write apply {apply_id}'s journal", target,
+                                     _space_remedy(target, untouched)) from None
+            raise
         _tick()
-        targets = [op["path"] for op in ops]
-        _write_json(adir / "result.json", _record_applied(session, ex.host, targets))
-        _finish_moves(adir, stack, ex.host, moves, set(), prog, fresh=True)
-        prog.note("s done", sync=True)
-        (pending_dir() / apply_id).unlink()
+        try:
+            targets = [op["path"] for op in ops]
+            _write_json(adir / "result.json", _record_applied(session, ex.host, targets))
+            _finish_moves(adir, stack, ex.host, moves, set(), prog, fresh=True)
+            prog.note("s done", sync=True)
+        except OSError as e:
+            if e.errno in store.NO_SPACE:
+                raise store.no_space(e, f"finish apply {apply_id}", adir, _space_remedy(
+                    adir, "the project has every change (the apply committed); then run `stockade recover` "
+                    "to finish its records")) from None
+            raise
+        marker.unlink()
         _log_event(session, {"event": "apply", "apply_id": apply_id, "paths": len(chosen)})
     finally:
-        ex.close()
-        prog.close()
+        if ex is not None:
+            ex.close()
+        if prog is not None:
+            prog.close()
+
+
+def _space_remedy(path: Path, then: str) -> str:
+    return f"free space on {store.mount_point(path)} and apply again; {then}"
 
 
 _BEGIN_BATCH = 128

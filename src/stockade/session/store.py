@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import paths
-from ..errors import SessionBusy, SessionNotFound, UsageError
+from ..errors import SandboxError, SessionBusy, SessionNotFound, UsageError
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -54,11 +54,81 @@ def validate_name(name: str) -> str:
     return name
 
 
+# ---- a full disk: one line naming the filesystem and its free space, never a traceback ----
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def mount_point(path: str | os.PathLike[str]) -> str:
+    """The mount point of the filesystem holding ``path`` (or its nearest existing ancestor)."""
+    p = os.path.abspath(os.fspath(path))
+    while True:
+        try:
+            dev = os.stat(p).st_dev
+            break
+        except OSError:
+            if p == "/":
+                return "/"
+            p = os.path.dirname(p)
+    while p != "/":
+        up = os.path.dirname(p)
+        try:
+            if os.stat(up).st_dev != dev:
+                break
+        except OSError:
+            break
+        p = up
+    return p
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n}"  # pragma: no cover
+
+
+def no_space(e: OSError, step: str, path: str | os.PathLike[str] | None = None,
+             remedy: str | None = None) -> SandboxError:
+    """The error for ENOSPC/EDQUOT: the operation, the path, the filesystem (mount point)
+    and what is free on it now, and a remedy."""
+    where = os.fspath(path if path is not None else e.filename or state_dir())
+    mnt = mount_point(where)
+    try:
+        vfs = os.statvfs(mnt)
+        free = f"{_size(vfs.f_bavail * vfs.f_frsize)} and {vfs.f_favail} inodes free"
+    except OSError:
+        free = "unknown free space"
+    quota = " (your disk quota there is used up)" if e.errno == errno.EDQUOT else ""
+    return SandboxError(step, path=where, errno=e.errno or errno.ENOSPC,
+                        detail=f"the filesystem at {mnt} has {free}{quota}",
+                        remedy=remedy or f"free space on {mnt}, or set STOCKADE_STATE_DIR to a "
+                                         "directory on another filesystem")
+
+
+@contextlib.contextmanager
+def disk_space(step: str, path: str | os.PathLike[str] | None = None, remedy: str | None = None) -> Iterator[None]:
+    """Turn a full disk (ENOSPC, EDQUOT) in the block into ``no_space``'s one-line error."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in NO_SPACE:
+            raise no_space(e, step, path, remedy) from None
+        raise
+
+
 def write_json_atomic(path: Path | str, data: Any) -> None:
     path = str(path)
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name}.{os.getpid()}.tmp")
-    write_file(tmp, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), os.O_TRUNC)
+    try:
+        with disk_space(f"write {name}", path):
+            write_file(tmp, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), os.O_TRUNC)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # the old file stays whole
+        raise
     os.replace(tmp, path)
 
 
@@ -68,7 +138,8 @@ def write_json_new(path: Path | str, data: Any) -> None:
     For a run's ``run.json`` in its fresh ``runs/<n>/``: a reader that comes at the
     wrong moment (or after a crash) finds it empty or short, which ``Session.runs``
     reports as an incomplete run, as when the file is missing."""
-    write_file(str(path), (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), os.O_TRUNC)
+    with disk_space(f"write {os.path.basename(path)}", path):
+        write_file(str(path), (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), os.O_TRUNC)
 
 
 def write_file(path: str, data: bytes, flags: int, mode: int = 0o666) -> None:
@@ -157,6 +228,10 @@ class Session:
     # ---- runs ---------------------------------------------------------------
     def new_run_dir(self) -> tuple[int, Path]:
         """``runs/<n>`` for the next run (called under the session lock)."""
+        with disk_space("make the run's directory", self.runs_dir):
+            return self._new_run_dir()
+
+    def _new_run_dir(self) -> tuple[int, Path]:
         runs = str(self.runs_dir)
         try:
             # a directory's link count is 2 + its subdirectories: no listing of every run
@@ -384,7 +459,8 @@ def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | N
     that exists is complete: concurrent creators and crashes leave no half-made one.
     """
     root = sessions_dir()
-    tmp = _take_ahead(root) or _new_dir(root)
+    with disk_space("make a new session's directory", root):
+        tmp = _take_ahead(root) or _new_dir(root)
     try:
         for _ in range(100):
             sid = validate_name(name) if name else _new_id()
@@ -400,12 +476,16 @@ def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | N
             if owner is not None:
                 meta["sandbox_uid"], meta["sandbox_gid"] = owner
             # the whole directory appears at once (rename below): no need for a temporary file
-            write_json_new(tmp / "meta.json", meta)
+            with disk_space("make a new session", root):
+                write_file(str(tmp / "meta.json"), (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode(),
+                           os.O_TRUNC)
             try:
                 # rename(2) of a directory fails with EEXIST/ENOTEMPTY onto an existing one
                 os.rename(tmp, root / sid)
                 return Session(sid, root / sid)
             except OSError as e:
+                if e.errno in NO_SPACE:
+                    raise no_space(e, "publish the new session", root / sid) from None
                 if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                     raise
                 if name:
