@@ -224,3 +224,76 @@ def test_sessions_are_spread_over_ext4_block_groups(state_dir: Path, api_project
         assert not top(d / "upper") and not top(d / "runs")  # not inherited: only the session's own entries spread
         groups = {os.stat(d / sub).st_ino // 8192 for sub in ("upper", "work", "runs")}
         assert len(groups) >= 2, (sid, groups)  # spread (8192: this fs's inodes per group, at most)
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_sweep_removes_only_this_users_and_state_dirs_cgroups(v1: None, served: bool) -> None:
+    """Decoy empty run cgroups of another user and another state dir (and one of an
+    older stockade, whose owner cannot be told), made of a dead pid where this host's
+    runs are made (the v1 hierarchies' roots here), survive a CLI run's sweep; one of
+    this user and state dir goes (so the sweep did run)."""
+    from stockade.cgroups.fs import owner_tag
+
+    base = world_tmpdir("stockade-sweep-")
+    home = base / "home"
+    home.mkdir()
+    proj = base / "p"
+    proj.mkdir()
+    u = User("root", 0, 0, home, home / "state", sys.executable)
+    saved = os.environ.get("STOCKADE_STATE_DIR")
+    os.environ["STOCKADE_STATE_DIR"] = str(u.state)
+    try:
+        mine = owner_tag()
+        os.environ["STOCKADE_STATE_DIR"] = str(base / "another-state")
+        other_state = owner_tag()
+    finally:
+        if saved is None:
+            os.environ.pop("STOCKADE_STATE_DIR", None)
+        else:
+            os.environ["STOCKADE_STATE_DIR"] = saved
+    other_user = mine.replace("u0s", "u4242s", 1)
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 7  # never a live pid
+    token = uuid.uuid4().hex[:6]
+    decoys = {"other user": f"stockade-x-{dead}-{token}-{other_user}",
+              "other state dir": f"stockade-x-{dead}-{token}-{other_state}",
+              "untagged": f"stockade-x-{dead}-{token}"}
+    own = f"stockade-x-{dead}-{token}-{mine}"
+    parents = det.run_parents(det.detect())
+    assert parents
+    made: list[Path] = []
+    try:
+        for parent in parents:
+            for n in (*decoys.values(), own):
+                d = Path(parent) / n
+                d.mkdir()
+                made.append(d)
+        if served:  # the state dir's first runs make it and start its server
+            for _ in range(2):
+                assert u.cli(["run", "--project", str(proj), "--", "true"], env={"STOCKADE_SERVER": "1"}).returncode == 0
+            deadline = time.time() + 20
+            while not list((u.state / "servers").glob("*.sock")):
+                assert time.time() < deadline, "no CLI server came up"
+                time.sleep(0.05)
+            for parent in parents:  # remade: those runs swept too
+                for n in (*decoys.values(), own):
+                    (Path(parent) / n).mkdir(exist_ok=True)
+        r = u.cli(["run", "--project", str(proj), "--", "true"], env={"STOCKADE_SERVER": "debug" if served else "0"})
+        assert r.returncode == 0, r.stderr.decode()
+        assert ("served by supervisor" in r.stderr.decode()) == served, r.stderr.decode()
+        deadline = time.time() + 20  # served: the supervisor sweeps after its reply
+        while time.time() < deadline and any((Path(p) / own).exists() for p in parents):
+            time.sleep(0.05)
+        assert not any((Path(p) / own).exists() for p in parents)
+        for parent in parents:
+            for what, n in decoys.items():
+                assert (Path(parent) / n).is_dir(), f"the sweep removed {what}'s cgroup {parent}/{n}"
+    finally:
+        from tests.conftest import end_servers
+
+        end_servers(u.state)
+        for d in made:
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+        shutil.rmtree(base, ignore_errors=True)

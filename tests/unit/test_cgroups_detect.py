@@ -224,15 +224,65 @@ def test_none_manager_enforcement_is_honest() -> None:
     run.remove()
 
 
-def test_sweep_stale_removes_only_empty_dirs_of_dead_creators(tmp_path: Path) -> None:
-    fs, view, root = v2_host(tmp_path)
+def _tagged(name: str, pid: int, tag: str) -> str:
+    return f"stockade-{name}-{pid}-abcdef-{tag}"
+
+
+@pytest.mark.parametrize("kind", ["v2", "v1"])
+def test_sweep_stale_removes_only_this_users_and_state_dirs_empty_dirs_of_dead_creators(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """On v1 the run cgroups sit where every user's and state dir's do (often the
+    hierarchy's root): only those tagged with this euid and state dir go."""
+    from stockade.cgroups.fs import owner_tag
+
+    monkeypatch.setenv("STOCKADE_STATE_DIR", str(tmp_path / "state"))
+    mine = owner_tag()
+    monkeypatch.setenv("STOCKADE_STATE_DIR", str(tmp_path / "other-state"))
+    other_state = owner_tag()
+    monkeypatch.setenv("STOCKADE_STATE_DIR", str(tmp_path / "state"))
+    assert owner_tag() == mine != other_state and mine.startswith(f"u{os.geteuid()}s")
+    other_user = mine.replace(f"u{os.geteuid()}s", f"u{os.geteuid() + 1}s", 1)
+    if kind == "v2":
+        fs, view, root = v2_host(tmp_path)
+        parents = [root]
+    else:
+        fs, view, roots = v1_host(tmp_path)
+        parents = sorted({roots["pids"], roots["cpuacct"], roots["cpu"]})  # at the hierarchy's root
     m = det.detect_from(view, fs).manager
+    assert set(parents) <= set(det.run_parents(m))
     dead = 2**22 + 12345  # above pid_max: certainly not running
     assert not os.path.exists(f"/proc/{dead}")
-    for name in (f"stockade-a-{dead}-abcdef", f"stockade-b-{dead}-123456", f"stockade-c-{os.getpid()}-aaaaaa", "unrelated"):
-        fs.make_cgroup(os.path.join(root, name))
-    fs.add_proc(os.path.join(root, f"stockade-b-{dead}-123456"), 99)  # still has a task
+    names = {
+        "gone": _tagged("a", dead, mine),
+        "busy": _tagged("b", dead, mine),
+        "alive": _tagged("c", os.getpid(), mine),
+        "other state dir": _tagged("d", dead, other_state),
+        "other user": _tagged("e", dead, other_user),
+        "untagged": f"stockade-f-{dead}-abcdef",
+        "unrelated": "unrelated",
+    }
+    for parent in parents:
+        for n in names.values():
+            fs.make_cgroup(os.path.join(parent, n))
+        fs.add_proc(os.path.join(parent, names["busy"]), 99)  # still has a task
     removed = det.sweep_stale(m, fs)
-    assert removed == [os.path.join(root, f"stockade-a-{dead}-abcdef")]
-    left = sorted(e.name for e in os.scandir(root) if e.is_dir())
-    assert left == [f"stockade-b-{dead}-123456", f"stockade-c-{os.getpid()}-aaaaaa", "unrelated"]
+    assert sorted(removed) == sorted(os.path.join(p, names["gone"]) for p in parents)
+    for parent in parents:
+        left = sorted(e.name for e in os.scandir(parent) if e.is_dir())
+        assert left == sorted(n for k, n in names.items() if k != "gone")
+
+
+def test_run_dir_names_carry_the_owner_tag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stockade.cgroups.fs import owner_tag, run_dir_name
+    from stockade.cgroups.sweep import _is_run_dir
+
+    monkeypatch.setenv("STOCKADE_STATE_DIR", str(tmp_path / "s"))
+    n = run_dir_name("next")
+    assert n.startswith(f"stockade-next-{os.getpid()}-") and n.endswith("-" + owner_tag())
+    assert _is_run_dir(n, owner_tag()) == os.getpid()
+    # the same state dir by another spelling (a symlink to it) is the same owner
+    (tmp_path / "s").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "s")
+    tag = owner_tag()
+    monkeypatch.setenv("STOCKADE_STATE_DIR", str(tmp_path / "link"))
+    assert owner_tag() == tag

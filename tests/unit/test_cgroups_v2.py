@@ -45,7 +45,7 @@ def test_create_writes_limits_and_no_swap(tree: tuple[FakeCgroupFS, str]) -> Non
     fs, root = tree
     run = mgr(fs, root).create("r1", Limits(memory=256 * MiB, pids=64, cpus=0.5))
     assert isinstance(run, RunCgroup)
-    assert re.fullmatch(rf"stockade-r1-{os.getpid()}-[0-9a-f]{{6}}", os.path.basename(run.path))
+    assert re.fullmatch(rf"stockade-r1-{os.getpid()}-[0-9a-f]{{6}}-u{os.geteuid()}s[0-9a-f]{{8}}", os.path.basename(run.path))
     written = {os.path.basename(p): v for p, v in fs.writes}
     assert written == {
         "memory.max": str(256 * MiB),

@@ -248,8 +248,32 @@ def proc_cgroup_lines(pid: int) -> list[tuple[str, str, str]]:
 _NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
+_owner_tags: dict[tuple[int, str], str] = {}
+
+
+def owner_tag() -> str:
+    """``u<euid>s<8 hex of the state dir>``: which user and state dir made a run cgroup.
+
+    On cgroup v1 the caller's own cgroup is often a hierarchy's root, shared by every
+    user and state dir: a sweep of dead runs' cgroups removes only its own kind."""
+    from stockade.paths import state_dir
+
+    key = (os.geteuid(), state_dir())
+    tag = _owner_tags.get(key)
+    if tag is None:
+        try:
+            from _blake2 import blake2b
+        except ImportError:  # pragma: no cover - a Python without the builtin module
+            from hashlib import blake2b
+        real = os.path.realpath(key[1])
+        tag = f"u{key[0]}s{blake2b(os.fsencode(real), digest_size=4).hexdigest()}"
+        _owner_tags[key] = tag
+    return tag
+
+
 def run_dir_name(name: str) -> str:
-    """``stockade-<name>-<pid>-<random>``: unique, recognisable, safe as one path part."""
+    """``stockade-<name>-<pid>-<random>-<owner tag>``: unique, recognisable, safe as one
+    path part, and telling which user and state dir it belongs to (``owner_tag``)."""
     if not name or len(name) > 80 or not set(name) <= _NAME_OK or name.startswith("."):
         raise ValueError(f"cgroup name {name!r}: use 1-80 characters from [A-Za-z0-9._-]")
-    return f"stockade-{name}-{os.getpid()}-{os.urandom(3).hex()}"
+    return f"stockade-{name}-{os.getpid()}-{os.urandom(3).hex()}-{owner_tag()}"

@@ -14,9 +14,14 @@ if TYPE_CHECKING:
     from stockade.cgroups.fs import CgroupFS
 
 
-def _is_run_dir(name: str) -> int | None:
-    """The creator pid of ``stockade-<name>-<pid>-<6 hex>``, or None."""
+def _is_run_dir(name: str, tag: str) -> int | None:
+    """The creator pid of ``stockade-<name>-<pid>-<6 hex>-<tag>`` (``fs.run_dir_name``),
+    or None: not a run cgroup, or one of another user or state dir (another tag, or
+    none: made by an older stockade, whose owner cannot be told)."""
     if not name.startswith("stockade-"):
+        return None
+    name, _, owner = name.rpartition("-")
+    if owner != tag:
         return None
     head, _, tail = name.rpartition("-")
     if len(tail) != 6 or not all(c in "0123456789abcdef" for c in tail):
@@ -41,12 +46,16 @@ def run_parents(manager: Manager) -> list[str]:
 
 def sweep_stale(manager: Manager, fs: CgroupFS | None = None) -> list[str]:
     """Remove *empty* run cgroups whose creating process is gone (a supervisor that
-    was SIGKILLed cannot clean up after itself). Cgroups with tasks, or whose
-    creator pid is alive (even if reused by another process), are left alone.
-    Returns the removed paths; call it from ``stockade doctor`` or at start-up."""
+    was SIGKILLed cannot clean up after itself), made by this user for this state
+    dir only. Cgroups with tasks, or whose creator pid is alive (even if reused by
+    another process), are left alone. Returns the removed paths; call it from
+    ``stockade doctor`` or at start-up."""
+    from stockade.cgroups.fs import owner_tag
+
     parents = run_parents(manager)
     if not parents:
         return []
+    tag = owner_tag()
     if fs is None:
         from stockade.cgroups.fs import CgroupFS
 
@@ -58,7 +67,7 @@ def sweep_stale(manager: Manager, fs: CgroupFS | None = None) -> list[str]:
         except OSError:
             continue
         for name in names:
-            pid = _is_run_dir(name)
+            pid = _is_run_dir(name, tag)
             if pid is None or os.path.exists(f"/proc/{pid}"):
                 continue
             path = os.path.join(parent, name)
