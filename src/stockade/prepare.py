@@ -411,6 +411,7 @@ def prepare(
     etc_extra = tuple(pol.etc_extra)
 
     # limits
+    limits, requested_limits = pol.limits_over(limits, requested_limits)  # the config's `limits` table
     lim, cg_manager, refused, unenforced, rlimits = _limits(limits, requested_limits, "limits" in degraded_ok)
     if refused:
         degraded.append("limits not enforced for the whole sandbox: " + ", ".join(refused))

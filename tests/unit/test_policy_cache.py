@@ -127,9 +127,17 @@ def test_parent_directory_becoming_a_symlink(env: dict[str, Path], tmp_path: Pat
     assert masked(policy.load_cached(proj, env["sess"]), proj) == ["inner/creds"]
 
 
+def _session_allow(sess: Path, path: str) -> None:
+    from stockade.policy import config
+
+    config.session_policy_path(sess).write_text(json.dumps(
+        {"schema_version": config.SESSION_SCHEMA_VERSION, "paths": [{"path": path, "access": "ro"}]}))
+
+
 def test_grant_path_appearing_later_is_granted(env: dict[str, Path], tmp_path: Path) -> None:
     extra = tmp_path / "extra"
-    cli = CliPolicy(allow_paths=((str(extra), False),))
+    _session_allow(env["sess"], str(extra))  # a missing --allow is refused; a file's is a warning
+    cli = CliPolicy()
     eff = policy.load_cached(env["proj"], env["sess"], cli)
     assert eff.grants == [] and any("no such path" in w for w in eff.warnings)
     extra.mkdir()
@@ -160,6 +168,7 @@ def test_environment_memo_follows_os_environ(env: dict[str, Path], monkeypatch: 
 
 
 def test_warnings_do_not_pile_up_across_copies(env: dict[str, Path]) -> None:
-    cli = CliPolicy(allow_paths=(("/nonexistent-h3", False),))
+    _session_allow(env["sess"], "/nonexistent-h3")
+    cli = CliPolicy()
     counts = {len(policy.load_cached(env["proj"], env["sess"], cli).warnings) for _ in range(3)}
     assert len(counts) == 1

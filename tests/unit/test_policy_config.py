@@ -208,3 +208,58 @@ def test_locator_handles_multiline_arrays_and_inline_tables() -> None:
     assert loc.line(["env", "set"]) == 8
     assert loc.line(["env", "allow", 1], "Y") == 10
     assert loc.line(["env", "nope"]) == 7
+
+
+# --------------------------------------------------------------------------- limits (README form)
+
+
+def test_limits_inline_table_of_the_readme_is_accepted(env: dict[str, Path]) -> None:
+    (env["proj"] / ".stockade.toml").write_text('limits = { memory = "512M", pids = 256 }\n')
+    (env["global"]).write_text('[limits]\npids = 100\ntimeout = "30s"\n')
+    eff = policy.load(env["proj"], None, CliPolicy())
+    assert {k: v[0] for k, v in eff.limits_set.items()} == {"memory": 512 << 20, "pids": 256, "timeout": 30.0}
+    assert eff.limits_set["pids"][2].layer == "workspace"  # the later layer wins
+    lim, req = eff.limits_over(None, None)
+    assert (lim.memory, lim.pids, lim.timeout) == (512 << 20, 256, 30.0)
+    assert req == {"memory", "pids"}
+    # a flag beats the config
+    from stockade.cgroups.base import Limits
+
+    lim, req = eff.limits_over(Limits.defaults().replace(memory=1 << 30), {"memory"})
+    assert lim.memory == 1 << 30 and lim.pids == 256 and req == {"memory", "pids"}
+    # a complete Limits from the Python API is taken as it is
+    api = Limits(memory=64 << 20)
+    assert eff.limits_over(api, None) == (api, None)
+    shown = [r.target for r in eff.rules() if r.target.startswith("limits.")]
+    assert shown == ["limits.memory = 512M", "limits.pids = 256", "limits.timeout = 30s"]
+
+
+@pytest.mark.parametrize(("text", "msg"), [
+    ('limits = { memory = "12XB" }\n', ":1: limits.memory: invalid value '12XB'"),
+    ("[limits]\nmem = 1\n", ":2: limits.mem: unknown key"),
+    ("[limits]\npids = true\n", ":2: limits.pids: expected a string or a number"),
+])
+def test_bad_limits_name_file_line_and_key(env: dict[str, Path], text: str, msg: str) -> None:
+    (env["proj"] / ".stockade.toml").write_text(text)
+    with pytest.raises(UsageError) as e:
+        policy.load(env["proj"], None, CliPolicy())
+    assert msg in str(e.value) and str(env["proj"] / ".stockade.toml") in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_relative_paths_in_the_workspace_file_are_relative_to_it(env: dict[str, Path]) -> None:
+    """Documented: a workspace (or pyproject) path is relative to the file's directory, the project."""
+    (env["proj"] / "sub").mkdir()
+    (env["proj"] / ".stockade.toml").write_text('[[paths]]\npath = "sub"\naccess = "deny"\n')
+    eff = policy.load(env["proj"], None, CliPolicy())
+    assert eff.why(env["proj"] / "sub" / "x").access == "denied"
+    env["global"].write_text('[[paths]]\npath = "relative/dir"\naccess = "ro"\n')
+    with pytest.raises(PolicyError, match=r"config.toml:\d+: paths\[0\].path: path 'relative/dir' must be absolute"):
+        policy.load(env["proj"], None, CliPolicy())
+
+
+def test_cli_allow_of_a_missing_path_is_refused(env: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match="--allow /nonexistent/x: no such file or directory"):
+        policy.load(env["proj"], None, CliPolicy(allow_paths=(("/nonexistent/x", False),)))
+    # inside the project an allow is an exception to the secret patterns: it may name a file to come
+    policy.load(env["proj"], None, CliPolicy(allow_paths=((str(env["proj"] / "later.key"), False),)))

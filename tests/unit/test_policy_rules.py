@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stockade import policy
+from stockade.errors import PolicyError
 from stockade.policy import CliPolicy
 from stockade.policy.config import LAYERS, Origin, PathEntry
 from stockade.policy.rules import is_under, resolve_paths
@@ -105,9 +106,38 @@ def test_project_inside_denied_tree_is_refused(env: dict[str, Path]) -> None:
 
 
 def test_missing_grant_warns_and_is_skipped(env: dict[str, Path]) -> None:
-    eff = policy.load(env["proj"], None, CliPolicy(allow_paths=(("/nonexistent/zzz", False),)))
+    """In a config file (shared, may name optional dirs) a missing path is a warning; on
+    the command line it is refused (test_policy_config)."""
+    (env["proj"] / ".stockade.toml").write_text('[[paths]]\npath = "/nonexistent/zzz"\naccess = "ro"\n')
+    eff = policy.load(env["proj"], None, CliPolicy())
     assert eff.grants == []
     assert any("no such path" in w for w in eff.warnings)
+
+
+def test_outside_masks_cover_visible_system_and_etc_denies_only(env: dict[str, Path], tmp_path: Path) -> None:
+    """A deny `why` reports must be hidden inside: system dirs and curated /etc entries
+    get a mask; the home and other trees are not visible anyway; /proc and /dev are refused."""
+    import os
+
+    usr_file = os.path.realpath("/usr/bin/env")
+    denies = [usr_file, "/usr/share", "/usr/share/doc", "/etc/ssl", "/etc/shadow", str(env["home"] / ".x"), "/opt/nothing-here"]
+    eff = policy.load(env["proj"], None, CliPolicy(deny_paths=tuple(denies)))
+    masks = {str(m.path): m.is_dir for m in eff.outside_masks()}
+    # /usr/share/doc is inside /usr/share (masked whole); /etc/shadow is not shown; the rest is not visible
+    assert masks == {usr_file: False, "/usr/share": True, "/etc/ssl": True}
+    for p in denies:
+        assert eff.why(p).access == "denied"
+    assert "hidden inside: an empty read-only file" in eff.why(usr_file).reason
+    for bad in ("/proc/cpuinfo", "/dev/null"):
+        with pytest.raises(PolicyError, match=f"deny {bad} .*cannot be honoured"):
+            policy.load(env["proj"], None, CliPolicy(deny_paths=(bad,)))
+    policy.load(env["proj"], None, CliPolicy(deny_paths=("/dev/shm/x",)))  # the sandbox's own, private
+
+
+def test_why_reports_curated_etc_entries_as_visible(env: dict[str, Path]) -> None:
+    eff = policy.load(env["proj"], None, CliPolicy())
+    assert eff.why("/etc/ssl").access == "ro" and eff.why("/etc/passwd").access == "ro"
+    assert eff.why("/etc/shadow").access == "absent"
 
 
 def test_read_only_why_names_layer(env: dict[str, Path]) -> None:

@@ -862,8 +862,11 @@ def profile_path(spec: str) -> tuple[str, Path]:
         raise PolicyError("--seccomp off is not a profile: it needs --allow-degraded seccomp")
     if "/" in spec or spec.endswith(".json"):
         p = Path(spec).expanduser()
+        if p.is_dir():
+            raise PolicyError(f"seccomp profile {spec}: is a directory; expected a JSON profile file (or one of {', '.join(BUILTIN_PROFILES)})")
         if not p.is_file():
-            raise PolicyError(f"seccomp profile {spec}: no such file")
+            what = "no such file" if not p.exists() else "not a regular file"
+            raise PolicyError(f"seccomp profile {spec}: {what}; expected a JSON profile file (or one of {', '.join(BUILTIN_PROFILES)})")
         return str(p), p.resolve()
     if spec not in BUILTIN_PROFILES:
         raise PolicyError(

@@ -45,7 +45,9 @@ __all__ = [
     "Masked",
     "PolicyError",
     "Rule",
+    "deny_refusal",
     "load",
+    "sandbox_sees",
 ]
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -170,6 +172,9 @@ def _cli_layer(cli: CliPolicy, project: Path) -> Layer:
     seen: dict[str, str] = {}
     for raw, writable in cli.allow_paths:
         p = norm(raw, "--allow")
+        if not is_under(p, str(project)) and not _config.lexists(p):
+            # refused, not warned: a run that goes ahead without the asked-for path is two outcomes
+            raise PolicyError(f"--allow {raw}: no such file or directory ({p}); create it first, or fix the path")
         seen[p] = "allow"
         lay.paths.append(PathEntry(p, "rw" if writable else "ro", o("--allow")))
     for raw in cli.deny_paths:
@@ -278,6 +283,10 @@ class Effective:
         items = self._exec_allow[0]
         self.exec_allow: list[str] | None = None if items is None else [i.value for i in items]
         self.etc_items = [i for lay in layers for i in lay.etc_extra]
+        # config limits: the latest layer sets each one; flags on the command line beat them
+        self.limits_set: dict[str, tuple[int | float | None, str, Origin]] = {}
+        for lay in layers:
+            self.limits_set.update(lay.limits)
         self.etc_extra: list[str] = sorted({i.value for i in self.etc_items})
 
         self.paths: PathResolution = resolve_paths(e for lay in layers for e in lay.paths)
@@ -351,6 +360,7 @@ class Effective:
             "exec_allow": self.exec_allow,
             "commands_deny": self.commands_deny,
             "etc_extra": self.etc_extra,
+            "limits": sorted((k, v[0]) for k, v in self.limits_set.items()),
         }
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
@@ -516,7 +526,27 @@ class Effective:
             out.append(Rule("command", "deny", " ".join(c.argv), c.origin))
         for i in self.etc_items:
             out.append(Rule("etc", "allow", i.value, i.origin))
+        for name, (_v, raw, o) in sorted(self.limits_set.items()):
+            out.append(Rule("setting", "set", f"limits.{name} = {raw}", o))
         return out
+
+    # ---- limits --------------------------------------------------------------------
+    def limits_over(self, limits: Any, requested: set[str] | None) -> tuple[Any, set[str] | None]:
+        """(limits, names asked for) with the config's limits applied.
+
+        A flag on the command line (``requested``) beats the config; a complete
+        ``Limits`` from the Python API (``requested`` None) is taken as it is. Limits the
+        config names count as asked for: one it cannot enforce is refused, as a flag's."""
+        if not self.limits_set or (limits is not None and requested is None):
+            return limits, requested
+        from ..cgroups.base import Limits
+
+        req = set(requested or ())
+        changes = {k: v[0] for k, v in self.limits_set.items() if k not in req}
+        if not changes:
+            return limits, requested
+        base = limits if limits is not None else Limits.defaults()
+        return base.replace(**changes), req | {k for k in changes if k in ("memory", "cpus", "pids")}
 
     def why(self, path: Path | str) -> Decision:
         p = os.path.realpath(os.path.abspath(os.path.expanduser(str(path))))

@@ -289,13 +289,20 @@ def cmd_policy_env(args: argparse.Namespace) -> int:
 
 
 def _edit_session(args: argparse.Namespace, access: str | None) -> int:
-    from . import config
+    from . import config, deny_refusal
+    from .rules import is_under
 
     project = _project(args)
-    sdir, sid = _session_dir(args, project, create=True)
-    assert sdir is not None and sid is not None
     raw = os.path.expanduser(args.path)
     path = os.path.realpath(raw if os.path.isabs(raw) else os.path.join(os.getcwd(), raw))
+    # one outcome, decided before anything is written: a rule that cannot take effect is refused
+    if access in ("ro", "rw") and not is_under(path, str(project)) and not os.path.lexists(path):
+        raise UsageError(f"allow {path}: no such file or directory; nothing was allowed (create it first, or fix the path)")
+    why_not = deny_refusal(path) if access == "deny" else None
+    if why_not is not None:
+        raise UsageError(f"deny {why_not}")
+    sdir, sid = _session_dir(args, project, create=True)
+    assert sdir is not None and sid is not None
     ppath = config.session_policy_path(sdir)
     src = config.read_json("session", ppath)  # validates: a broken file is reported, not overwritten
     data: dict[str, Any] = dict(src.data) if src else {}

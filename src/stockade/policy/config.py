@@ -99,6 +99,7 @@ class Layer:
     exec_allow: tuple[list[Item], Origin] | None = None
     commands_deny: list[CommandEntry] = field(default_factory=list)
     etc_extra: list[Item] = field(default_factory=list)
+    limits: dict[str, tuple[int | float | None, str, Origin]] = field(default_factory=dict)  # name -> (value, as written, origin)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -109,6 +110,7 @@ class Layer:
 # or STR_OR_ARGV (a command: "git push" or ["git", "push"]).
 MAP_STR = "map-of-strings"
 STR_OR_ARGV = "string-or-argv"
+SCALAR = "string-or-number"  # a limit: "512M", 256, 1.5, "none"
 
 SCHEMA: dict[str, Any] = {
     "read_only": bool,
@@ -125,6 +127,8 @@ SCHEMA: dict[str, Any] = {
     "exec": {"allow": [str]},
     "commands": {"deny": [STR_OR_ARGV]},
     "etc": {"extra": [str]},
+    # the README's `limits = { memory = "512M", pids = 256 }` (or a [limits] table)
+    "limits": {n: SCALAR for n in ("memory", "cpus", "pids", "timeout", "cpu_time", "max_file_size", "nofile")},
 }
 SESSION_SCHEMA: dict[str, Any] = {"schema_version": int, **SCHEMA}
 REQUIRED_IN_TABLE: dict[str, tuple[str, ...]] = {"paths": ("path",)}
@@ -148,6 +152,8 @@ def _type_name(node: Any) -> str:
         return "a table of strings"
     if node == STR_OR_ARGV:
         return "a string or an array of strings"
+    if node == SCALAR:
+        return "a string or a number"
     return "a table"
 
 
@@ -298,6 +304,9 @@ def validate(data: Any, schema: Mapping[str, Any], file: str, loc: Locator) -> N
                 isinstance(value, list) and value and all(isinstance(v, str) for v in value)
             )
             if not ok:
+                raise fail(path, f"expected {_type_name(node)}, got {value!r}")
+        elif node == SCALAR:
+            if isinstance(value, bool) or not isinstance(value, str | int | float):
                 raise fail(path, f"expected {_type_name(node)}, got {value!r}")
         elif node is bool:
             if not isinstance(value, bool):
@@ -565,6 +574,12 @@ def layer_from_source(src: Source, *, project: Path, cwd: Path | None = None) ->
         if not norm.startswith("/etc/") or norm == "/etc":
             raise _err(file, o.line, f"etc.extra[{i}]", f"{raw!r} is not an entry under /etc")
         lay.etc_extra.append(Item(norm, o))
+    for name, raw in d.get("limits", {}).items():
+        from ..cgroups.parse import parse_limit
+
+        o = origin(["limits", name])
+        where = f"{file}:{o.line}" if o.line else file
+        lay.limits[name] = (parse_limit(name, raw, source=where), str(raw), o)
     return lay
 
 
