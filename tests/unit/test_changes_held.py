@@ -233,3 +233,15 @@ def test_review_output_names_each_held_back_path_and_why(tmp_path: Path, state_d
     r = _cli("apply", sid)
     assert r.returncode == 2 and r.stderr.decode().count("\n") == 1, r.stderr
     assert "stockade policy file" in r.stderr.decode()
+
+
+def test_pyproject_too_big_to_read_is_held_back(tmp_path: Path, state_dir: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from stockade.changes import held
+
+    monkeypatch.setattr(held, "_MAX_POLICY_BYTES", 64)
+    b = Builder(tmp_path, {"pyproject.toml": PYPROJECT})
+    b.up("pyproject.toml", PYPROJECT + "# " + "x" * 100 + "\n")  # same table, past the read limit
+    assert "table changed" in scan(b.session).held_back()["pyproject.toml"]
+    monkeypatch.setattr(held, "_MAX_POLICY_BYTES", 16 << 20)
+    assert scan(b.session).held_back() == {}

@@ -93,7 +93,8 @@ WORKSPACE_POLICY_FILES: dict[str, tuple[str, ...]] = {
 }
 
 POLICY_WHY = "stockade policy file: it sets what the next sandboxed run may do"
-_UNKNOWN = object()  # a side whose policy table cannot be read (not a file, not TOML)
+_UNKNOWN = object()  # a side whose policy table cannot be read (not a file, not TOML, too big)
+_MAX_POLICY_BYTES = 16 << 20
 
 
 def _table(data: bytes, table: tuple[str, ...]) -> Any:
@@ -133,25 +134,35 @@ class _Sides:
             if r is not None:
                 r.close()
 
+    @staticmethod
+    def _read_table(root: Root, rel: str, table: tuple[str, ...]) -> Any:
+        chunks: list[bytes] = []
+        got = 0
+        try:
+            fd = root.open_read(rel)
+            try:
+                while got <= _MAX_POLICY_BYTES and (b := os.read(fd, 1 << 20)):  # to the end: never a prefix
+                    chunks.append(b)
+                    got += len(b)
+            finally:
+                os.close(fd)
+        except OSError:
+            return _UNKNOWN
+        return _UNKNOWN if got > _MAX_POLICY_BYTES else _table(b"".join(chunks), table)
+
     def old_table(self, c: Change, table: tuple[str, ...]) -> Any:
         if c.old_mode is None:
             return None
         if not stat.S_ISREG(c.old_mode):
             return _UNKNOWN
-        try:
-            return _table(self.host().read_bytes(c.path), table)
-        except OSError:
-            return _UNKNOWN
+        return self._read_table(self.host(), c.path, table)
 
     def new_table(self, c: Change, table: tuple[str, ...]) -> Any:
         if c.new_mode is None:
             return None
         if not stat.S_ISREG(c.new_mode):
             return _UNKNOWN
-        try:
-            return _table(self.layer(c.layer).read_bytes(c.path), table)
-        except OSError:
-            return _UNKNOWN
+        return self._read_table(self.layer(c.layer), c.path, table)
 
 
 def _policy_why(sides: _Sides, c: Change, global_rel: str | None) -> str | None:
@@ -207,20 +218,23 @@ class _Links:
         """(symlink targets at ``rel`` in the two views, whether some view has no symlink there)."""
         out: list[str] = []
         plain = False
-        hst = self.sides.host().lstat(rel)
-        if hst is not None and stat.S_ISLNK(hst.st_mode):
-            out.append(self.sides.host().readlink(rel))
-        else:
-            plain = True
-        c = self.by_path.get(rel)
-        if c is None:
-            return out, plain
-        if c.new_mode is not None and stat.S_ISLNK(c.new_mode):
-            t = self.sides.layer(c.layer).readlink(rel)
-            if t not in out:
-                out.append(t)
-        else:
-            plain = True
+        try:
+            hst = self.sides.host().lstat(rel)
+            if hst is not None and stat.S_ISLNK(hst.st_mode):
+                out.append(self.sides.host().readlink(rel))
+            else:
+                plain = True
+            c = self.by_path.get(rel)
+            if c is None:
+                return out, plain
+            if c.new_mode is not None and stat.S_ISLNK(c.new_mode):
+                t = self.sides.layer(c.layer).readlink(rel)
+                if t not in out:
+                    out.append(t)
+            else:
+                plain = True
+        except OSError:
+            raise _Escape from None  # cannot tell where it leads (an unreadable directory): hold it back
         return out, plain
 
     def resolve(self, base: list[str], target: str, depth: int) -> list[list[str]]:
