@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,3 +179,30 @@ def test_deny_in_the_sandboxes_own_proc_and_dev_is_refused(user: User, project: 
     assert r.returncode == 2
     err = r.stderr.decode()
     assert len(err.strip().splitlines()) == 1 and path in err and "--deny" in err, err
+
+
+@pytest.mark.parametrize("start", list(START))
+def test_a_denied_system_path_created_after_a_run_is_hidden_in_the_next(user: User, project: Path, start: str) -> None:
+    """The CLI reuses prepared plans across processes (stockade.warm): the deny's target
+    appearing must not be served by a plan made while it was absent."""
+    d = Path(f"/usr/share/stockade-test-late-{secrets.token_hex(6)}")
+    read = [*_reader([Case("late", str(d), str(d / "canary.txt"), "", "cli")])]
+    # a config file's deny: runs with no policy flags are the ones that reuse kept plans
+    (project / ".stockade.toml").write_text(f'[[paths]]\npath = "{d}"\naccess = "deny"\n')
+    user.own(project / ".stockade.toml")
+    # a plan is kept only when what it depends on is older than the timestamp granularity
+    past = time.time() - 10
+    for p in [project, *project.rglob("*")]:
+        os.utime(p, (past, past), follow_symlinks=False)
+    try:
+        for _ in range(2):  # the second run comes from the kept plan
+            r = user.cli(["run", "--", *read], cwd=project, env=START[start])
+            assert r.returncode == 0 and b" ERR " in r.stdout, r.stderr
+        assert list((user.state / "cache").glob("warm-*.bin"))
+        secret = f"STOCKADE-DENY-late-{secrets.token_hex(8)}"
+        _plant(d / "canary.txt", secret)
+        r = user.cli(["run", "--", *read], cwd=project, env=START[start])
+        assert r.returncode == 0, r.stderr
+        assert secret.encode().hex().encode() not in r.stdout and b" ERR " in r.stdout, r.stdout
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
