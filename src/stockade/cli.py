@@ -343,6 +343,12 @@ def _lazy(module: str, name: str) -> Any:
 
 def main(argv: list[str] | None = None, *, serve: bool = True) -> int:
     words = sys.argv[1:] if argv is None else argv
+    # arguments and paths may hold bytes that are not UTF-8 (os.fsdecode's surrogate
+    # escapes): what we print of them goes out as those bytes, as ls and cat do, never
+    # a UnicodeEncodeError (stderr already escapes them: backslashreplace)
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None and getattr(sys.stdout, "errors", "") == "strict":
+        reconfigure(errors="surrogateescape")
     if serve and argv is None and words[:1] == ["run"]:
         # the user's warm server runs it (same code, same context), else in-process
         from ._client import serve_and_exit

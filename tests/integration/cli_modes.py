@@ -38,8 +38,9 @@ def start_server(user: User, project: Path) -> None:
     pytest.fail(f"no server came up: {r.stderr.decode()}")
 
 
-def end_servers(user: User) -> None:
-    out = subprocess.run(["pgrep", "-f", f"stockade.server import main; main\\(\\) {user.state}/servers"],
+def end_servers(state: Path) -> None:
+    """SIGTERM the CLI servers of this state dir."""
+    out = subprocess.run(["pgrep", "-f", f"stockade.server import main; main\\(\\) {state}/servers"],
                          capture_output=True, text=True).stdout
     pids = [int(x) for x in out.split()]
     for pid in pids:
@@ -54,7 +55,7 @@ def end_servers(user: User) -> None:
 @pytest.fixture
 def servers_ended(user: User) -> Iterator[None]:
     yield
-    end_servers(user)
+    end_servers(user.state)
 
 
 def cli(user: User, mode: str, args: Sequence[str | bytes], *, cwd: Path, env: dict[str, str] | None = None,

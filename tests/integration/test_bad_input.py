@@ -33,7 +33,7 @@ CASES: list[tuple[list[str], str]] = [
     (["run", "--project", "/nonexistent/p", "--", "true"], "/nonexistent/p"),
     (["explain", "--cwd", "/etc", "--", "true"], "--cwd '/etc' is outside the project"),
     (["deny", "--session", "nosuch", "/x"], "no session named 'nosuch'; list them with `stockade list`"),
-    (["allow", "--session", "nosuch", "/x"], "no session named 'nosuch'; list them with `stockade list`"),
+    (["allow", "--session", "nosuch", "/usr"], "no session named 'nosuch'; list them with `stockade list`"),
     (["status", "nosuch"], "unknown session 'nosuch' (nor a path in session existing); list sessions with `stockade list`"),
     (["diff", "nosuch"], "unknown session 'nosuch'"),
     (["log", "nosuch"], "no session named 'nosuch'"),
