@@ -942,7 +942,7 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
 
 
 def _space_remedy(path: Path, then: str) -> str:
-    return f"free space on {store.mount_point(path)} and apply again; {then}"
+    return f"free space on {store.mount_point(path)} and try again; {then}"
 
 
 _BEGIN_BATCH = 128
@@ -1026,7 +1026,10 @@ def recover_pending() -> list[str]:
     messages: list[str] = []
     with _global_lock():
         for apply_id in sorted(os.listdir(pending_dir())):
-            messages.append(_recover_one(apply_id))
+            # a full disk: the journal stays pending, and the next command tries again
+            with store.disk_space(f"recover apply {apply_id}", applies_dir() / apply_id,
+                                  _space_remedy(applies_dir(), "its journal stays pending until then")):
+                messages.append(_recover_one(apply_id))
     return messages
 
 
@@ -1235,9 +1238,12 @@ def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord
             (pending_dir() / rec.id).touch()
             prog = _Progress(adir / "progress")
             try:
-                prog.note("s rolling-back", sync=True)
-                _tick()
-                _rollback_ops(ex, plan, adir, prog)
+                with store.disk_space(f"roll back apply {rec.id}", Path(plan["project"]), (
+                        f"free space on {store.mount_point(plan['project'])}, then run `stockade recover`: "
+                        "it finishes the rollback (its journal keeps every original)")):
+                    prog.note("s rolling-back", sync=True)
+                    _tick()
+                    _rollback_ops(ex, plan, adir, prog)
             finally:
                 prog.close()
             (pending_dir() / rec.id).unlink(missing_ok=True)
