@@ -472,5 +472,6 @@ def test_held_back_reason() -> None:
     assert held_back_reason(".vscode/other.json") is None
     assert held_back_reason(".idea/runConfigurations/x.xml") == ".idea/runConfigurations"
     assert held_back_reason("src/.bashrc") == ".bashrc" and held_back_reason("a/b/c/x.pth") is not None
-    assert held_back_reason("src/.git") is None and held_back_reason("src/app.py") is None
+    assert held_back_reason("src/.git") == ".git" and held_back_reason("a/b/.git/config") == ".git"
+    assert held_back_reason("src/app.py") is None and held_back_reason("src/.gitignore") is None
     assert held_back_reason(".gitx") is None

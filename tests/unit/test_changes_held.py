@@ -245,3 +245,19 @@ def test_pyproject_too_big_to_read_is_held_back(tmp_path: Path, state_dir: Path,
     assert "table changed" in scan(b.session).held_back()["pyproject.toml"]
     monkeypatch.setattr(held, "_MAX_POLICY_BYTES", 16 << 20)
     assert scan(b.session).held_back() == {}
+
+
+def test_held_back_entry_in_a_new_directory_stays_when_the_directory_applies(tmp_path: Path,
+                                                                              state_dir: Path) -> None:
+    """A new directory normally leaves the session in one rename: never with a held-back entry in it."""
+    b = Builder(tmp_path)
+    b.up("sub/ok.txt", "ok\n")
+    b.up("sub/.stockade.toml", WIDEN)
+    b.up("sub/deeper/.git/hooks/post-checkout", "#!/bin/sh\n")
+    b.symlink("sub/out", "/etc")
+    res = scan(b.session).apply()
+    assert "sub/ok.txt" in res.applied and (b.project / "sub/ok.txt").read_text() == "ok\n"
+    assert {"sub/.stockade.toml", "sub/out"} <= set(res.held_back)
+    assert not (b.project / "sub/.stockade.toml").exists() and not os.path.lexists(b.project / "sub/out")
+    assert not (b.project / "sub/deeper").exists()
+    assert {c.path for c in scan(b.session).changes} >= {"sub/.stockade.toml", "sub/out"}

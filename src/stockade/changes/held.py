@@ -63,6 +63,8 @@ def held_back_reason(path: str) -> str | None:
     parts = path.split("/", 2)
     if parts[0] in _HELD_BACK_SET:
         return parts[0]
+    if "/.git/" in f"/{path}/":
+        return ".git"  # a repository anywhere (a clone in vendor/): git run there runs its hooks and config
     if len(parts) > 1 and (two := f"{parts[0]}/{parts[1]}") in _HELD_BACK_SET:
         return two
     base = parts[-1] if len(parts) < 3 else path.rsplit("/", 1)[-1]
