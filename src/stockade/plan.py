@@ -501,7 +501,7 @@ class Request:
         network: str = "none",
         hostname: str = "stockade",
         keep_fds: tuple[int, ...] = (),
-        masked: tuple[tuple[str, bool], ...] = (),  # (host path inside a visible tree, is_dir)
+        masked: tuple[tuple[str, bool], ...] = (),  # (host path inside a grant or system tree, is_dir)
         grants: tuple[tuple[str, bool], ...] = (),  # (host path, writable)
         exec_allow: tuple[str, ...] | None = None,
         etc_extra: tuple[str, ...] = (),
@@ -753,12 +753,13 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     # Everything below works on the sandbox's view only: a planted symlink can no longer
     # lead a mount point (or the creation of one) to the host.
     ops.append(MountOp("detach-host", "/", why="the host's tree is unreachable from here on"))
-    # secrets inside grants (the project's are overlay content: the session's mask layer)
+    # secrets and denied paths inside grants, denied system and /etc paths (the project's
+    # are overlay content: the session's mask layer)
     for mpath, is_dir in req.masked:
         if is_dir:
-            ops.append(MountOp("tmpfs", mpath, data="mode=0555,size=0", flags=frozenset({"ro"}), why="secret, masked"))
+            ops.append(MountOp("tmpfs", mpath, data="mode=0555,size=0", flags=frozenset({"ro"}), why="secret or denied, masked"))
         else:
-            ops.append(MountOp("bind", mpath, source="/empty", source_in_stage=True, flags=frozenset({"ro", "file"}), why="secret, masked"))
+            ops.append(MountOp("bind", mpath, source="/empty", source_in_stage=True, flags=frozenset({"ro", "file"}), why="secret or denied, masked"))
 
     ops.append(MountOp("remount-ro", "/dev", why="device nodes are bound in; the tmpfs itself is read-only"))
     ops.append(MountOp("remount-ro", "/", why="the root tmpfs itself is read-only"))
