@@ -109,8 +109,13 @@ def test_full_state_dir_run(user: User, project: Path, inodes: bool) -> None:
         assert tree_snapshot(project) == before_project
         assert _session_state(user.state, "s") == before_session
         assert _sessions(user.state) == ["s"]  # no half-made session, no hidden leftovers
-        if inodes:  # no run directory could be made
+        if inodes:  # no run directory could be made; no snapshot or fork either
             assert sorted(os.listdir(user.state / "sessions/s/runs")) == runs
+            for verb in (["snapshot", "create", "x", "-s", "s"], ["fork", "s", "f2"]):
+                _one_line_error(user.cli(verb, cwd=project), fs)
+            assert not (user.state / "sessions/s/layers").exists() or not os.listdir(user.state / "sessions/s/layers")
+            assert _session_state(user.state, "s") == before_session
+            assert _sessions(user.state) == ["s"]
         # with space again the session goes on where it was
         _unfill(fs)
         r = user.cli(["run", "--session", "s", "--", "cat", "made.txt"], cwd=project)

@@ -73,16 +73,26 @@ def _fresh_upper(session: Session) -> None:
         os.chown(session.upper, uid, gid)
 
 
+def _new_upper(session: Session, step: str, mode: int) -> Path:
+    """The next empty upper, made before anything moves: a full disk changes nothing."""
+    fresh = session.dir / f".upper-new-{os.getpid()}"
+    with store.disk_space(step, session.dir, f"free space on {store.mount_point(session.dir)} and try again; "
+                          f"session {session.id} is as it was"):
+        session.layers_dir.mkdir(exist_ok=True, mode=0o700)
+        os.mkdir(fresh, mode)
+    return fresh
+
+
 def _freeze_upper(session: Session, name: str) -> Snapshot:
     snaps = list_snapshots(session)
     if any(s.name == name for s in snaps):
         raise UsageError(f"session {session.id} already has a snapshot named {name!r}")
     idx = max((s.index for s in snaps), default=0) + 1
     dest = session.layers_dir / f"{idx:03d}-{name}"
-    session.layers_dir.mkdir(exist_ok=True, mode=0o700)
     upper_mode = stat.S_IMODE(session.upper.stat().st_mode)
+    fresh = _new_upper(session, f"snapshot session {session.id}", upper_mode)
     os.rename(session.upper, dest)
-    session.upper.mkdir(mode=upper_mode)
+    os.rename(fresh, session.upper)
     st = dest.stat()
     if os.geteuid() == 0:
         os.chown(session.upper, st.st_uid, st.st_gid)
@@ -102,14 +112,20 @@ def restore(session: Session, name: str) -> list[str]:
     with session.lock(wait=False):
         snap = _find(session, name)
         dropped: list[str] = []
+        fresh = _new_upper(session, f"restore session {session.id}", 0o755)
         trash = session.dir / f".trash-{os.getpid()}-{time.time_ns()}"
-        trash.mkdir()
+        try:
+            with store.disk_space(f"restore session {session.id}", session.dir):
+                trash.mkdir()
+        except BaseException:
+            fresh.rmdir()
+            raise
         for s in list_snapshots(session):
             if s.index > snap.index:
                 os.rename(s.path, trash / s.path.name)
                 dropped.append(s.name)
         os.rename(session.upper, trash / "upper")
-        session.upper.mkdir(mode=0o755)
+        os.rename(fresh, session.upper)
         st = snap.path.stat()
         if os.geteuid() == 0:
             os.chown(session.upper, st.st_uid, st.st_gid)
@@ -222,12 +238,17 @@ def fork(session: Session, new_name: str) -> Session:
         if isinstance(meta.get("sandbox_uid"), int) and isinstance(meta.get("sandbox_gid"), int):
             owner = (int(meta["sandbox_uid"]), int(meta["sandbox_gid"]))
         new = store.create(Path(meta["project"]), new_name, owner=owner)
-        layers = session.layers()
-        if layers:
-            new.layers_dir.mkdir(exist_ok=True, mode=0o700)
-        for layer in layers:
-            _link_tree(layer, new.layers_dir / layer.name)
-        if owner is not None and os.geteuid() == 0:
-            os.chown(new.upper, *owner)
-        new.update_meta(forked_from=session.id)
+        try:
+            with store.disk_space(f"fork session {session.id} as {new_name}", new.dir):
+                layers = session.layers()
+                if layers:
+                    new.layers_dir.mkdir(exist_ok=True, mode=0o700)
+                for layer in layers:
+                    _link_tree(layer, new.layers_dir / layer.name)
+                if owner is not None and os.geteuid() == 0:
+                    os.chown(new.upper, *owner)
+                new.update_meta(forked_from=session.id)
+        except BaseException:
+            shutil.rmtree(new.dir, ignore_errors=True)  # a half-made fork is no session
+            raise
         return new
