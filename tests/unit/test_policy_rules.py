@@ -228,3 +228,13 @@ def test_adding_a_deny_never_makes_anything_visible(raw: list[tuple[str, str, st
         if before.deny_covering(probe) is not None:
             assert after.deny_covering(probe) is not None
     assert set(after.allows) <= set(before.allows)
+
+
+def test_why_describes_the_sandboxes_own_proc_and_dev(env: dict[str, Path]) -> None:
+    """`why` said "outside the project and every grant: not visible" for /dev/null."""
+    eff = policy.load(env["proj"], None, CliPolicy())
+    expect = {
+        "/dev/null": "rw", "/dev/pts": "rw", "/dev/sda": "absent", "/dev/shm/x": "absent",
+        "/proc/cpuinfo": "ro", "/proc/sys/kernel/hostname": "ro", "/proc/kcore": "masked", "/proc/12345": "absent",
+    }
+    assert {p: eff.why(p).access for p in expect} == expect

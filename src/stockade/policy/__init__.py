@@ -623,6 +623,8 @@ class Effective:
         for s in SYSTEM_DIRS:
             if is_under(p, s):
                 return Decision(p, True, "ro", Rule("path", "allow-ro", s, dflt), f"visible read-only: system directory {s}", beaten)
+        if is_under(p, "/proc") or is_under(p, "/dev"):
+            return self._why_own(p, beaten)
         if is_under(p, "/etc"):
             for i in self.etc_items:
                 if is_under(p, i.value):
@@ -648,6 +650,29 @@ class Effective:
                             f"not visible: {self.home} is an empty tmpfs inside the sandbox; only the project and grants are visible",
                             beaten)
         return Decision(p, False, "absent", None, "not visible: outside the project and every grant", beaten)
+
+    def _why_own(self, p: str, beaten: tuple[Rule, ...]) -> Decision:
+        """/proc and /dev: the sandbox has its own (a new procfs, a minimal /dev)."""
+        from ..plan import DEVICES, PROC_MASKED, PROC_MASKED_DIRS, PROC_READONLY
+
+        if is_under(p, "/proc"):
+            top = p[len("/proc/"):].split("/", 1)[0] if p != "/proc" else ""
+            if top.isdigit():
+                return Decision(p, False, "absent", None,
+                                "a host process: the sandbox's own procfs shows only the processes of its PID namespace", beaten)
+            if top in PROC_MASKED or top in PROC_MASKED_DIRS:
+                return Decision(p, False, "masked", None, f"masked: /proc/{top} is hidden in the sandbox's procfs", beaten)
+            if top in PROC_READONLY:
+                return Decision(p, True, "ro", None, f"visible read-only: /proc/{top} (kernel tunables) is read-only inside", beaten)
+            return Decision(p, True, "ro", None, "visible: the sandbox's own procfs (its own processes)", beaten)
+        if any(is_under(p, "/dev/" + d) for d in (*DEVICES, "pts", "ptmx")):
+            return Decision(p, True, "rw", None, "visible: a device of the sandbox's minimal /dev (its own devpts)", beaten)
+        if is_under(p, "/dev/shm") or is_under(p, "/dev/mqueue"):
+            return Decision(p, False, "absent", None, "/dev/shm inside is a private, empty tmpfs", beaten)
+        if p == "/dev":
+            return Decision(p, True, "ro", None, "visible: the sandbox's minimal /dev", beaten)
+        return Decision(p, False, "absent", None,
+                        "/dev inside is minimal: null, zero, full, random, urandom, tty, pts, shm", beaten)
 
     def to_json(self) -> dict[str, Any]:
         return {
