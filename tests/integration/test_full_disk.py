@@ -141,6 +141,7 @@ def test_full_project_filesystem_apply(user: User, project: Path) -> None:
         assert "nothing was applied" in err
         assert tree_snapshot(proj) == before
         assert user.cli(["status", "s", "--name-status"], cwd=proj).stdout == status
+        _one_line_error(user.cli(["export", "s", str(fs / "bundle")], cwd=proj), fs)
         # the journal left nothing pending: the next command has nothing to recover
         assert b"nothing to recover" in user.cli(["recover"], cwd=proj).stderr
         _unfill(fs)

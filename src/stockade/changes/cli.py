@@ -398,10 +398,13 @@ def _session_and_one(args: argparse.Namespace, usage: str) -> tuple[Any, str]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from ..session import store
     from .export import export
 
     session, dest = _session_and_one(args, "stockade export [SESSION] DIR")
-    status = export(_changes(session), dest)
+    with store.disk_space(f"export session {session.id}", dest,
+                          f"free space on {store.mount_point(dest)}, remove {dest} and export again"):
+        status = export(_changes(session), dest)
     _err(f"stockade: exported session {session.id} ({len(status['changes'])} change(s)) to {dest}")
     return 0
 
