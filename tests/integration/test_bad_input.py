@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from ..conftest import User
-from .cli_modes import MODES, cli, servers_ended, start_server
 
-__all__ = ["servers_ended"]
+pytestmark = pytest.mark.cli_paths  # every test with a `user`: in-process and served
 
 # (argv, what the one line must say); "existing" is a session of the project
 CASES: list[tuple[list[str], str]] = [
@@ -56,18 +55,15 @@ def listing(state: Path) -> list[tuple[str, str, int]]:
     return sorted(out)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_bad_input_creates_nothing(user: User, project: Path, mode: str, servers_ended: None) -> None:
-    if mode == "served":
-        start_server(user, project)
-    r = cli(user, mode, ["run", "--session", "existing", "--", "true"], cwd=project)
+def test_bad_input_creates_nothing(user: User, project: Path) -> None:
+    r = user.cli(["run", "--session", "existing", "--", "true"], cwd=project)
     assert r.returncode == 0, r.stderr.decode()
     cases = list(CASES)
     if user.name == "unpriv":  # (as root, --user is item 6's: a run that works)
         cases.append((["run", "--user", "1000", "--", "true"], "--user needs real root"))
     for argv, says in cases:
         before = listing(user.state)
-        r = cli(user, mode, argv, cwd=project)
+        r = user.cli(argv, cwd=project)
         err = r.stderr.decode()
         assert r.returncode == 2, (argv, err)
         assert err.startswith("stockade: ") and err.count("\n") == 1 and says in err, (argv, err)

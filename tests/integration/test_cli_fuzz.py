@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import SRC
+from ..conftest import SRC, end_servers
 from .test_bad_input import listing
 
 # fixed, so a failure reproduces; STOCKADE_FUZZ_SEED / _CASES explore further
@@ -188,24 +188,19 @@ def test_random_command_lines_in_process(fuzz_project: Path, state_dir: Path) ->
 
 
 def test_random_command_lines_through_the_console_script(fuzz_project: Path, state_dir: Path) -> None:
-    """A sample through a real process, served (the first run starts the server) and not."""
+    """A sample through a real process: served (STOCKADE_SERVER=require: served, or a
+    one-line error) and in-process."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "STOCKADE_SERVER_IDLE": "30"}
     runs = [v for v in vectors(state_dir.parent) if v[0] == "run"]
     others = [v for v in vectors(state_dir.parent) if v[0] != "run"]
-    served = 0
     try:
         for i, argv in enumerate(runs[:24] + others[:: len(others) // 8]):
             before = listing(state_dir)
-            mode = "0" if i % 3 == 2 else "debug"  # (the first served one starts the server)
+            mode = "0" if i % 3 == 2 else "require"
             r = subprocess.run([sys.executable, "-m", "stockade", *map(os.fsencode, argv)], cwd=fuzz_project,
                                env={**env, "STOCKADE_SERVER": mode}, capture_output=True, timeout=60)
             err = r.stderr.decode("utf-8", "replace")
-            if "stockade: served by supervisor" in err:
-                served += 1
-                err = "".join(ln for ln in err.splitlines(keepends=True) if "served by supervisor" not in ln)
+            assert "STOCKADE_SERVER=require" not in err, (argv, err)
             _check(argv, r.returncode, err, before, state_dir)
-        assert served >= 8, served  # the served path was taken, not only the in-process fallback
     finally:
-        from .cli_modes import end_servers
-
         end_servers(state_dir)

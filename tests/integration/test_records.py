@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from ..conftest import ROOT, User
-from .cli_modes import MODES, cli, servers_ended, start_server
 
-__all__ = ["servers_ended"]
+pytestmark = pytest.mark.cli_paths  # every test with a `user`: in-process and served
 
 # every form a secret takes on a command line; the command ignores its arguments, so
 # its own output (stdout.log) holds none of them
@@ -34,12 +33,9 @@ def _no_secret(where: str, data: bytes) -> None:
         assert s not in data, f"{s.decode()} in {where}: {data[:2000]!r}"
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_no_sink_shows_a_secret_from_argv(user: User, project: Path, mode: str, servers_ended: None) -> None:
-    if mode == "served":
-        start_server(user, project)
+def test_no_sink_shows_a_secret_from_argv(user: User, project: Path) -> None:
     for argv in RUNS:
-        r = cli(user, mode, ["run", "--session", "sec", "--", *argv], cwd=project)
+        r = user.cli(["run", "--session", "sec", "--", *argv], cwd=project)
         assert r.returncode == 0, r.stderr.decode()
         _no_secret("run's stderr", r.stderr)
 
@@ -61,13 +57,13 @@ def test_no_sink_shows_a_secret_from_argv(user: User, project: Path, mode: str, 
     # every verb that shows a record
     for args in (["status", "sec"], ["status", "--json", "sec"], ["log", "sec"], ["log", "--json", "sec"],
                  ["list"], ["list", "--json"]):
-        r = cli(user, mode, args, cwd=project)
+        r = user.cli(args, cwd=project)
         assert r.returncode == 0, (args, r.stderr.decode())
         _no_secret(" ".join(args), r.stdout + r.stderr)
         if args[0] != "list":
             assert b"REDACTED" in r.stdout, (args, r.stdout.decode())
     bundle = user.home / "bundle"
-    r = cli(user, mode, ["export", "sec", str(bundle)], cwd=project)
+    r = user.cli(["export", "sec", str(bundle)], cwd=project)
     assert r.returncode == 0, r.stderr.decode()
     exported = [p for p in bundle.rglob("*") if p.is_file()]
     assert {"status.json", "events.jsonl"} <= {p.name for p in exported}
@@ -80,32 +76,29 @@ def test_no_sink_shows_a_secret_from_argv(user: User, project: Path, mode: str, 
 _ID = r"[0-9]{4}-[0-9a-f]{6}"
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_run_stderr_is_exactly_what_the_readme_says(user: User, project: Path, mode: str, servers_ended: None) -> None:
-    if mode == "served":
-        start_server(user, project)
+def test_run_stderr_is_exactly_what_the_readme_says(user: User, project: Path) -> None:
     # a new session, no changes: its id, so a script can find it
-    r = cli(user, mode, ["run", "--", "true"], cwd=project)
+    r = user.cli(["run", "--", "true"], cwd=project)
     assert r.returncode == 0 and r.stdout == b""
     m = re.fullmatch(rf"stockade: session ({_ID})\n", r.stderr.decode())
     assert m, r.stderr
     sid = m.group(1)
     # a new named session: the same line
-    r = cli(user, mode, ["run", "--session", "named", "--", "true"], cwd=project)
+    r = user.cli(["run", "--session", "named", "--", "true"], cwd=project)
     assert (r.returncode, r.stderr) == (0, b"stockade: session named\n")
     # an existing session, no changes: nothing at all
-    r = cli(user, mode, ["run", "--session", sid, "--", "true"], cwd=project)
+    r = user.cli(["run", "--session", sid, "--", "true"], cwd=project)
     assert (r.returncode, r.stdout, r.stderr) == (0, b"", b"")
     # changes: the summary line (the command's own output first, untouched)
-    r = cli(user, mode, ["run", "--session", sid, "--", "sh", "-c", "echo x > new.txt; echo out; echo err >&2"], cwd=project)
+    r = user.cli(["run", "--session", sid, "--", "sh", "-c", "echo x > new.txt; echo out; echo err >&2"], cwd=project)
     assert r.returncode == 0 and r.stdout == b"out\n"
     want = f"stockade: session {sid} — 1 added, 0 modified, 0 deleted; review: stockade diff {sid}\n"
     assert r.stderr.decode() == "err\n" + want
     # a later run without changes of its own: the session's changes are still summed up
-    r = cli(user, mode, ["run", "--session", sid, "--", "true"], cwd=project)
+    r = user.cli(["run", "--session", sid, "--", "true"], cwd=project)
     assert r.stderr.decode() == want
     # the command could not start: that line (the session has no changes)
-    r = cli(user, mode, ["run", "--session", "named", "--", "/nonexistent/cmd"], cwd=project)
+    r = user.cli(["run", "--session", "named", "--", "/nonexistent/cmd"], cwd=project)
     assert (r.returncode, r.stderr) == (127, b"stockade: /nonexistent/cmd: command not found\n")
 
 
