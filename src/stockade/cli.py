@@ -232,10 +232,13 @@ def _run(kw: dict[str, Any]) -> int:
     if ef is not None:
         import errno as _e
 
+        from .audit import printable
+
+        name = printable(ef.path)  # bytes that are not UTF-8 as \xNN, as the run's record has them
         if ef.err in (_e.ENOENT, _e.ENOTDIR):
-            sys.stderr.write(f"stockade: {ef.path}: command not found\n")
+            sys.stderr.write(f"stockade: {name}: command not found\n")
         else:
-            sys.stderr.write(f"stockade: {ef.path}: cannot execute: {os.strerror(ef.err)}\n")
+            sys.stderr.write(f"stockade: {name}: cannot execute: {os.strerror(ef.err)}\n")
     _after_run(res)
     if after_reply is not None:  # a server's supervisor: once the client has its status
         after_reply.append(lambda: _sweep_stale_cgroups(getattr(res, "cg_manager", None)))

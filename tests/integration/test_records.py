@@ -100,6 +100,9 @@ def test_run_stderr_is_exactly_what_the_readme_says(user: User, project: Path) -
     # the command could not start: that line (the session has no changes)
     r = user.cli(["run", "--session", "named", "--", "/nonexistent/cmd"], cwd=project)
     assert (r.returncode, r.stderr) == (127, b"stockade: /nonexistent/cmd: command not found\n")
+    # a name that is not UTF-8: its bytes escaped, as the record has them (no traceback)
+    r = user.cli(["run", "--session", "named", "--", b"\x9bx"], cwd=project)  # type: ignore[list-item]
+    assert (r.returncode, r.stderr) == (127, b"stockade: \\x9bx: command not found\n")
 
 
 def test_readme_states_the_stderr_contract() -> None:

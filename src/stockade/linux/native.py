@@ -247,7 +247,7 @@ def parse_reports(buf: bytes) -> tuple[list[Report], bytes]:
     n = REPORT.size
     while len(buf) >= n:
         kind, step, err, value, path = REPORT.unpack_from(buf)
-        out.append(Report(kind, STEP_NAMES.get(step, str(step)), err, value, path.split(b"\0", 1)[0].decode("utf-8", "replace")))
+        out.append(Report(kind, STEP_NAMES.get(step, str(step)), err, value, os.fsdecode(path.split(b"\0", 1)[0])))
         buf = buf[n:]
     return out, buf
 
