@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import stockade
+from stockade.changes.held import POLICY_WHY as POLICY
 from stockade.changes.held import WORKSPACE_POLICY_FILES
 from stockade.changes.scan import scan
 from stockade.errors import UsageError
@@ -261,3 +262,32 @@ def test_held_back_entry_in_a_new_directory_stays_when_the_directory_applies(tmp
     assert not (b.project / "sub/.stockade.toml").exists() and not os.path.lexists(b.project / "sub/out")
     assert not (b.project / "sub/deeper").exists()
     assert {c.path for c in scan(b.session).changes} >= {"sub/.stockade.toml", "sub/out"}
+
+
+def test_files_the_loader_reads_through_a_symlinked_policy_file_are_held_back(tmp_path: Path,
+                                                                              state_dir: Path) -> None:
+    b = Builder(tmp_path, {"config/project.toml": PYPROJECT, "policy/stockade.toml": "read_only = true\n",
+                           "sub/cfg/p.toml": "[tool.stockade]\nread_only = true\n"})
+    os.symlink("config/project.toml", b.project / "pyproject.toml")
+    os.symlink("policy/stockade.toml", b.project / ".stockade.toml")
+    os.symlink("cfg/p.toml", b.project / "sub/pyproject.toml")  # a nested project's
+    b.new_session()
+    b.up("config/project.toml", PYPROJECT.replace("false", "true"))
+    b.up("policy/stockade.toml", WIDEN)
+    b.up("sub/cfg/p.toml", "[tool.stockade]\nread_only = true\n[project]\nname = 'same table'\n")
+    b.up("new.toml", WIDEN)  # the sandbox's own link to its own file
+    b.symlink("n/.stockade.toml", "../new.toml")
+    held = scan(b.session).held_back()
+    assert held["config/project.toml"].endswith("(read through the symlink pyproject.toml)")
+    assert "table changed" in held["config/project.toml"]
+    assert held["policy/stockade.toml"] == POLICY + " (read through the symlink .stockade.toml)"
+    assert held["new.toml"] == POLICY + " (read through the symlink n/.stockade.toml)"
+    assert "n/.stockade.toml" in held and "sub/cfg/p.toml" not in held  # same table: an ordinary edit
+
+
+def test_many_links_inside_are_all_applied(tmp_path: Path, state_dir: Path) -> None:
+    """The walk's bound is per link: a node_modules/.bin of links is not held back wholesale."""
+    b = Builder(tmp_path, {"lib/x.js": "x\n"})
+    for i in range(3000):
+        b.symlink(f"bin/t{i}", f"../lib/{'./' * 3}x.js")
+    assert scan(b.session).held_back() == {}

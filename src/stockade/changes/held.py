@@ -167,21 +167,50 @@ class _Sides:
         return self._read_table(self.layer(c.layer), c.path, table)
 
 
-def _policy_why(sides: _Sides, c: Change, global_rel: str | None) -> str | None:
+def _policy_why(sides: _Sides, c: Change, global_rel: str | None,
+                aliases: dict[str, tuple[str, tuple[str, ...]]]) -> str | None:
     if global_rel is not None and c.path == global_rel:
         return "stockade's global config file: it sets what every sandboxed run may do"
     name = c.path.rsplit("/", 1)[-1]
     table = WORKSPACE_POLICY_FILES.get(name)
+    via = ""
     if table is None:
-        return None
+        if c.path not in aliases:
+            return None
+        link, table = aliases[c.path]
+        via = f" (read through the symlink {link})"
     if not table:
-        return POLICY_WHY
+        return POLICY_WHY + via
     if c.is_dir and c.new_mode is not None and c.old_mode is not None:
         return None  # a directory named like it, only its mode changed: the loader reads no directory
     old, new = sides.old_table(c, table), sides.new_table(c, table)
     if old is _UNKNOWN or new is _UNKNOWN or old != new:
-        return f"its [{'.'.join(table)}] table changed: {POLICY_WHY}"
+        return f"its [{'.'.join(table)}] table changed: {POLICY_WHY}{via}"
     return None
+
+
+def _policy_aliases(links: _Links, changes: tuple[Change, ...]) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Changed files the loader would read through a symlinked policy file (a project's
+    ``pyproject.toml -> config/pyproject.toml``): target -> (the link, its policy table).
+    Looked for in the project root and in every directory holding a change (a later run's
+    project can be any of them), in both views."""
+    dirs = {""}
+    for c in changes:
+        parts = c.path.split("/")[:-1]
+        dirs.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    out: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for d in sorted(dirs):
+        for name, table in WORKSPACE_POLICY_FILES.items():
+            link = f"{d}/{name}" if d else name
+            try:
+                targets, _ = links._targets(link)
+                for t in targets:
+                    links.steps = 0
+                    for head in links.resolve(link.split("/")[:-1], t, 1):
+                        out["/".join(head)] = (link, table)
+            except _Escape:
+                continue  # outside the project (or unreadable): not a file the sandbox wrote
+    return out
 
 
 def _global_rel(project: Path) -> str | None:
@@ -275,6 +304,7 @@ def _symlink_why(links: _Links, c: Change) -> str | None:
         return None
     target = links.sides.layer(c.layer).readlink(c.path)
     base = c.path.split("/")[:-1]
+    links.steps = 0  # the bound is per link
     try:
         links.resolve(base, target, 1)
     except _Escape:
@@ -295,11 +325,12 @@ def held_back(cs: ChangeSet, changes: list[Change] | tuple[Change, ...] | None =
     try:
         links = _Links(sides, {c.path: c for c in cs.changes})
         global_rel = _global_rel(cs.project)
+        aliases = _policy_aliases(links, cs.changes)
         for c in todo:
             if c.kind is Kind.REFUSED:
                 continue
             pattern = held_back_reason(c.path)
-            why = (_vector_why(pattern) if pattern else None) or _policy_why(sides, c, global_rel) \
+            why = (_vector_why(pattern) if pattern else None) or _policy_why(sides, c, global_rel, aliases) \
                 or _symlink_why(links, c)
             if why:
                 out[c.path] = why
