@@ -189,6 +189,20 @@ def end_servers(state: Path) -> None:
             pass
 
 
+def sweep_cgroups(state: Path, uid: int) -> None:
+    """Remove the empty run cgroups of dead processes that runs in this state dir left
+    (a SIGKILLed supervisor's): a CLI run sweeps only its own state dir's, and a test's
+    state dir has no later run."""
+    try:
+        from stockade.cgroups import detect
+        from stockade.cgroups.fs import owner_tag
+        from stockade.cgroups.sweep import sweep_stale
+
+        sweep_stale(detect.detect(), tag=owner_tag(uid, str(state)))
+    except OSError:
+        pass
+
+
 @pytest.fixture(params=["root", "unpriv"])
 def user(request: pytest.FixtureRequest, cli_path: str | None) -> Iterator[User]:
     base = world_tmpdir("stockade-user-")
@@ -210,6 +224,7 @@ def user(request: pytest.FixtureRequest, cli_path: str | None) -> Iterator[User]
         yield u
     finally:
         end_servers(state)
+        sweep_cgroups(state, u.uid)
         shutil.rmtree(base, ignore_errors=True)
 
 

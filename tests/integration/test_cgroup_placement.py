@@ -288,9 +288,10 @@ def test_sweep_removes_only_this_users_and_state_dirs_cgroups(v1: None, served: 
             for what, n in decoys.items():
                 assert (Path(parent) / n).is_dir(), f"the sweep removed {what}'s cgroup {parent}/{n}"
     finally:
-        from tests.conftest import end_servers
+        from tests.conftest import end_servers, sweep_cgroups
 
         end_servers(u.state)
+        sweep_cgroups(u.state, 0)
         for d in made:
             try:
                 d.rmdir()

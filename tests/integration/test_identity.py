@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import User, end_servers, need, world_tmpdir
+from tests.conftest import User, end_servers, need, sweep_cgroups, world_tmpdir
 
 PATHS = [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]  # (STOCKADE_SERVER, STOCKADE_LAUNCHER)
 
@@ -32,6 +32,7 @@ def root() -> Iterator[User]:
         yield u
     finally:
         end_servers(u.state)
+        sweep_cgroups(u.state, u.uid)
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -209,9 +209,11 @@ def test_the_server_idles_out_and_leaves_nothing(user: User, project: Path) -> N
     assert list((user.state / "servers").glob("*.sock")) == []
     left = subprocess.run(["find", "/sys/fs/cgroup", "-type", "d", "-name", "stockade-next-*"],
                           capture_output=True, text=True).stdout.split()
-    for d in left:  # spares of other servers may exist: none of this one's
-        pid = int(d.rsplit("-", 2)[1])
-        assert os.path.exists(f"/proc/{pid}"), d
+    from hashlib import blake2b
+
+    # other servers' spares may exist: none of this one's (named by its user and state dir)
+    tag = f"-u{user.uid}s{blake2b(os.fsencode(os.path.realpath(user.state)), digest_size=4).hexdigest()}"
+    assert [d for d in left if d.endswith(tag)] == []
 
 
 def test_server_off_runs_in_process(user: User, project: Path) -> None:

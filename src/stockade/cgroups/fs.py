@@ -251,14 +251,15 @@ _NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345
 _owner_tags: dict[tuple[int, str], str] = {}
 
 
-def owner_tag() -> str:
-    """``u<euid>s<8 hex of the state dir>``: which user and state dir made a run cgroup.
+def owner_tag(uid: int | None = None, state: str | None = None) -> str:
+    """``u<euid>s<8 hex of the state dir>``: which user and state dir made a run cgroup
+    (this process's, or those given).
 
     On cgroup v1 the caller's own cgroup is often a hierarchy's root, shared by every
     user and state dir: a sweep of dead runs' cgroups removes only its own kind."""
     from stockade.paths import state_dir
 
-    key = (os.geteuid(), state_dir())
+    key = (os.geteuid() if uid is None else uid, state_dir() if state is None else state)
     tag = _owner_tags.get(key)
     if tag is None:
         try:

@@ -44,18 +44,19 @@ def run_parents(manager: Manager) -> list[str]:
     return []
 
 
-def sweep_stale(manager: Manager, fs: CgroupFS | None = None) -> list[str]:
+def sweep_stale(manager: Manager, fs: CgroupFS | None = None, tag: str | None = None) -> list[str]:
     """Remove *empty* run cgroups whose creating process is gone (a supervisor that
     was SIGKILLed cannot clean up after itself), made by this user for this state
     dir only. Cgroups with tasks, or whose creator pid is alive (even if reused by
     another process), are left alone. Returns the removed paths; call it from
-    ``stockade doctor`` or at start-up."""
+    ``stockade doctor`` or at start-up. ``tag``: another user's and state dir's
+    (``fs.owner_tag``), e.g. a test's that removes what its state dir left."""
     from stockade.cgroups.fs import owner_tag
 
     parents = run_parents(manager)
     if not parents:
         return []
-    tag = owner_tag()
+    tag = tag or owner_tag()
     if fs is None:
         from stockade.cgroups.fs import CgroupFS
 
