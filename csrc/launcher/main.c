@@ -59,6 +59,7 @@
 #define SK_MSG_MAGIC 0x314c4b53u /* "SKL1" */
 #define SK_MSG_BASE 1
 #define SK_MSG_RUN 2
+#define SK_MSG_HELLO 3 /* a shared launcher's client, first: an fd of our user namespace */
 #define SK_MSG_PLAN_IN_FD 1
 #define MAX_FDS 250
 #define INLINE_MAX (256 * 1024)
@@ -74,7 +75,9 @@ static pid_t self_pid;
 static unsigned char msgbuf[INLINE_MAX + sizeof(struct sk_msg_hdr)];
 static int listen_fd = -1;             /* shared mode: clients connect here */
 static int clients[MAX_CLIENTS];
+static int hello_done[MAX_CLIENTS];    /* the client proved it reaches our user namespace */
 static int nclients;
+static struct stat own_userns;         /* our user namespace (st_dev, st_ino) */
 static long idle_ms;                   /* shared mode: exit after this long unused */
 static int sigfd = -1;
 static int live;                       /* forked children not yet reaped (runs, the spare) */
@@ -559,7 +562,29 @@ static void accept_client(void)
             return;
         }
     }
+    hello_done[nclients] = 0;
     clients[nclients++] = c;
+}
+
+/* A client's first message: HELLO with an fd of *our* user namespace, which it can
+ * only have opened (/proc/OUR_PID/ns/user) with ptrace rights over us: those of a
+ * process in the user namespace we were made from (or an ancestor of it), never
+ * those of one in a sibling namespace that shares the filesystem (`unshare -Ur`,
+ * `bwrap --unshare-user`): its runs would be made outside its own namespaces. We
+ * cannot look at the peer's namespace ourselves (no ptrace rights over host
+ * processes), so the peer shows us ours. 0: not such a client (close it). */
+static int check_hello(int sock)
+{
+    int fds[MAX_FDS], nfds;
+    ssize_t n = recv_msg(sock, fds, &nfds);
+    if (n <= 0)
+        return 0;
+    const struct sk_msg_hdr *h = (const void *)msgbuf;
+    struct stat st;
+    int ok = n == (ssize_t)sizeof *h && h->magic == SK_MSG_MAGIC && h->type == SK_MSG_HELLO && nfds == 1 &&
+             fstat(fds[0], &st) == 0 && st.st_dev == own_userns.st_dev && st.st_ino == own_userns.st_ino;
+    close_all(fds, nfds);
+    return ok;
 }
 
 static int serve_one(int sock);
@@ -574,6 +599,8 @@ int main(int argc, char **argv)
         return 2;
     ctl = (int)c;
     self_pid = getpid();
+    if (stat("/proc/self/ns/user", &own_userns) < 0)
+        return 1;
 
     /* Hold nothing of the caller's: not its stdio (a reader waiting for EOF
      * would hang), not an fd it left inheritable. */
@@ -607,6 +634,10 @@ int main(int argc, char **argv)
         listen_fd = fds[0];
         nfds = 0;
         idle_ms = (long)h->reserved * 1000;
+        /* again, here: a client's SO_PEERCRED names the process that last called
+         * listen, and a client finds our user namespace through that pid */
+        if (listen(listen_fd, 64) < 0)
+            r = -errno;
     }
     close_all(fds, nfds);
     if (r < 0 || h->type != SK_MSG_BASE) {
@@ -674,9 +705,14 @@ int main(int argc, char **argv)
         if (have_listen && pf[2].revents)
             accept_client();
         for (int i = np - 1; i >= first_client; i--) {
-            if (pf[i].revents && serve_one(pf[i].fd) == 0) {
+            int k = i - first_client;
+            if (!pf[i].revents)
+                continue;
+            if (hello_done[k] ? serve_one(pf[i].fd) == 0 : !(hello_done[k] = check_hello(pf[i].fd))) {
                 close(pf[i].fd);
-                clients[i - first_client] = clients[--nclients];
+                --nclients;
+                clients[k] = clients[nclients];
+                hello_done[k] = hello_done[nclients];
             }
         }
     }

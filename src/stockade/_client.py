@@ -31,10 +31,22 @@ def package_dir() -> str:
     return os.path.dirname(os.path.abspath(__file__))
 
 
+def userns() -> bytes:
+    """This process's user namespace (st_dev, st_ino of its link)."""
+    try:
+        st = os.stat("/proc/self/ns/user")
+    except OSError:
+        return b""
+    return b"%d:%d" % (st.st_dev, st.st_ino)
+
+
 def key() -> str:
-    """Which server: one per uid, interpreter, package and interpreter environment."""
+    """Which server: one per uid, user namespace, interpreter, package and interpreter
+    environment (a process in a nested user namespace that shares the state dir, e.g.
+    under `unshare -U`, has servers of its own)."""
     h = 0xCBF29CE484222325  # FNV-1a 64: no hashlib import on the fast path
-    data = b"\0".join([os.fsencode(sys.executable), os.fsencode(package_dir()), b"%d" % os.getuid(), *interp_env()])
+    data = b"\0".join([os.fsencode(sys.executable), os.fsencode(package_dir()), b"%d" % os.getuid(), userns(),
+                       *interp_env()])
     for c in data:
         h = ((h ^ c) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
     return f"{h:016x}"
@@ -102,6 +114,8 @@ def _connect_and_serve(argv: list[str], d: str, name: str) -> int | str:
             return ""
         finally:
             os.close(dfd)
+        if not _same_userns(s):  # whoever made that socket, it is not our server: send it nothing
+            return f"the process listening on {name} is in another user namespace"
         return _serve(s, argv, d, name)
     finally:
         s.close()
@@ -125,6 +139,21 @@ def own_fds(skip: tuple[int, ...]) -> list[int] | None:
                 continue
             out.append(fd)
     return sorted(out) if len(out) <= MAX_FDS else None
+
+
+def _same_userns(s: object) -> bool:
+    """Whether the server (the process that called listen on the socket) is in our
+    user namespace. One in a nested namespace sharing the state dir could have put
+    its socket where ours belongs; it must not get our stdio and working directory."""
+    import _socket
+
+    sock: _socket.socket = s  # type: ignore[assignment]
+    pid = int.from_bytes(sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)[:4], sys.byteorder, signed=True)
+    try:
+        st = os.stat(f"/proc/{pid}/ns/user")
+    except OSError:
+        return False
+    return b"%d:%d" % (st.st_dev, st.st_ino) == userns()
 
 
 def _serve(s: object, argv: list[str], d: str, name: str) -> int | str:

@@ -204,6 +204,11 @@ class Server:
         pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         if uid != os.getuid():
             return None
+        try:  # only peers in our user namespace (not a nested one sharing the state dir)
+            theirs = os.stat(f"/proc/{pid}/ns/user")
+            ours = b"%d:%d" % (theirs.st_dev, theirs.st_ino) == _client.userns()
+        except OSError:
+            ours = False
         try:
             pidfd = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
         except OSError:
@@ -222,6 +227,9 @@ class Server:
             os.set_inheritable(fd, False)  # recvmsg gives them without CLOEXEC: no launcher may inherit one
         fields = msg.split(b"\0")
         req = Request(conn, pid, pidfd, fds, [], [], 0o022)
+        if not ours:
+            self.reply(req, b"Mthe client is in another user namespace")
+            return None
         if fields[0][:3] == _client.MAGIC[:3] and fields[0] != _client.MAGIC:
             req.stale = True  # another protocol: this server or the client is older; a new server settles it
             return req

@@ -40,7 +40,8 @@ from . import native
 _MSG = struct.Struct("IIII")
 _U32 = struct.Struct("I")
 _MAGIC = 0x314C4B53
-_BASE, _RUN = 1, 2
+_BASE, _RUN, _HELLO = 1, 2, 3
+_NS_GET_PARENT = 0xB702  # _IO(0xb7, 0x2), linux/nsfs.h
 _PLAN_IN_FD = 1
 _INLINE_MAX = 200 * 1024
 _IDLE_MAX = 4  # launchers kept for bases no run uses any more
@@ -122,8 +123,39 @@ def split(plan: Plan) -> tuple[tuple[MountOp, ...], tuple[MountOp, ...]] | None:
     return tuple(base), tuple(run)
 
 
+def userns() -> tuple[int, int]:
+    """This process's user namespace (st_dev, st_ino): a launcher serves one namespace's
+    processes only, so it is part of its key (and of its socket's name)."""
+    st = os.stat("/proc/self/ns/user")
+    return (st.st_dev, st.st_ino)
+
+
 def _key(plan: Plan, base: tuple[MountOp, ...]) -> tuple[Any, ...]:
-    return (base, plan.uid_map, plan.gid_map, plan.deny_setgroups)
+    return (base, plan.uid_map, plan.gid_map, plan.deny_setgroups, userns())
+
+
+def _hello(s: socket.socket) -> None:
+    """Show a shared launcher that we can reach its user namespace, after checking
+    that it is a child of ours (one made in another namespace sharing this state dir,
+    e.g. inside `unshare -U`, would start our runs there). Raises OSError otherwise."""
+    import errno
+    import fcntl
+
+    pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    # only a process with ptrace rights over the launcher opens this: one in the
+    # namespace it was made from (ours, if it is ours) or an ancestor of that
+    ns = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parent = fcntl.ioctl(ns, _NS_GET_PARENT)
+        try:
+            st = os.fstat(parent)
+        finally:
+            os.close(parent)
+        if (st.st_dev, st.st_ino) != userns():
+            raise OSError(errno.EPERM, "the launcher was made in another user namespace")
+        socket.send_fds(s, [_MSG.pack(_MAGIC, _HELLO, 0, 0)], [ns])
+    finally:
+        os.close(ns)
 
 
 class _RunOps:
@@ -197,6 +229,7 @@ class Launcher:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             s.connect(path)
+            _hello(s)
         except OSError:
             s.close()
             raise
@@ -510,7 +543,7 @@ def _shared(plan: Plan, base: tuple[MountOp, ...], create: bool = True) -> Launc
     for m in base:  # the base only: not the command, its environment or its session
         h.update(repr((m.kind, m.target, m.source, m.data, sorted(m.flags), m.mode, m.lower,
                        m.source_in_sandbox, m.source_in_stage)).encode())
-    h.update(repr((plan.uid_map, plan.gid_map, plan.deny_setgroups, st.st_ino, st.st_mtime_ns, st.st_size)).encode())
+    h.update(repr((plan.uid_map, plan.gid_map, plan.deny_setgroups, st.st_ino, st.st_mtime_ns, st.st_size, userns())).encode())
     d = store.state_dir() / "launchers"
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     name = h.hexdigest()[:24] + ".sock"
