@@ -553,7 +553,23 @@ def resolve_project(project: str | os.PathLike[str]) -> Path:
         raise UsageError(f"project {raw!r} is not a directory; pass --project DIR")
     if real == "/":
         raise UsageError("the project cannot be / ; pass --project DIR with a project directory")
+    _apart_from_state_dir(real)
     return Path(real)
+
+
+def _apart_from_state_dir(project: str) -> None:
+    """The project and the state dir must not nest: the sessions' upper layers inside
+    the tree they are stacked on is a loop overlayfs refuses (ELOOP), and a project
+    inside the state dir would show the sandbox every session's records."""
+    from .paths import state_dir
+
+    sd = os.path.realpath(state_dir())
+    if sd == project or sd.startswith(project.rstrip("/") + "/"):
+        raise UsageError(f"the state dir {sd} is inside the project {project}; set STOCKADE_STATE_DIR "
+                         "to a directory outside the project")
+    if project.startswith(sd.rstrip("/") + "/"):
+        raise UsageError(f"the project {project} is inside the state dir {sd}; pick a project outside it, "
+                         "or set STOCKADE_STATE_DIR to a directory elsewhere")
 
 
 def resolve_cwd(project: Path, cwd: str | os.PathLike[str] | None) -> Path:

@@ -1,0 +1,137 @@
+"""State dirs and projects under one directory (CI jobs put both in /tmp) never cross
+wires: every run's writes land in a session of its own state dir, for its own
+project, whatever ran before in another state dir or on a nested project; a project
+and a state dir that nest are refused before anything is made (the sessions' layers
+inside the tree they are stacked on is a loop overlayfs refuses); a relative state
+dir means the same directory to every part of a run. Served and in-process alike;
+checked on the host's side (the state dirs' sessions, their upper layers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import User, end_servers, need, sweep_cgroups, world_tmpdir
+
+pytestmark = pytest.mark.cli_paths
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    need(os.geteuid() == 0, "the tests run as root (the root CLI path)")
+    d = world_tmpdir("stockade-iso-")
+    try:
+        yield d
+    finally:
+        for st in d.glob("st*"):
+            end_servers(st)
+            sweep_cgroups(st, 0)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _user(base: Path, state: Path, cli_path: str | None) -> User:
+    home = base / "home"
+    home.mkdir(exist_ok=True)
+    u = User("root", 0, 0, home, state, sys.executable)
+    u.path = cli_path
+    return u
+
+
+def _sessions(state: Path) -> dict[str, tuple[str, set[str]]]:
+    """session id -> (its project, the names in its upper layer)."""
+    out = {}
+    for d in (state / "sessions").iterdir():
+        if d.name.startswith("."):
+            continue
+        meta = json.loads((d / "meta.json").read_text())
+        out[d.name] = (meta["project"], {p.name for p in (d / "upper").rglob("*")})
+    return out
+
+
+def test_two_state_dirs_and_nested_projects_never_share_sessions(base: Path, cli_path: str | None) -> None:
+    a = base / "w" / "a"
+    b = a / "b"  # a project inside another
+    b.mkdir(parents=True)
+    for p in (a, b):
+        (p / ".env").write_text("SECRET=1\n")  # each gets a mask layer
+        (p / "f").write_text("x\n")
+    states = [base / "st1", base / "st2"]
+    users = {st: _user(base, st, cli_path) for st in states}
+    expected: dict[Path, dict[str, str]] = {st: {} for st in states}  # marker -> project
+    n = 0
+    for _round in range(3):  # the second and third rounds meet servers, launchers and caches the first made
+        for st in states:
+            for proj in (a, b):
+                n += 1
+                marker = f"m{n}-{st.name}"
+                r = users[st].cli(["run", "--project", str(proj), "--", "sh", "-c",
+                                   f"echo {marker} > {marker}; cat .env 2>/dev/null; true"], cwd=proj)
+                assert r.returncode == 0, (st, proj, r.stderr.decode())
+                assert b"SECRET" not in r.stdout
+                expected[st][marker] = str(proj)
+    for st in states:
+        found = _sessions(st)
+        assert len(found) == len(expected[st])  # one new session per run, none elsewhere
+        for marker, proj in expected[st].items():
+            holders = [(sid, p) for sid, (p, names) in found.items() if marker in names]
+            assert holders == [(holders[0][0], proj)], (st, marker, holders)
+        others = {m for s2 in states if s2 != st for m in expected[s2]}
+        assert not any(names & others for _p, names in found.values()), "a run wrote into another state dir's session"
+        for _p, names in found.values():
+            assert not any(x.startswith(".stockade") for x in names)
+    for proj in (a, b):
+        assert sorted(x.name for x in proj.iterdir()) == sorted([".env", "f", *(["b"] if proj == a else [])])
+
+
+@pytest.mark.parametrize("inside", ["state-in-project", "state-is-project", "project-in-state"])
+def test_nested_state_dir_and_project_are_refused(base: Path, cli_path: str | None, inside: str) -> None:
+    proj = base / "p"
+    proj.mkdir()
+    (proj / "f").write_text("x\n")
+    if inside == "state-in-project":
+        state, run_in = proj / "st", proj
+    elif inside == "state-is-project":
+        state, run_in = proj, proj
+    else:
+        state = base / "st"
+        run_in = state / "proj"
+        run_in.mkdir(parents=True)
+    u = _user(base, state, cli_path)
+    before = {str(p) for p in base.rglob("*")}
+    try:
+        r = u.cli(["run", "--project", str(run_in), "--", "sh", "-c", "echo x > new"], cwd=run_in)
+    finally:
+        end_servers(state)
+    assert r.returncode == 2, r.stderr.decode()
+    err = r.stderr.decode()
+    assert err.count("\n") == 1 and "STOCKADE_STATE_DIR" in err and str(state) in err, err
+    made = {str(p) for p in base.rglob("*")} - before
+    if cli_path == "served":
+        # STOCKADE_SERVER=require (the tests' served path) makes <state>/servers to start
+        # the server it insists on; the run it served made nothing
+        made -= {str(state), str(state / "servers")}
+        made = {m for m in made if not m.startswith(str(state / "servers") + "/")}
+    assert made == set()  # no state dir, session or cache, nothing in the project
+
+
+def test_a_relative_state_dir_is_the_same_dir_for_every_part_of_a_run(base: Path, cli_path: str | None) -> None:
+    proj = base / "p"
+    proj.mkdir()
+    work = base / "cwd"
+    work.mkdir()
+    u = _user(base, Path("rel-st"), cli_path)
+    for i in range(3):  # served: the first runs make the state dir and its server
+        r = u.cli(["run", "--project", str(proj), "--", "sh", "-c", f"echo {i} > made{i}"], cwd=work)
+        assert r.returncode == 0, r.stderr.decode()
+    end_servers(work / "rel-st")
+    sweep_cgroups(work / "rel-st", 0)
+    found = _sessions(work / "rel-st")
+    assert sorted(n for _p, names in found.values() for n in names) == ["made0", "made1", "made2"]
+    assert {p for p, _n in found.values()} == {str(proj)}
+    assert not (proj / "rel-st").exists() and not Path("/rel-st").exists()
