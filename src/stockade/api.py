@@ -418,7 +418,7 @@ def _execute(
         sup = _Supervisor(child, out_r, err_r, stdin_w, feed, dest_out, dest_err, run_dir, capture_out, capture_err, timeout, cg, relay_in)
         stdin_w = -1
         if forward_signals:
-            with _forwarding(child.pidfd, winch_to=out_r if pty else None):
+            with _forwarding(child.pidfd, winch_to=out_r if pty else None, on_term=sup.terminate):
                 sup.loop()
         else:
             sup.loop()
@@ -572,7 +572,8 @@ class _Poller:
         self._ep.close()
 
 
-GRACE = 2.0  # seconds between SIGTERM and SIGKILL on timeout
+GRACE = 2.0  # seconds between SIGTERM and SIGKILL (a timeout, or SIGTERM to the CLI)
+EOF_QUIET = 0.3  # seconds of a quiet terminal before it is sent ^D (its input ended)
 LOG_MAX = int(os.environ.get("STOCKADE_LOG_MAX", str(64 << 20)))  # per stream, per run
 RELAY_MAX = 1 << 20  # bytes of terminal input buffered before we stop reading it
 
@@ -628,34 +629,57 @@ class _Supervisor:
         self.returncode = 0
         self._rbuf = b""
         self._kill_at: float | None = None
+        self.reader_gone: list[str] = []  # streams whose reader went away (EPIPE): "stdout", "stderr"
+        self._out_at = 0.0  # when the sandbox last wrote output (monotonic)
+        self._veof_at: float | None = None  # when its terminal was last sent ^D
+        # a signal handler's wake-up (``terminate``): the loop may be waiting with no deadline
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
 
     def close_logs(self) -> None:
         for k, fd in self.log.items():
             if fd >= 0:
                 os.close(fd)
                 self.log[k] = -1
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    def terminate(self) -> None:
+        """SIGTERM reached the CLI (it was forwarded to the sandbox): whatever the
+        command does with it, the sandbox is killed once the grace period is over."""
+        if self._kill_at is None:
+            self._kill_at = time.monotonic() + GRACE
+        try:
+            os.write(self._wake_w, b"t")
+        except OSError:
+            pass
 
     @property
     def log_truncated(self) -> dict[str, int]:
         names = {self.out_r: "stdout", self.err_r: "stderr"}
         return {names[fd]: n for fd, n in self.dropped.items() if n}
 
-    def _write_all(self, fd: int, data: bytes) -> None:
-        """To the caller's own stdout/stderr (or a file it gave us): blocking is its choice."""
+    def _write_all(self, fd: int, data: bytes) -> bool:
+        """To the caller's own stdout/stderr (or a file it gave us): blocking is its choice.
+        False: its reader is gone (EPIPE)."""
         mv = memoryview(data)
         while mv:
             try:
                 n = os.write(fd, mv)
             except BrokenPipeError:
-                return
+                return False
             except InterruptedError:
                 continue
             except BlockingIOError:
                 select.select([], [fd], [])
                 continue
             mv = mv[n:]
+        return True
 
-    def _on_output(self, fd: int, data: bytes) -> None:
+    def _on_output(self, fd: int, data: bytes) -> bool:
+        """Log, capture or pass on one chunk. False: the caller's reader of this stream
+        is gone."""
         room = LOG_MAX - self.logged[fd]
         if room > 0:
             if self.log[fd] < 0:
@@ -669,7 +693,25 @@ class _Supervisor:
         else:
             d = self.dest[fd]
             if d is not None:
-                self._write_all(d, data)
+                return self._write_all(d, data)
+        return True
+
+    def _reader_gone(self, fd: int) -> None:
+        """What a shell pipeline does when a reader exits: the writer's next write gets
+        SIGPIPE/EPIPE. Our read end of the command's pipe is closed (the number stays
+        valid, now /dev/null: the caller closes it once more); with a pty, its master
+        is closed whole and the sandbox's terminal hangs up."""
+        self.reader_gone.append("stdout" if fd == self.out_r else "stderr")
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.dup2(null, fd, inheritable=False)
+        finally:
+            os.close(null)
+        if self.relay_in >= 0 and self.stdin_w >= 0:  # the pty master's other handle
+            os.close(self.stdin_w)
+            self.stdin_w = -1
+            self.pending.clear()
+            self.input_eof = True
 
     def loop(self) -> None:
         from .linux import native
@@ -682,17 +724,20 @@ class _Supervisor:
                 open_streams += 1
         sel.register(self.child.report_fd, _READ, "report")
         sel.register(self.child.exit_fd, _READ, "pidfd")
+        sel.register(self._wake_r, _READ, "wake")
         relay_on = False
+        # input epoll refuses (a regular file, /dev/null): read whenever there is room
+        relay_direct = False
         if self.relay_in >= 0 and self.stdin_w >= 0:
             try:
                 sel.register(self.relay_in, _READ, "relay")
                 relay_on = True
-            except PermissionError:  # a regular file or /dev/null: nothing to relay
-                pass
+            except PermissionError:
+                relay_direct = True
         sink_on = False
         if self.stdin_w >= 0:
             os.set_blocking(self.stdin_w, False)
-            if not relay_on and not self.pending:
+            if not relay_on and not relay_direct and not self.pending:
                 os.close(self.stdin_w)
                 self.stdin_w = -1
         report_open = True
@@ -713,10 +758,16 @@ class _Supervisor:
                     else:
                         sel.unregister(self.stdin_w)
                     sink_on = want_sink
+                if relay_direct:
+                    if self.input_eof or self.stdin_w < 0:
+                        relay_direct = False
+                    elif len(self.pending) < RELAY_MAX // 2:
+                        self._relay_read(self.relay_in)
+                        continue  # and the sink is registered on the next turn
                 if relay_on and len(self.pending) >= RELAY_MAX:
                     sel.unregister(self.relay_in)
                     relay_on = False
-                elif not relay_on and self.relay_in >= 0 and not self.input_eof and len(self.pending) < RELAY_MAX // 2 and self.stdin_w >= 0:
+                elif not relay_on and not relay_direct and self.relay_in >= 0 and not self.input_eof and len(self.pending) < RELAY_MAX // 2 and self.stdin_w >= 0:
                     sel.register(self.relay_in, _READ, "relay")
                     relay_on = True
                 if self.init_done and drain_until is None:
@@ -724,23 +775,25 @@ class _Supervisor:
                     drain_until = now + 2.0
                 if drain_until is not None and now >= drain_until:
                     break
-                times = (None if self.timed_out else self.deadline, self._kill_at, drain_until)
+                eof_at = self._eof_due()
+                if eof_at is not None and now >= eof_at:
+                    self._send_eof()
+                    eof_at = None
+                times = (None if self.timed_out else self.deadline, self._kill_at, drain_until, eof_at)
                 waits = [t - now for t in times if t is not None]
                 events = sel.select(max(0.0, min(waits)) if waits else None)
                 if not events:
                     continue
                 for fd, what in events:
                     if what == "relay":
-                        try:
-                            data = os.read(fd, _CHUNK)
-                        except OSError:
-                            data = b""
-                        if not data:
+                        if not self._relay_read(fd):
                             sel.unregister(fd)
                             relay_on = False
-                            self.input_eof = True
-                            continue
-                        self.pending.extend(data)
+                    elif what == "wake":
+                        try:
+                            os.read(fd, 64)
+                        except OSError:
+                            pass
                     elif what == "stdin":
                         try:
                             n = os.write(fd, self.pending[:_CHUNK])
@@ -766,7 +819,14 @@ class _Supervisor:
                             sel.unregister(fd)
                             open_streams -= 1
                             continue
-                        self._on_output(fd, data)
+                        self._out_at = time.monotonic()
+                        if not self._on_output(fd, data):
+                            sel.unregister(fd)
+                            open_streams -= 1
+                            if sink_on and self.relay_in >= 0:
+                                sel.unregister(self.stdin_w)  # the pty master: closed with it
+                                sink_on = False
+                            self._reader_gone(fd)
                     elif what == "report":
                         data = os.read(fd, 4096)
                         if not data:
@@ -801,6 +861,47 @@ class _Supervisor:
         else:
             self.returncode = -signal.SIGKILL
 
+    def _relay_read(self, fd: int) -> bool:
+        """One read of the terminal input into ``pending``. False at its end: then the
+        sandbox's terminal gets its end-of-file character (^D), as a terminal user
+        would type it, so a shell reading it exits."""
+        try:
+            data = os.read(fd, _CHUNK)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if data:
+            self.pending.extend(data)
+            return True
+        self.input_eof = True
+        return False
+
+    def _eof_due(self) -> float | None:
+        """With a pty, the end of the terminal input is told to the sandbox the way a
+        user tells it: the terminal's EOF character (^D), once the sandbox's terminal
+        went quiet (a shell prints its prompt, then reads; one sent earlier, before it
+        reads, can be lost as it sets up its line editor), and again after each later
+        output (until something reads it, like a closed stdin's reads keep ending)."""
+        if self.relay_in < 0 or self.stdin_w < 0 or not self.input_eof or self.pending:
+            return None
+        if self._veof_at is not None and self._out_at <= self._veof_at:
+            return None  # nothing new since the last one
+        return max(self._out_at, self._veof_at or 0.0) + EOF_QUIET
+
+    def _send_eof(self) -> None:
+        import termios
+
+        try:
+            veof = termios.tcgetattr(self.stdin_w)[6][termios.VEOF]
+        except (OSError, termios.error):
+            veof = b"\x04"
+        try:
+            os.write(self.stdin_w, veof if isinstance(veof, bytes) else bytes([veof]))
+        except OSError:  # full (nobody reads: the next one after more output) or hung up
+            pass
+        self._veof_at = time.monotonic()
+
     def _signal(self, sig: int) -> None:
         # through the pidfd, and never once init is reaped: its pid may be reused
         if self.init_done:
@@ -833,9 +934,10 @@ class _forwarding:
     With a pty, a window size change is copied to the pty instead (the kernel then
     signals the pty's foreground group)."""
 
-    def __init__(self, pidfd: int, winch_to: int | None = None) -> None:
+    def __init__(self, pidfd: int, winch_to: int | None = None, on_term: Any = None) -> None:
         self.pidfd = pidfd
         self.winch_to = winch_to
+        self.on_term = on_term  # SIGTERM: the sandbox ends after a grace period whatever the command does
         self.old: dict[int, Any] = {}
 
     def _handler(self, sig: int, _frame: Any) -> None:
@@ -846,6 +948,8 @@ class _forwarding:
             signal.pidfd_send_signal(self.pidfd, sig)
         except OSError:  # init already gone (and reaped: the pidfd never aims elsewhere)
             pass
+        if sig == signal.SIGTERM and self.on_term is not None:
+            self.on_term()
 
     def __enter__(self) -> None:
         for s in _FORWARDED:
