@@ -57,6 +57,14 @@ def _host_uid_line(pid: int) -> str:
     raise AssertionError("no Uid line")
 
 
+def _host_privileges(pid: int) -> dict[str, str]:
+    """Capabilities and no_new_privs, as the host sees them: host root is mapped in the
+    sandbox's namespace too, so nothing of it may be left to the command."""
+    keys = ("CapInh:", "CapPrm:", "CapEff:", "CapBnd:", "CapAmb:", "NoNewPrivs:")
+    return {ln.split()[0]: ln.split()[1] for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+            if ln.startswith(keys)}
+
+
 def _start_server(u: User, project: Path) -> None:
     """The first runs in a state dir make it and start its CLI server; wait until it listens."""
     for _ in range(2):
@@ -88,6 +96,9 @@ def _run_as(u: User, project: Path, extra: list[str], write: str, server: str, l
             time.sleep(0.02)
         assert len(pids) == 1
         assert _host_uid_line(pids[0]) == f"{uid} {uid} {uid} {uid}"
+        zero = "0000000000000000"
+        assert _host_privileges(pids[0]) == {"CapInh:": zero, "CapPrm:": zero, "CapEff:": zero, "CapBnd:": zero,
+                                             "CapAmb:": zero, "NoNewPrivs:": "1"}
         _out, err = p.communicate(b"go\n", timeout=60)
     finally:
         if p.poll() is None:

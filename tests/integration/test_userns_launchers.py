@@ -16,6 +16,9 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -243,3 +246,41 @@ def test_keys_name_the_user_namespace() -> None:
     r = subprocess.run(["unshare", "-U", "--map-root-user", sys.executable, "-c", code, src], capture_output=True, text=True)
     need(r.returncode == 0, f"user namespaces: {r.stderr.strip()}")
     assert r.stdout != here
+
+
+def _listener(path: Path) -> int:
+    """The pid of the launcher listening on ``path`` (it calls listen itself)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.connect(str(path))
+        return struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    finally:
+        s.close()
+
+
+def test_a_host_run_refuses_a_launcher_made_in_a_nested_namespace(nobody: tuple[User, Path]) -> None:
+    """A launcher made under `unshare -U` whose socket sits where the host's belongs
+    (the same uid may rename files in its state dir) is not used: the client checks
+    that the launcher's namespace was made from its own before it sends anything, and
+    the run starts cold, in the host's namespace."""
+    u, proj = nobody
+    host = _ns("/proc/self/ns/user")
+    launchers = u.state / "launchers"
+    # the host's socket name, from a host run; its launcher is then ended
+    _rc, made_from, _c = _run_and_look(u, proj, nested=False, env={"STOCKADE_SERVER": "0", "STOCKADE_LAUNCHER_IDLE": "60"})
+    assert made_from == host
+    [hosts] = list(launchers.glob("*.sock"))
+    pid = _listener(hosts)
+    assert _parent_ns(pid) == host
+    os.kill(pid, signal.SIGTERM)
+    _rc, made_from, caller = _run_and_look(u, proj, nested=True, env={"STOCKADE_SERVER": "0", "STOCKADE_LAUNCHER_IDLE": "60"})
+    assert made_from == caller != host
+    [nested] = [s for s in launchers.glob("*.sock") if s != hosts]
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/proc/{pid}"):
+        assert time.monotonic() < deadline, "the host's launcher did not end on SIGTERM"
+        time.sleep(0.05)
+    os.rename(nested, hosts)
+    _rc, made_from, caller = _run_and_look(u, proj, nested=False, env={"STOCKADE_SERVER": "0"})
+    assert caller == host
+    assert made_from == host, "a host run was started by a launcher made in a nested namespace"
