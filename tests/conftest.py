@@ -177,8 +177,11 @@ def server_pids(state: Path) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def end_servers(state: Path) -> None:
-    """SIGTERM the CLI servers of this state dir (their spares and supervisors end with them)."""
+def end_servers(state: Path, wait: float = 5) -> None:
+    """SIGTERM the CLI servers of this state dir (their spares and supervisors end with
+    them) and wait for them to go (they hold files in it)."""
+    import time
+
     pids = server_pids(state)
     for pid in pids:
         try:
@@ -187,6 +190,10 @@ def end_servers(state: Path) -> None:
                 os.kill(pid, signal.SIGTERM)
         except (OSError, ValueError):
             pass
+    deadline = time.monotonic() + wait
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if Path(f"/proc/{p}").exists()]
+        time.sleep(0.02)
 
 
 def sweep_cgroups(state: Path, uid: int) -> None:

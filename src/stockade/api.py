@@ -202,6 +202,7 @@ def _run_in_session(
         raise ValueError("stdin and input arguments may not both be used.")
     text_mode = bool(text or encoding or errors)
     raise_timeout = timeout is not None and not forward_signals
+    log_max()  # a bad STOCKADE_LOG_MAX is refused before anything starts (the supervisor reads it again)
     with sess.lock(wait=not no_wait, for_run=True) as hold_fd:
         # under the lock: snapshots and the mask layer must not change between plan and run
         prep = _prepare(sess, project, args, timeout=timeout, **opts)
@@ -574,7 +575,23 @@ class _Poller:
 
 GRACE = 2.0  # seconds between SIGTERM and SIGKILL (a timeout, or SIGTERM to the CLI)
 EOF_QUIET = 0.3  # seconds of a quiet terminal before it is sent ^D (its input ended)
-LOG_MAX = int(os.environ.get("STOCKADE_LOG_MAX", str(64 << 20)))  # per stream, per run
+LOG_MAX = 64 << 20  # bytes of each stream a run's log keeps, unless STOCKADE_LOG_MAX says otherwise
+
+
+def log_max() -> int:
+    """Read when a run starts, never at import: a CLI server imports this module once
+    and serves many clients, each with its own environment (an import-time value
+    was the server's, so a served run ignored the client's STOCKADE_LOG_MAX)."""
+    v = os.environ.get("STOCKADE_LOG_MAX", "")
+    if not v:
+        return LOG_MAX
+    try:
+        n = int(v)
+    except ValueError:
+        raise UsageError(f"STOCKADE_LOG_MAX={v!r}: not a number of bytes; unset it or give one, e.g. 1048576") from None
+    if n < 0:
+        raise UsageError(f"STOCKADE_LOG_MAX={v!r}: negative; give a number of bytes (0 keeps no log)")
+    return n
 RELAY_MAX = 1 << 20  # bytes of terminal input buffered before we stop reading it
 
 
@@ -615,6 +632,7 @@ class _Supervisor:
         self.log_path = {out_r: run_dir + "/stdout.log", err_r: run_dir + "/stderr.log"}
         self.logged = {out_r: 0, err_r: 0}
         self.dropped = {out_r: 0, err_r: 0}
+        self.log_max = log_max()
         self.capture = {out_r: capture_out, err_r: capture_err}
         self.out_buf = bytearray()
         self.err_buf = bytearray()
@@ -680,7 +698,7 @@ class _Supervisor:
     def _on_output(self, fd: int, data: bytes) -> bool:
         """Log, capture or pass on one chunk. False: the caller's reader of this stream
         is gone."""
-        room = LOG_MAX - self.logged[fd]
+        room = self.log_max - self.logged[fd]
         if room > 0:
             if self.log[fd] < 0:
                 self.log[fd] = os.open(self.log_path[fd], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)

@@ -17,6 +17,8 @@ import pytest
 
 from tests.conftest import User
 
+pytestmark = pytest.mark.cli_paths  # every test with a `user`: in-process and served (one run path)
+
 
 def _secret() -> str:
     return f"STOCKADE-SECRET-{secrets.token_hex(10)}"

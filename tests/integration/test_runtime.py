@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import User, make_wheel, sigkill_cli_mid_run, tree_snapshot, world_tmpdir
+from tests.conftest import (
+    User,
+    end_servers,
+    make_wheel,
+    sigkill_cli_mid_run,
+    tree_snapshot,
+    world_tmpdir,
+)
+
+pytestmark = pytest.mark.cli_paths  # every test with a `user`: in-process and served (one run path)
 
 
 def _session_dirs(user: User) -> list[Path]:
@@ -248,6 +257,7 @@ def test_state_dir_without_overlay_support(project: Path, user: User) -> None:
         assert "overlay" in err and "STOCKADE_STATE_DIR" in err
         assert not (project / "x").exists()
     finally:
+        end_servers(base / "m" / "state")  # a served run's server keeps its state dir busy
         subprocess.run(["umount", str(base / "m")], check=True)
         import shutil
 
