@@ -12,6 +12,8 @@ import pytest
 from stockade.plan import landlock_abi
 from tests.conftest import User, need, world_tmpdir
 
+pytestmark = pytest.mark.cli_paths  # every test with a `user`: in-process and served (one run path)
+
 
 def _status(user: User, project: Path) -> dict[str, str]:
     r = user.cli(["run", "--", "cat", "/proc/self/status"], cwd=project)
