@@ -549,6 +549,20 @@ def supervise(req: Request, note: int) -> None:
         req.conn.send(b"X%d" % rc)
     except OSError:
         pass
+    # the client's fds are not ours to keep through the housekeeping below: a reader
+    # waiting for their end (`out=$(stockade run ...)`) would wait for it too
+    from . import callerfds
+
+    for fd in (callerfds.RECEIVED or {}).values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    callerfds.RECEIVED = {}
+    null = os.open(os.devnull, os.O_RDWR)
+    for i in range(3):
+        os.dup2(null, i)
+    os.close(null)
     for fn in cli.after_reply:
         try:
             fn()
