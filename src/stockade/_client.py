@@ -121,14 +121,14 @@ def _connect_and_serve(argv: list[str], d: str, name: str) -> int | str:
         s.close()
 
 
-def own_fds(skip: tuple[int, ...]) -> list[int] | None:
+def own_fds(skip: tuple[int, ...]) -> list[int] | str:
     """This process's open fds above 2 (but ``skip``): the server's supervisor gets
     them all, so ``--pass-fd N`` passes this process's N whatever argparse makes of
-    the options (it never uses its own fd N). None: too many to send."""
+    the options (it never uses its own fd N). A str: why they cannot be sent."""
     try:
         names = os.listdir("/proc/self/fd")
-    except OSError:
-        return None
+    except OSError as e:
+        return f"cannot list this process's fds: {e}"
     out = []
     for name in names:
         fd = int(name)
@@ -138,7 +138,7 @@ def own_fds(skip: tuple[int, ...]) -> list[int] | None:
             except OSError:
                 continue
             out.append(fd)
-    return sorted(out) if len(out) <= MAX_FDS else None
+    return sorted(out) if len(out) <= MAX_FDS else f"more than {MAX_FDS} open file descriptors"
 
 
 def _same_userns(s: object) -> bool:
@@ -168,9 +168,9 @@ def _serve(s: object, argv: list[str], d: str, name: str) -> int | str:
     except OSError:
         return "the working directory cannot be opened"  # the in-process path reports it
     extra = own_fds((sock.fileno(), cwd))
-    if extra is None:
+    if isinstance(extra, str):
         os.close(cwd)
-        return f"more than {MAX_FDS} open file descriptors"
+        return extra
     pending: list[int] = []
     target = [-1]
 

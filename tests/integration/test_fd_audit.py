@@ -148,3 +148,30 @@ def test_passing_an_fd_the_caller_does_not_have_is_refused(user: User, project: 
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stdout == b""
     assert r.stderr == b"stockade: --pass-fd 3: not an open file descriptor\n"
+
+
+def test_a_caller_with_more_fds_than_a_message_carries_runs_in_process(user: User, project: Path,
+                                                                      files: tuple[Path, Path, Path]) -> None:
+    """SCM_RIGHTS carries at most 253 fds: such a caller is not served (in-process is
+    exact), and STOCKADE_SERVER=require says why in one line."""
+    _canary, passed, _stdin = files
+    fd = os.open(passed, os.O_RDONLY)
+    many = [os.dup2(fd, n) for n in range(300, 560)]
+    os.close(fd)
+    try:
+        out = {}
+        for mode in ("require", "debug"):  # the first starts the server: the second could be served
+            out[mode] = subprocess.run([*user.prefix(), user.python, "-m", "stockade", "run", "--pass-fd", "559", "--",
+                                        "readlink", "/proc/self/fd/559"], cwd=project, env=user.env({"STOCKADE_SERVER": mode}),
+                                       stdin=subprocess.DEVNULL, capture_output=True, timeout=60, pass_fds=many)
+    finally:
+        for n in many:
+            os.close(n)
+    r = out["debug"]
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == str(passed).encode() + b"\n"
+    assert b"served by" not in r.stderr
+    r = out["require"]
+    assert r.returncode == 2 and r.stdout == b"", r.stderr
+    assert r.stderr == (b"stockade: STOCKADE_SERVER=require: this run cannot be served: more than 240 open file "
+                        b"descriptors; unset STOCKADE_SERVER to run it in-process\n")
