@@ -284,3 +284,90 @@ def test_a_host_run_refuses_a_launcher_made_in_a_nested_namespace(nobody: tuple[
     _rc, made_from, caller = _run_and_look(u, proj, nested=False, env={"STOCKADE_SERVER": "0"})
     assert caller == host
     assert made_from == host, "a host run was started by a launcher made in a nested namespace"
+
+
+FAKE_LAUNCHER = r"""
+import os, socket, sys
+path = sys.argv[1]
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+tmp = path + ".fake"
+s.bind(tmp)
+s.listen(4)
+os.rename(tmp, path)
+print("ready", flush=True)
+s.settimeout(60)
+c, _ = s.accept()
+c.settimeout(20)
+got = []
+try:
+    while True:
+        msg, fds, _f, _a = socket.recv_fds(c, 1 << 20, 64)
+        if not msg and not fds:
+            break
+        got.append(f"{len(msg)}b/{len(fds)}fds")
+except socket.timeout:
+    got.append("timeout")
+print(" ".join(got) or "nothing")
+"""
+
+
+def test_a_host_run_sends_nothing_to_a_fake_launcher_of_a_sibling_namespace(nobody: tuple[User, Path]) -> None:
+    """A process in a namespace made from the host's (`unshare -U`, `bwrap
+    --unshare-user` sharing the state dir) that puts its own listener where the host's
+    launcher socket belongs gets nothing from a host run (not its stdio, its session's
+    lock, its cgroups): it passes the made-from-ours check, but it is not a launcher."""
+    u, proj = nobody
+    host = _ns("/proc/self/ns/user")
+    launchers = u.state / "launchers"
+    _rc, made_from, _c = _run_and_look(u, proj, nested=False, env={"STOCKADE_SERVER": "0", "STOCKADE_LAUNCHER_IDLE": "60"})
+    [hosts] = list(launchers.glob("*.sock"))
+    pid = _listener(hosts)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/proc/{pid}"):
+        assert time.monotonic() < deadline, "the host's launcher did not end on SIGTERM"
+        time.sleep(0.05)
+    fake = subprocess.Popen([*u.prefix(), "unshare", "-U", "--map-current-user", u.python, "-c", FAKE_LAUNCHER, str(hosts)],
+                            env=u.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert fake.stdout is not None and fake.stdout.readline() == b"ready\n"
+        _rc, made_from, caller = _run_and_look(u, proj, nested=False, env={"STOCKADE_SERVER": "0"})
+        assert made_from == caller == host
+        out, err = fake.communicate(timeout=60)
+    finally:
+        if fake.poll() is None:
+            fake.kill()
+            fake.wait()
+    assert out.decode().strip() == "nothing", out.decode() + err.decode()
+
+
+def test_only_its_own_tells_a_launchers_namespace_from_a_shared_one(nobody: tuple[User, Path]) -> None:
+    """The check behind the above for the real launcher binary run in such a namespace:
+    a process whose user namespace holds processes outside its own tree is refused."""
+    from stockade.linux.launcher import only_its_own
+
+    u, _proj = nobody
+    token = f"own-{time.monotonic_ns()}"
+    alone = subprocess.Popen([*u.prefix(), "unshare", "-U", "--map-current-user", "sh", "-c",
+                              f"sleep 60 & exec sleep 61 # {token}a"])
+    shared = subprocess.Popen([*u.prefix(), "unshare", "-U", "--map-current-user", "sh", "-c",
+                               f"(sleep 62 &) ; exec sleep 63 # {token}b"])
+    nss = []
+    try:
+        time.sleep(0.5)  # both shells have exec'd their sleep (the one the Popen pid names)
+        nss = [_ns(f"/proc/{p.pid}/ns/user") for p in (alone, shared)]
+        for p, want in ((alone, True), (shared, False)):
+            assert Path(f"/proc/{p.pid}/comm").read_text().strip() == "sleep"
+            assert only_its_own(p.pid, _ns(f"/proc/{p.pid}/ns/user")) is want
+        assert only_its_own(os.getpid(), _ns("/proc/self/ns/user")) is False  # the host's: everyone's
+    finally:
+        # every process of those two namespaces is this test's: end them by pid
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and _ns(f"{d}/ns/user") in nss:
+                    os.kill(int(d.name), signal.SIGKILL)
+            except OSError:
+                pass
+        for p in (alone, shared):
+            p.kill()
+            p.wait()

@@ -153,9 +153,57 @@ def _hello(s: socket.socket) -> None:
             os.close(parent)
         if (st.st_dev, st.st_ino) != userns():
             raise OSError(errno.EPERM, "the launcher was made in another user namespace")
+        # A sibling namespace made from ours (`bwrap --unshare-user` sharing the state
+        # dir) passes that check too: its process must not be mistaken for a launcher,
+        # nor may it run the real one among processes that hold capabilities over it.
+        exe, real = os.stat(f"/proc/{pid}/exe"), os.stat(PATH)
+        if (exe.st_dev, exe.st_ino) != (real.st_dev, real.st_ino):
+            raise OSError(errno.EPERM, "the process listening on the launcher's socket is not a stockade launcher")
+        st = os.fstat(ns)
+        if not only_its_own(pid, (st.st_dev, st.st_ino)):
+            raise OSError(errno.EPERM, "processes other than the launcher's own share its user namespace")
         socket.send_fds(s, [_MSG.pack(_MAGIC, _HELLO, 0, 0)], [ns])
     finally:
         os.close(ns)
+
+
+def only_its_own(pid: int, ns: tuple[int, int]) -> bool:
+    """Whether every process in the user namespace ``ns`` (st_dev, st_ino) is ``pid``
+    or a descendant of it: a launcher's namespace holds only the launcher, its run
+    children and their sandboxes."""
+    parents: dict[int, int] = {}
+    members: list[int] = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{name}/ns/user")
+        except OSError:
+            continue  # gone, or another user's (never in a namespace of ours)
+        if (st.st_dev, st.st_ino) == ns:
+            members.append(int(name))
+
+    def parent(p: int) -> int:
+        if p not in parents:
+            try:
+                with open(f"/proc/{p}/stat", "rb") as f:
+                    parents[p] = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                parents[p] = -1  # gone meanwhile
+        return parents[p]
+
+    for p in members:
+        if parent(p) < 0:
+            continue  # exited since: it holds nothing any more
+        for _ in range(4096):
+            if p == pid:
+                break
+            p = parent(p)
+            if p <= 1:
+                return False  # an ancestor outside the launcher's tree (or gone: not vouched for)
+        else:
+            return False
+    return True
 
 
 class _RunOps:
