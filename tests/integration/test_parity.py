@@ -34,13 +34,14 @@ def _fields(d: dict[str, Any], volatile: set[str]) -> dict[str, Any]:
 def test_the_log_cap_is_the_callers(user: User, project: Path) -> None:
     """STOCKADE_LOG_MAX of the caller caps the kept log (a served run kept 1001 bytes,
     the server's setting, and recorded nothing)."""
-    r = user.cli(["run", "--session", "cap", "--", "sh", "-c", 'head -c 1001 /dev/zero | tr "\\0" x'],
-                 cwd=project, env={"STOCKADE_LOG_MAX": "100"})
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == b"x" * 1001  # the caller still gets all of it
-    run = user.state / "sessions" / "cap" / "runs" / "1"
-    assert (run / "stdout.log").read_bytes() == b"x" * 100
-    assert json.loads((run / "run.json").read_text())["log_truncated_bytes"] == {"stdout": 901}
+    for n, cap in enumerate((100, 300), 1):  # the second served by the server the first one started
+        r = user.cli(["run", "--session", "cap", "--", "sh", "-c", 'head -c 1001 /dev/zero | tr "\\0" x'],
+                     cwd=project, env={"STOCKADE_LOG_MAX": str(cap)})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == b"x" * 1001  # the caller still gets all of it
+        run = user.state / "sessions" / "cap" / "runs" / str(n)
+        assert (run / "stdout.log").read_bytes() == b"x" * cap
+        assert json.loads((run / "run.json").read_text())["log_truncated_bytes"] == {"stdout": 1001 - cap}
 
 
 @pytest.mark.cli_paths
@@ -92,6 +93,11 @@ def test_the_same_run_either_way(user: User, project: Path, case: str) -> None:
     """In-process and served, in one state dir: output, status and every record but
     times and resource figures are the same."""
     _name, args, env, cwd = next(c for c in CASES if c[0] == case)
+    # the server starts with another environment than the runs': a setting it took
+    # from its own (at import, say) instead of the client's makes the runs differ
+    r = user.cli(["run", "--session", "warm", "--", "true"], cwd=project,
+                 env={"STOCKADE_SERVER": "require", "STOCKADE_LOG_MAX": "7", "FOO": "server's"})
+    assert r.returncode == 0, r.stderr
     got = {}
     for path in ("inproc", "served"):
         name = f"{case}-{path}"
