@@ -480,6 +480,8 @@ def _execute(
     record["exit_status"] = returncode if returncode >= 0 else 128 - returncode
     if sup.log_truncated:
         record["log_truncated_bytes"] = sup.log_truncated  # past STOCKADE_LOG_MAX per stream
+    if sup.reader_gone:
+        record["reader_gone"] = sup.reader_gone  # the caller's reader left; the command got EPIPE/SIGPIPE
     if sup.exec_failed is not None:
         record["exec_failed"] = {"path": sup.exec_failed.path, "errno": sup.exec_failed.err}
     store.write_json_new(run_dir + "/run.json", record)

@@ -77,6 +77,7 @@ def test_a_reader_that_goes_away_stops_the_command(user: User, project: Path, fo
     assert _gone(f"yes {marker}"), _alive(f"yes {marker}")
     run = json.loads((user.state / "sessions" / "p" / "runs" / "1" / "run.json").read_text())
     assert run["exit_status"] == 128 + signal.SIGPIPE, run
+    assert run["reader_gone"] == ["stdout"], run
 
 
 @pytest.mark.cli_paths
