@@ -6,9 +6,20 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from tests.conftest import ROOT, need, tree_snapshot
+import pytest
+
+from tests.conftest import ROOT, end_servers, need, tree_snapshot
+
+
+@pytest.fixture(autouse=True, params=["inproc", "served"])
+def _cli_path(request: pytest.FixtureRequest, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every `stockade run` here goes in-process, then served (one run path)."""
+    monkeypatch.setenv("STOCKADE_SERVER", "0" if request.param == "inproc" else "require")
+    yield
+    end_servers(state_dir)
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[bytes]:
