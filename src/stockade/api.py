@@ -480,6 +480,8 @@ def _execute(
     record["exit_status"] = returncode if returncode >= 0 else 128 - returncode
     if sup.log_truncated:
         record["log_truncated_bytes"] = sup.log_truncated  # past STOCKADE_LOG_MAX per stream
+    if sup.log_disk_full:
+        record["log_disk_full"] = True  # the kept log was cut short by a full state-dir disk
     if sup.reader_gone:
         record["reader_gone"] = sup.reader_gone  # the caller's reader left; the command got EPIPE/SIGPIPE
     if sup.exec_failed is not None:
@@ -649,6 +651,7 @@ class _Supervisor:
         self.returncode = 0
         self._rbuf = b""
         self._kill_at: float | None = None
+        self.log_disk_full = False  # a log write found the state dir's disk full
         self.reader_gone: list[str] = []  # streams whose reader went away (EPIPE): "stdout", "stderr"
         self._out_at = 0.0  # when the sandbox last wrote output (monotonic)
         self._veof_at: float | None = None  # when its terminal was last sent ^D
@@ -701,13 +704,27 @@ class _Supervisor:
         """Log, capture or pass on one chunk. False: the caller's reader of this stream
         is gone."""
         room = self.log_max - self.logged[fd]
+        kept = 0
         if room > 0:
-            if self.log[fd] < 0:
-                self.log[fd] = os.open(self.log_path[fd], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            os.write(self.log[fd], data[:room])
-            self.logged[fd] += min(room, len(data))
-        if len(data) > max(room, 0):
-            self.dropped[fd] += len(data) - max(room, 0)
+            try:
+                if self.log[fd] < 0:
+                    self.log[fd] = os.open(self.log_path[fd], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                kept = os.write(self.log[fd], data[:room])
+                self.logged[fd] += kept
+            except OSError as e:
+                if e.errno not in store.NO_SPACE:
+                    raise
+                # the state dir's disk is full: the command's output still reaches the
+                # caller; the kept log ends here, 64 KiB shorter, so the run's record
+                # still fits, and the record says why
+                if self.log[fd] >= 0:
+                    cut = min(self.logged[fd], 65536)
+                    os.ftruncate(self.log[fd], self.logged[fd] - cut)
+                    self.dropped[fd] += cut
+                self.logged[fd] = self.log_max
+                self.log_disk_full = True
+        if len(data) > kept:
+            self.dropped[fd] += len(data) - kept
         if self.capture[fd]:
             (self.out_buf if fd == self.out_r else self.err_buf).extend(data)
         else:

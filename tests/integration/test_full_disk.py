@@ -166,3 +166,22 @@ def test_full_state_dir_apply(user: User, project: Path) -> None:
         r = user.cli(["apply", "s"], cwd=project)
         assert r.returncode == 0, r.stderr
         assert (project / "README.md").read_text() == "changed\n"
+
+
+def test_output_that_fills_the_state_dir(user: User, project: Path) -> None:
+    """The command's output fills the state dir's disk through its kept log: the caller
+    still gets every byte and the exit status, and the record says the log was cut."""
+    with _tmpfs(user.state, "4M", user):
+        r = user.cli(["run", "--session", "s", "--", "sh", "-c", "head -c 12000000 /dev/zero; echo done >&2; exit 7"],
+                     cwd=project, env={"STOCKADE_LOG_MAX": str(64 << 20)})
+        err = r.stderr.decode(errors="replace")
+        assert "Traceback" not in err, err
+        assert r.returncode == 7, err
+        assert len(r.stdout) == 12_000_000 and "done" in err
+        runs = sorted((user.state / "sessions/s/runs").iterdir())
+        import json
+
+        rec = json.loads((runs[-1] / "run.json").read_text())
+        assert rec["exit_status"] == 7 and rec["log_disk_full"] is True
+        kept = sum(p.stat().st_size for p in runs[-1].iterdir() if p.name.startswith("stdout"))
+        assert kept + rec["log_truncated_bytes"]["stdout"] == 12_000_000
