@@ -196,6 +196,21 @@ def end_servers(state: Path, wait: float = 5) -> None:
         time.sleep(0.02)
 
 
+def umount_when_free(at: Path, state: Path) -> None:
+    """Unmount a filesystem a test mounted, once the state dir's servers and launchers
+    (which hold files in it; launchers end two seconds after their last use) let go;
+    detached as a last resort, so a busy mount never outlives the test."""
+    import time
+
+    end_servers(state)
+    deadline = time.monotonic() + 15
+    while subprocess.run(["umount", str(at)], capture_output=True).returncode != 0:
+        if time.monotonic() > deadline:
+            subprocess.run(["umount", "-l", str(at)], check=True)  # freed when its last user goes
+            return
+        time.sleep(0.2)
+
+
 def sweep_cgroups(state: Path, uid: int) -> None:
     """Remove the empty run cgroups of dead processes that runs in this state dir left
     (a SIGKILLed supervisor's): a CLI run sweeps only its own state dir's, and a test's

@@ -81,7 +81,12 @@ def run(argv: list[str]) -> int | None:
         return got if isinstance(got, int) else None
     import time
 
-    os.makedirs(d, 0o700, exist_ok=True)
+    try:
+        os.makedirs(d, 0o700, exist_ok=True)
+    except OSError as e:
+        sys.stderr.write(f"stockade: STOCKADE_SERVER=require: cannot make {d}: {e.strerror}; "
+                         "free space there or set STOCKADE_STATE_DIR elsewhere, or unset STOCKADE_SERVER\n")
+        return 2
     deadline = time.monotonic() + 30
     while True:
         got = _connect_and_serve(argv, d, name)

@@ -13,13 +13,12 @@ import contextlib
 import errno
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import User, end_servers, need, tree_snapshot
+from tests.conftest import User, need, tree_snapshot, umount_when_free
 
 pytestmark = pytest.mark.cli_paths  # every CLI run here goes in-process and served
 
@@ -35,17 +34,7 @@ def _tmpfs(at: Path, size: str, user: User, nr_inodes: int | None = None) -> Ite
         os.chown(at, user.uid, user.gid)
         yield at
     finally:
-        _umount(at, user)
-
-
-def _umount(at: Path, user: User) -> None:
-    end_servers(user.state)
-    deadline = time.time() + 15  # launchers of the state dir end two seconds after their last use
-    while subprocess.run(["umount", str(at)], capture_output=True).returncode != 0:
-        if time.time() > deadline:
-            subprocess.run(["umount", "-l", str(at)], check=True)  # detached; freed when the last user goes
-            return
-        time.sleep(0.2)
+        umount_when_free(at, user.state)
 
 
 def _fill(fs: Path, inodes: bool) -> None:

@@ -17,10 +17,10 @@ import pytest
 
 from tests.conftest import (
     User,
-    end_servers,
     make_wheel,
     sigkill_cli_mid_run,
     tree_snapshot,
+    umount_when_free,
     world_tmpdir,
 )
 
@@ -257,8 +257,7 @@ def test_state_dir_without_overlay_support(project: Path, user: User) -> None:
         assert "overlay" in err and "STOCKADE_STATE_DIR" in err
         assert not (project / "x").exists()
     finally:
-        end_servers(base / "m" / "state")  # a served run's server keeps its state dir busy
-        subprocess.run(["umount", str(base / "m")], check=True)
+        umount_when_free(base / "m", base / "m" / "state")  # a served run's server keeps its state dir busy
         import shutil
 
         shutil.rmtree(base, ignore_errors=True)
