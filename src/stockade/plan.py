@@ -198,6 +198,15 @@ PROC_MASKED_DIRS = ("acpi", "scsi", "asound", "driver", "dynamic_debug")
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
+# The pieces of /sys the sandbox sees, read-only; the rest of /sys is absent. Each is
+# read by common programs and shows nothing of the host but its hardware's shape and
+# a kernel policy value; the ones left out are listed in the README (filesystem view).
+SYS_EXPOSED = (
+    ("/sys/devices/system/cpu", "CPU topology, online/possible: lscpu, sysconf(_SC_NPROCESSORS_*), OpenMP, hwloc"),
+    ("/sys/devices/system/node", "NUMA topology: lscpu, libnuma, hwloc, JVM"),
+    ("/sys/kernel/mm/transparent_hugepage", "THP policy: jemalloc, glibc malloc, databases read it at start"),
+)
+
 @dataclass(frozen=True)
 class HostFacts:
     euid: int
@@ -723,14 +732,14 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     for pe in PROC_MASKED_DIRS:
         if pe in facts.proc_entries:
             ops.append(MountOp("tmpfs", "/proc/" + pe, data="mode=0555,size=0", flags=frozenset({"ro"}), why="masked"))
-    hidden.append("/sys")
+    hidden.append("/sys (except " + ", ".join(p for p, _ in SYS_EXPOSED) + ", read-only)")
 
     # private /tmp, empty $HOME, the project and grants (parents before children)
     tree_ops: list[MountOp] = []
     tree_ops.append(MountOp("tmpfs", "/tmp", data="mode=1777", why="private /tmp"))
     proj = Path(project)
     home_p = Path(home)
-    writable = ["/tmp", "/dev/shm"]
+    writable = ["/tmp", "/var/tmp", "/run", "/dev/shm"]
     if home_p == proj or proj in home_p.parents:
         notes.append(f"$HOME {home} is the project or inside it: no separate home tmpfs")
     else:
@@ -756,6 +765,14 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         # A mount point inside a tree the sandbox could write in an earlier run would be
         # resolved through what it planted there (a symlink aimed at the host).
         if gp == proj or proj in gp.parents:
+    # a few read-only pieces of /sys (SYS_EXPOSED): before the new procfs, so a
+    # launcher's shared base holds them; a host without one just goes without
+    for spath, swhy in SYS_EXPOSED:
+        ops.append(MountOp("bind", spath, source=spath, flags=frozenset({"ro", "optional"}), why="read-only: " + swhy))
+        ro_trees.append(spath)
+    # /var/run and /var/lock lead to the private /run, as on the host
+    ops.append(MountOp("symlink", "/var/run", data="../run"))
+    ops.append(MountOp("symlink", "/var/lock", data="../run/lock"))
             raise UsageError(f"granted path {gpath} is inside the project, which is already visible; grant paths outside it")
         for rw in rw_grants:
             if rw != gp and rw in gp.parents:
@@ -812,6 +829,13 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     return Plan(
         argv=tuple(req.argv),
+    # /var/tmp is a fresh tmpfs per run like /tmp (nothing of a run survives it but the
+    # project's change set); /run the same, owned by the sandbox user as the host's is
+    # by root, never the host's (its sockets: dbus, docker, systemd)
+    tree_ops.append(MountOp("tmpfs", "/var/tmp", data="mode=1777", why="private /var/tmp"))
+    tree_ops.append(MountOp("tmpfs", "/run", data=f"mode=0755,uid={in_uid},gid={in_gid}", why="private /run (not the host's)"))
+    if not any(g == "/run" for g, _w in req.grants):  # a grant of the host's /run is the user's to shape
+        tree_ops.append(MountOp("mkdir", "/run/lock", mode=0o1777, why="lock files (/var/lock)"))
         env=tuple(sorted(env.items())),
         cwd=cwd,
         project=project,

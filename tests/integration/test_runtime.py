@@ -24,6 +24,9 @@ from tests.conftest import (
     world_tmpdir,
 )
 
+from .test_fs_view import SYS_TREE, sys_listing_script, sys_tree_of
+from .test_fs_view import sections as fs_sections
+
 pytestmark = pytest.mark.cli_paths  # every test with a `user`: in-process and served (one run path)
 
 
@@ -125,9 +128,11 @@ def test_host_is_invisible(user: User, project: Path) -> None:
         assert "host secret" not in out
         assert canary.read_text() == "host secret\n"
         assert "No such file" in out
-        # $HOME is empty; /sys is absent
-        r = user.cli(["run", "--", "sh", "-c", "ls -A $HOME | wc -l; test -e /sys && echo SYS"], cwd=project)
-        assert r.stdout.decode().split() == ["0"]
+        # $HOME is empty; of /sys only the documented read-only pieces are there
+        r = user.cli(["run", "--", "sh", "-c", "echo '== home'; ls -A $HOME | wc -l\n" + sys_listing_script()], cwd=project)
+        s = fs_sections(r.stdout)
+        assert s["home"].split() == ["0"]
+        assert sys_tree_of(s) == SYS_TREE, s
     finally:
         canary.unlink()
         canary_dir.rmdir()

@@ -47,8 +47,14 @@ def test_mount_order_and_views(tmp_path: Path) -> None:
     assert targets.index("/dev") < targets.index("/proc/kcore")
     assert targets.index("/proc") < targets.index("/proc/sys")
     assert plan.mounts[-1].kind == "remount-ro" and plan.mounts[-1].target == "/"
-    assert "/sys" in plan.hidden
-    assert not any(t.startswith("/sys") for t in targets)
+    # /sys: only the documented pieces, each a read-only bind of the same host path
+    assert any(h.startswith("/sys (except ") for h in plan.hidden)
+    sys_ops = [m for m in plan.mounts if m.target == "/sys" or m.target.startswith("/sys/")]
+    assert [m.target for m in sys_ops] == [p for p, _ in P.SYS_EXPOSED]
+    assert all(m.kind == "bind" and m.source == m.target and "ro" in m.flags and "rec" not in m.flags for m in sys_ops)
+    # /var/tmp and /run: private tmpfs, never a bind of the host's
+    assert kinds["/var/tmp"] == "tmpfs" and kinds["/run"] == "tmpfs"
+    assert not any(m.kind == "bind" and (m.source or "").startswith(("/run", "/var")) for m in plan.mounts)
     assert plan.cwd == proj
 
 
