@@ -354,6 +354,20 @@ def _execute(
         # The sandbox opens a pty in its own devpts and hands us the master: it only
         # ever sees that pty, never the user's terminal.
         import socket
+    # a regular file as stdin: a copy or a pipe the sandbox can reopen (/dev/stdin),
+    # never the host file (callerfds.reopenable_stdin); with a pty, stdin is relayed
+    given_stdin = None
+    if feed is None and not pty:
+        from .callerfds import reopenable_stdin
+
+        given_stdin = reopenable_stdin(stdin_fd)
+    relay_file = -1
+    if given_stdin is not None:
+        if given_stdin.sink >= 0:
+            relay_file, stdin_w = stdin_fd, given_stdin.sink
+        if given_stdin.copy < 0:
+            to_close.append(given_stdin.fd)
+        stdin_fd_caller, stdin_fd = stdin_fd, given_stdin.fd
 
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         console = (a.detach(), b.detach())
@@ -416,7 +430,10 @@ def _execute(
         for fd in to_close:
             os.close(fd)
         to_close = []
-        sup = _Supervisor(child, out_r, err_r, stdin_w, feed, dest_out, dest_err, run_dir, capture_out, capture_err, timeout, cg, relay_in)
+        if relay_file >= 0:
+            relay_in = relay_file
+        sup = _Supervisor(child, out_r, err_r, stdin_w, feed, dest_out, dest_err, run_dir, capture_out, capture_err, timeout, cg,
+                          relay_in, relay_pty=pty)
         stdin_w = -1
         if forward_signals:
             with _forwarding(child.pidfd, winch_to=out_r if pty else None, on_term=sup.terminate):
@@ -444,6 +461,9 @@ def _execute(
                     pass
         if child is not None:
             child.close()
+        if given_stdin is not None and given_stdin.copy >= 0:
+            given_stdin.give_back_offset(stdin_fd_caller)
+            os.close(given_stdin.copy)
         if cg is not None:
             stats = None
             gone = reaped and "pid" in plan.namespaces  # its init took every task with it
@@ -630,9 +650,13 @@ class _Supervisor:
         self.pending = bytearray(feed or b"")
         self.input_eof = feed is not None  # input= is all there is; a relay ends at EOF
         self.dest = {out_r: dest_out, err_r: dest_err}
+        relay_pty: bool = True,
         # the session's copy of each stream, made when the stream first has output
         # (a silent run creates no log file: inodes are slow on some disks)
         self.log = {out_r: -1, err_r: -1}
+        # relay_in feeds a pty (terminal input: its end is ^D) or a pipe (a caller's
+        # large stdin file: its end closes the pipe)
+        self.relay_pty = relay_pty
         self.log_path = {out_r: run_dir + "/stdout.log", err_r: run_dir + "/stderr.log"}
         self.logged = {out_r: 0, err_r: 0}
         self.dropped = {out_r: 0, err_r: 0}
@@ -744,7 +768,7 @@ class _Supervisor:
             os.dup2(null, fd, inheritable=False)
         finally:
             os.close(null)
-        if self.relay_in >= 0 and self.stdin_w >= 0:  # the pty master's other handle
+        if self.relay_in >= 0 and self.relay_pty and self.stdin_w >= 0:  # the pty master's other handle
             os.close(self.stdin_w)
             self.stdin_w = -1
             self.pending.clear()
@@ -803,6 +827,9 @@ class _Supervisor:
                         continue  # and the sink is registered on the next turn
                 if relay_on and len(self.pending) >= RELAY_MAX:
                     sel.unregister(self.relay_in)
+                if not sink_on and self.stdin_w >= 0 and self.input_eof and not self.relay_pty and self.relay_in >= 0:
+                    os.close(self.stdin_w)  # the relayed file is all written: the pipe's end is its end
+                    self.stdin_w = -1
                     relay_on = False
                 elif not relay_on and not relay_direct and self.relay_in >= 0 and not self.input_eof and len(self.pending) < RELAY_MAX // 2 and self.stdin_w >= 0:
                     sel.register(self.relay_in, _READ, "relay")
@@ -840,7 +867,7 @@ class _Supervisor:
                             n = len(self.pending)
                             self.input_eof = True
                         del self.pending[:n]
-                        if not self.pending and self.input_eof and self.relay_in < 0:
+                        if not self.pending and self.input_eof and (self.relay_in < 0 or not self.relay_pty):
                             sel.unregister(fd)
                             sink_on = False
                             os.close(fd)
@@ -920,7 +947,7 @@ class _Supervisor:
         went quiet (a shell prints its prompt, then reads; one sent earlier, before it
         reads, can be lost as it sets up its line editor), and again after each later
         output (until something reads it, like a closed stdin's reads keep ending)."""
-        if self.relay_in < 0 or self.stdin_w < 0 or not self.input_eof or self.pending:
+        if self.relay_in < 0 or not self.relay_pty or self.stdin_w < 0 or not self.input_eof or self.pending:
             return None
         if self._veof_at is not None and self._out_at <= self._veof_at:
             return None  # nothing new since the last one

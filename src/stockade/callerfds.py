@@ -61,3 +61,90 @@ def sources(numbers: tuple[int, ...]) -> tuple[int, ...] | None:
             raise OSError(9, f"--pass-fd {n}: not an open file descriptor of the caller")
         out.append(fd)
     return None if tuple(out) == tuple(numbers) else tuple(out)
+
+
+# A caller's stdin that is a regular file is handed to the sandbox as a copy of it
+# up to this size, and as a pipe fed from it beyond (see ``reopenable_stdin``).
+STDIN_COPY_MAX = 64 << 20
+
+
+class SandboxStdin:
+    """What the sandbox gets as fd 0 in place of a caller's regular file.
+
+    ``fd``: the sandbox's stdin. ``copy``: a read-only fd of the sealed memfd copy
+    (the same open file as ``fd``), whose offset goes back to the caller's file when
+    the run ends; -1 for a pipe. ``sink``: the pipe's write end, fed from the
+    caller's file by the supervisor; -1 for a copy."""
+
+    __slots__ = ("copy", "fd", "sink")
+
+    def __init__(self, fd: int, copy: int = -1, sink: int = -1) -> None:
+        self.fd, self.copy, self.sink = fd, copy, sink
+
+    def give_back_offset(self, caller_fd: int) -> None:
+        """Move the caller's file to where the sandbox stopped reading its copy, as if
+        the sandbox had read the file itself (``{ stockade run -- head -n1; cat; } < f``)."""
+        if self.copy >= 0:
+            try:
+                os.lseek(caller_fd, os.lseek(self.copy, 0, os.SEEK_CUR), os.SEEK_SET)
+            except OSError:
+                pass
+
+
+def reopenable_stdin(fd: int) -> SandboxStdin | None:
+    """An fd for the sandbox's stdin that it can reopen (``python3 /dev/stdin``,
+    ``bash /dev/stdin``, ``jq . /dev/stdin``), when the caller's ``fd`` is a regular
+    file opened read-only; None to pass ``fd`` itself (a pipe, a tty, /dev/null, a
+    file opened for writing: those reopen, or writes must reach the file).
+
+    Reopening /dev/stdin opens /proc/self/fd/0, a path that leads to the caller's
+    file on the host, which Landlock refuses: granting it would open that path. A
+    memfd is on no path of the host (Landlock leaves such internal files alone), so
+    the sandbox gets a sealed, read-only memfd copy of the whole file at the same
+    offset: reads, seeks, fstat's size and a reopen from the start behave as on the
+    file. A file larger than ``STDIN_COPY_MAX`` (or one that grows past it while it
+    is copied) becomes a pipe fed from the caller's offset on: reading and reopening
+    work, seeking does not."""
+    import stat
+
+    try:
+        st = os.fstat(fd)
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or flags & os.O_ACCMODE != os.O_RDONLY:
+        return None
+    if st.st_size <= STDIN_COPY_MAX:
+        try:
+            got = _memfd_copy(fd)
+        except OSError:
+            got = None  # no sendfile from this filesystem, no memfd: the pipe reads it
+        if got is not None:
+            return got
+    r, w = os.pipe2(os.O_CLOEXEC)
+    return SandboxStdin(r, sink=w)
+
+
+def _memfd_copy(fd: int) -> SandboxStdin | None:
+    """A sealed read-only copy of the file ``fd`` at its offset; None when it is
+    larger than ``STDIN_COPY_MAX`` by the end of the copy."""
+    mfd = os.memfd_create("stockade-stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        off = 0
+        while True:  # to the end as it is now: the file may have grown since fstat
+            n = os.sendfile(mfd, fd, off, 1 << 20)  # with an offset: the caller's is left alone
+            if n == 0:
+                break
+            off += n
+            if off > STDIN_COPY_MAX:
+                return None
+        fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+        ro = os.open(f"/proc/self/fd/{mfd}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(mfd)
+    try:
+        os.lseek(ro, os.lseek(fd, 0, os.SEEK_CUR), os.SEEK_SET)
+    except OSError:
+        os.close(ro)
+        raise
+    return SandboxStdin(ro, copy=ro)

@@ -3,7 +3,7 @@ over every way a run starts: in-process cold start, private launcher, shared
 launcher, served CLI (launcher and cold) and `stockade shell`.
 
 The command holds exactly 0, 1, 2 and the fds asked for with --pass-fd, each the
-caller's own (same inode), never an fd the CLI, its server's supervisor or a
+caller's own (same inode; a stdin file as its sealed memfd copy), never an fd the CLI, its server's supervisor or a
 launcher opened for itself; a host file the caller holds without O_CLOEXEC (a
 canary only root may read) reaches neither the command nor the sandbox's init.
 This is the wall of the child's fd closing (close_range in csrc/spawn.c): a cold
@@ -112,6 +112,7 @@ def test_the_command_holds_exactly_stdio_and_the_passed_fds(user: User, project:
         init_fds = _fds(init)
         starter = Path(f"/proc/{_ppid(init)}/comm").read_text().strip()
         cmd_idents = {n: _ident(f"/proc/{pid}/fd/{n}") for n in fds}
+        stdin_seen = Path(f"/proc/{pid}/fd/0").read_bytes() if verb != "shell" else b""
         init_idents = {n: _ident(f"/proc/{init}/fd/{n}") for n in init_fds}
     finally:
         try:
@@ -133,7 +134,10 @@ def test_the_command_holds_exactly_stdio_and_the_passed_fds(user: User, project:
             assert fds[n].startswith("/dev/pts/"), fds
             assert cmd_idents[n][0] != host_pts, fds
     else:
-        assert cmd_idents[0] == _ident(str(stdin)), fds
+        # a regular file as stdin arrives as its sealed copy (a memfd it can reopen:
+        # callerfds.reopenable_stdin), never as the host file
+        assert fds[0].startswith("/memfd:stockade-stdin"), fds
+        assert stdin_seen == stdin.read_bytes()
         assert fds[1].startswith("pipe:") and fds[2].startswith("pipe:"), fds
 
 
