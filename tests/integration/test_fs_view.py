@@ -154,3 +154,24 @@ def test_sys_pieces_are_read_only_and_the_rest_absent(user: User, project: Path,
     finally:
         if KNOB.read_text() != before:
             KNOB.write_text(before)
+
+
+def test_explain_shows_the_view_and_its_landlock_rights(user: User, project: Path) -> None:
+    r = user.cli(["explain", "--", "true"], cwd=project)
+    assert r.returncode == 0, r.stderr.decode()
+    text = r.stdout.decode()
+    mounts = [ln.split(None, 1)[1] for ln in text.splitlines() if ln.startswith("  ") and ln.split(None, 1)[0].isdigit()]
+    assert any(m.startswith("tmpfs    /var/tmp ") for m in mounts), mounts
+    assert any(m.startswith("tmpfs    /run ") for m in mounts), mounts
+    sys_binds = [m for m in mounts if m.startswith("bind     /sys/")]
+    assert [m.split()[1] for m in sys_binds] == ["/sys/devices/system/cpu", "/sys/devices/system/node", "/sys/kernel/mm/transparent_hugepage"]
+    assert all("ro" in m.split("[", 1)[1].split("]")[0].split(",") for m in sys_binds), sys_binds
+    hidden = next(ln for ln in text.splitlines() if ln.startswith("hidden:"))
+    assert "/sys (except /sys/devices/system/cpu, /sys/devices/system/node, /sys/kernel/mm/transparent_hugepage, read-only)" in hidden
+    rights = {ln.split()[-1]: int(ln.split()[1], 16) for ln in text.splitlines() if ln.startswith("  allow 0x")}
+    write = 1 << 1  # LANDLOCK_ACCESS_FS_WRITE_FILE
+    make_reg = 1 << 8
+    for p in ("/var/tmp", "/run"):
+        assert rights[p] & write and rights[p] & make_reg, (p, hex(rights[p]))
+    for p in ("/sys/devices/system/cpu", "/sys/devices/system/node", "/sys/kernel/mm/transparent_hugepage"):
+        assert rights[p] & ~((1 << 0) | (1 << 2) | (1 << 3)) == 0, (p, hex(rights[p]))  # execute, read file, read dir
