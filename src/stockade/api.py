@@ -246,7 +246,8 @@ def _audit_call(sess: store.Session, method: str, *args: Any, **kw: Any) -> None
         pass
 
 
-def _audit_run_start(sess: store.Session, run_no: int, argv: list[str], cwd: str, info: dict[str, Any], quiet: bool) -> None:
+def _audit_run_start(sess: store.Session, run_no: int, argv: list[str], cwd: str, info: dict[str, Any], quiet: bool,
+                     plan: planmod.Plan | None = None) -> None:
     pol = info["policy"]
     from .audit import AuditLog
 
@@ -265,12 +266,16 @@ def _audit_run_start(sess: store.Session, run_no: int, argv: list[str], cwd: str
             log.env_removed(run_no, info["removed"])
         if info.get("read_only"):
             log.read_only(run_no, info.get("project", ""))
+        if plan is not None:
+            log.plan_denials(run_no, plan)
         log.flush()
     except OSError:
         pass
     if not quiet:
         for w in getattr(pol, "warnings", ()) or ():
             sys.stderr.write(f"stockade: warning: {w}\n")
+        if plan is not None and plan.env_warnings:
+            sys.stderr.write("stockade: warning: " + "; ".join(plan.env_warnings) + "\n")
 
 
 def _std_target(spec: int | IO[Any] | None, default_fd: int) -> int | None:
@@ -328,7 +333,10 @@ def _execute(
         "seccomp": plan.seccomp_name,
         "landlock_abi": plan.landlock.abi if plan.landlock else 0,
     }
-    _audit_run_start(sess, run_no, list(argv), plan.cwd, audit_info or {}, quiet)
+    from .net import for_stdin
+
+    plan = for_stdin(plan, stdin, piped=input is not None or stdin == DEVNULL or pty)
+    _audit_run_start(sess, run_no, list(argv), plan.cwd, audit_info or {}, quiet, plan)
 
     to_close: list[int] = []
     out_r = err_r = -1
@@ -346,14 +354,6 @@ def _execute(
         to_close.append(stdin_fd)
     elif stdin is not None:
         stdin_fd = stdin if isinstance(stdin, int) else stdin.fileno()
-
-    # stdout/stderr: always through pipes (or a pty), so the session keeps a copy
-    relay_in = -1
-    console = (-1, -1)
-    if pty:
-        # The sandbox opens a pty in its own devpts and hands us the master: it only
-        # ever sees that pty, never the user's terminal.
-        import socket
     # a regular file as stdin: a copy or a pipe the sandbox can reopen (/dev/stdin),
     # never the host file (callerfds.reopenable_stdin); with a pty, stdin is relayed
     given_stdin = None
@@ -368,6 +368,14 @@ def _execute(
         if given_stdin.copy < 0:
             to_close.append(given_stdin.fd)
         stdin_fd_caller, stdin_fd = stdin_fd, given_stdin.fd
+
+    # stdout/stderr: always through pipes (or a pty), so the session keeps a copy
+    relay_in = -1
+    console = (-1, -1)
+    if pty:
+        # The sandbox opens a pty in its own devpts and hands us the master: it only
+        # ever sees that pty, never the user's terminal.
+        import socket
 
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         console = (a.detach(), b.detach())
@@ -453,6 +461,9 @@ def _execute(
     finally:
         if sup is not None:
             sup.close_logs()
+        if given_stdin is not None and given_stdin.copy >= 0:
+            given_stdin.give_back_offset(stdin_fd_caller)
+            os.close(given_stdin.copy)
         for fd in (*to_close, out_r, err_r, stdin_w):
             if fd >= 0:
                 try:
@@ -461,9 +472,6 @@ def _execute(
                     pass
         if child is not None:
             child.close()
-        if given_stdin is not None and given_stdin.copy >= 0:
-            given_stdin.give_back_offset(stdin_fd_caller)
-            os.close(given_stdin.copy)
         if cg is not None:
             stats = None
             gone = reaped and "pid" in plan.namespaces  # its init took every task with it
@@ -642,21 +650,21 @@ class _Supervisor:
         timeout: float | None,
         cg: Any,
         relay_in: int = -1,
+        relay_pty: bool = True,
     ) -> None:
         self.child = child
         self.relay_in = relay_in
+        # relay_in feeds a pty (terminal input: its end is ^D) or a pipe (a caller's
+        # large stdin file: its end closes the pipe)
+        self.relay_pty = relay_pty
         self.out_r, self.err_r = out_r, err_r
         self.stdin_w = stdin_w
         self.pending = bytearray(feed or b"")
         self.input_eof = feed is not None  # input= is all there is; a relay ends at EOF
         self.dest = {out_r: dest_out, err_r: dest_err}
-        relay_pty: bool = True,
         # the session's copy of each stream, made when the stream first has output
         # (a silent run creates no log file: inodes are slow on some disks)
         self.log = {out_r: -1, err_r: -1}
-        # relay_in feeds a pty (terminal input: its end is ^D) or a pipe (a caller's
-        # large stdin file: its end closes the pipe)
-        self.relay_pty = relay_pty
         self.log_path = {out_r: run_dir + "/stdout.log", err_r: run_dir + "/stderr.log"}
         self.logged = {out_r: 0, err_r: 0}
         self.dropped = {out_r: 0, err_r: 0}
@@ -819,6 +827,9 @@ class _Supervisor:
                     else:
                         sel.unregister(self.stdin_w)
                     sink_on = want_sink
+                if not sink_on and self.stdin_w >= 0 and self.input_eof and not self.relay_pty and self.relay_in >= 0:
+                    os.close(self.stdin_w)  # the relayed file is all written: the pipe's end is its end
+                    self.stdin_w = -1
                 if relay_direct:
                     if self.input_eof or self.stdin_w < 0:
                         relay_direct = False
@@ -827,9 +838,6 @@ class _Supervisor:
                         continue  # and the sink is registered on the next turn
                 if relay_on and len(self.pending) >= RELAY_MAX:
                     sel.unregister(self.relay_in)
-                if not sink_on and self.stdin_w >= 0 and self.input_eof and not self.relay_pty and self.relay_in >= 0:
-                    os.close(self.stdin_w)  # the relayed file is all written: the pipe's end is its end
-                    self.stdin_w = -1
                     relay_on = False
                 elif not relay_on and not relay_direct and self.relay_in >= 0 and not self.input_eof and len(self.pending) < RELAY_MAX // 2 and self.stdin_w >= 0:
                     sel.register(self.relay_in, _READ, "relay")

@@ -299,6 +299,23 @@ class AuditLog:
         self.event("write", project, "blocked", run=run, policy="read-only",
                    reason="project mounted read-only: every write fails with EROFS")
 
+    def plan_denials(self, run: int | None, plan: Any) -> None:
+        """What this run's plan denies that a program would see only as an errno. The
+        kernel gives stockade no per-call record of a Landlock or seccomp denial (its
+        audit records, where enabled, go to the host's audit daemon), so these are the
+        rules, logged when the run starts."""
+        ll = plan.landlock
+        if ll is not None and ll.handled_net:
+            why = next((n for n in plan.notes if n.startswith("network none:")), "")
+            self.event("net", "tcp bind/connect (every address and port)", "blocked", run=run, policy="landlock-net",
+                       reason=why + "; calls fail with EACCES")
+        for n in getattr(plan, "env_warnings", ()):
+            self.event("env", n.split(" ", 1)[0], "info", run=run, policy="env-hidden-path", reason=n)
+        if plan.seccomp_name:
+            self.event("syscall", f"seccomp profile {plan.seccomp_name}", "blocked", run=run, policy="seccomp",
+                       reason="syscalls outside the profile fail with EPERM (unknown ones ENOSYS); the kernel logs "
+                              "no per-call record for them: `stockade profiles` and `stockade explain` list the rules")
+
     def outcome(self, run: int, result: str, **details: Any) -> None:
         self.event("outcome", f"run {run}", result, run=run, **details)
 
@@ -326,6 +343,14 @@ def read_events(path: Path) -> Iterator[dict[str, Any]]:
 
 def is_blocked(rec: Mapping[str, Any]) -> bool:
     return rec.get("result") in BLOCKED_RESULTS
+
+
+# printed after `log --blocked-only`: what the log can and cannot hold
+BLOCKED_NOTE = (
+    "note: these are stockade's own decisions and the rules each run started with; a single "
+    "denied call (Landlock EACCES, seccomp EPERM/ENOSYS) is not reported to stockade by the kernel: "
+    "`stockade explain -- CMD` shows the rules, strace -f inside shows the call"
+)
 
 
 def format_event(rec: Mapping[str, Any]) -> str:

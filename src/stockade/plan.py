@@ -123,6 +123,8 @@ class Plan:
     hidden: tuple[str, ...] = ()
     degraded: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    # variables passed in that name a host path the sandbox does not show (run summary)
+    env_warnings: tuple[str, ...] = ()
 
     @property
     def path_env(self) -> str:
@@ -168,6 +170,8 @@ class Plan:
             out.append("DEGRADED:    " + ", ".join(self.degraded))
         for n in self.notes:
             out.append(f"note:        {n}")
+        for w in self.env_warnings:
+            out.append(f"warning:     {w}")
         return "\n".join(out)
 
 
@@ -184,6 +188,7 @@ ETC_ALLOW = (
     "protocols", "services", "shells", "inputrc", "bash.bashrc", "profile", "profile.d",
     "ssl", "ca-certificates", "ca-certificates.conf", "alternatives", "gitconfig",
     "python3", "python3.11", "python3.12", "perl", "xdg", "magic", "mailcap",
+    "hosts",  # read for its localhost lines only (hosts_file); never copied whole
 )
 ETC_MAX_COPY = 1 << 20
 
@@ -197,7 +202,6 @@ PROC_MASKED_DIRS = ("acpi", "scsi", "asound", "driver", "dynamic_debug")
 
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
-
 # The pieces of /sys the sandbox sees, read-only; the rest of /sys is absent. Each is
 # read by common programs and shows nothing of the host but its hardware's shape and
 # a kernel policy value; the ones left out are listed in the README (filesystem view).
@@ -206,6 +210,7 @@ SYS_EXPOSED = (
     ("/sys/devices/system/node", "NUMA topology: lscpu, libnuma, hwloc, JVM"),
     ("/sys/kernel/mm/transparent_hugepage", "THP policy: jemalloc, glibc malloc, databases read it at start"),
 )
+
 
 @dataclass(frozen=True)
 class HostFacts:
@@ -439,6 +444,30 @@ def landlock_fs_rights(abi: int) -> int:
     return rights
 
 
+def tcp_wall(network: str, foreign_fds: bool) -> bool:
+    """Whether Landlock's TCP bind/connect rules (deny all) add a wall.
+
+    With network "none" the sandbox's own namespace has only lo: a socket it makes
+    reaches nothing of the host whatever it binds or connects, so denying loopback
+    only breaks local servers (HTTP, asyncio, multiprocessing managers). A socket
+    handed in from outside (--pass-fd, or an inet socket as stdin) belongs to the
+    caller's namespace: bind/connect on it would reach the host's network, so then
+    the rules stay. With "host" the user asked for the host's network."""
+    return network == "none" and foreign_fds
+
+
+def tcp_note(network: str, foreign_fds: bool, abi: int) -> str:
+    if network != "none":
+        return "network host: the host's network namespace; TCP bind/connect are not restricted"
+    if not tcp_wall(network, foreign_fds):
+        return ("network none: own network namespace with only lo; TCP bind/connect on loopback allowed "
+                "(they reach nothing of the host; Landlock's TCP rules would add no wall)")
+    if abi < 4:
+        return "network none: a socket may be handed in, but this kernel's Landlock (ABI < 4) has no TCP rules"
+    return ("network none: TCP bind/connect denied by Landlock (EACCES), loopback too: a descriptor handed in "
+            "(--pass-fd, or an inet socket as stdin) may be a socket of the caller's network namespace")
+
+
 def landlock_plan(
     abi: int,
     *,
@@ -448,6 +477,7 @@ def landlock_plan(
     exec_allow: Sequence[str] | None,
     network: str,
     scope: bool = True,
+    foreign_fds: bool = False,
 ) -> LandlockPlan:
     handled = landlock_fs_rights(abi)
     read = LL_READ_FILE | LL_READ_DIR
@@ -472,11 +502,65 @@ def landlock_plan(
     for p in exec_allow or ():
         rules.append((p, LL_EXECUTE | read, True))
     handled_net = 0
-    if abi >= 4 and network == "none":
-        # Own netns with only lo: no TCP bind/connect at all.
-        handled_net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP
+    if abi >= 4 and tcp_wall(network, foreign_fds):
+        handled_net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP  # no port rules: every port denied
     scoped = (LL_SCOPE_ABSTRACT_UNIX | LL_SCOPE_SIGNAL) if (abi >= 6 and scope) else 0
     return LandlockPlan(abi, handled, handled_net, scoped, tuple(rules))
+
+
+# ---------------------------------------------------------------------------
+# /etc/hosts and what the environment points at
+
+# names a hosts line may carry for the loopback; others (the host's own name) stay out
+LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "localhost4", "localhost4.localdomain4",
+                         "localhost6", "localhost6.localdomain6", "ip6-localhost", "ip6-loopback"})
+
+
+def hosts_file(hostname: str, host: str | bytes | None) -> bytes:
+    """The sandbox's /etc/hosts: the host's lines for the loopback names, in the host's
+    order (getaddrinfo("localhost") then returns what it returns on the host: a host
+    that lists only 127.0.0.1 does not get ::1 first inside), and the sandbox's own
+    hostname on 127.0.0.1. Without any such line on the host: 127.0.0.1 for localhost,
+    ::1 only under the ip6- names."""
+    text = host.decode("utf-8", "replace") if isinstance(host, bytes) else (host or "")
+    lines: list[str] = []
+    for raw in text.splitlines():
+        fields = raw.split("#", 1)[0].split()
+        if len(fields) < 2:
+            continue
+        names = [n for n in fields[1:] if n.lower() in LOCAL_NAMES]
+        if names:
+            lines.append(fields[0] + "\t" + " ".join(names))
+    if not any("localhost" in ln.split()[1:] for ln in lines):
+        lines = ["127.0.0.1\tlocalhost", "::1\tip6-localhost ip6-loopback", *lines]
+    lines.append(f"127.0.0.1\t{hostname}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def sees(mounts: Sequence[MountOp], path: str, depth: int = 0) -> bool:
+    """Whether the sandbox built from ``mounts`` shows the host's ``path`` (absolute,
+    resolved on the host) at the same place: the deepest mount covering it must be a
+    bind of that tree (or the project's overlay), not a tmpfs, a synthesized file or a
+    mask; nothing covering it means the empty root."""
+    best: MountOp | None = None
+    for m in mounts:
+        t = m.target.rstrip("/") or "/"
+        if m.kind in ("detach-host", "remount-ro") or not (path == t or path.startswith(t.rstrip("/") + "/")):
+            continue
+        if best is None or len(t) >= len(best.target.rstrip("/") or "/"):
+            best = m
+    if best is None:
+        return False
+    t = best.target.rstrip("/") or "/"
+    if best.kind == "symlink" and depth < 8:
+        link = str(best.data)
+        base = link if link.startswith("/") else os.path.normpath(os.path.join(os.path.dirname(t), link))
+        return sees(mounts, base + path[len(t):], depth + 1)
+    if best.kind == "overlay":
+        return True
+    if best.kind == "bind":
+        return not best.source_in_sandbox and not best.source_in_stage and best.source == best.target
+    return path == t and best.kind in ("tmpfs", "file")
 
 
 # ---------------------------------------------------------------------------
@@ -685,14 +769,24 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         else:
             ops.append(MountOp("bind", path, source=path, flags=frozenset({"ro", "rec"}), why="system, read-only"))
             ro_trees.append(path)
+    # a few read-only pieces of /sys (SYS_EXPOSED): before the new procfs, so a
+    # launcher's shared base holds them; a host without one just goes without
+    for spath, swhy in SYS_EXPOSED:
+        ops.append(MountOp("bind", spath, source=spath, flags=frozenset({"ro", "optional"}), why="read-only: " + swhy))
+        ro_trees.append(spath)
+    # /var/run and /var/lock lead to the private /run, as on the host
+    ops.append(MountOp("symlink", "/var/run", data="../run"))
+    ops.append(MountOp("symlink", "/var/lock", data="../run/lock"))
 
     # /etc: curated; passwd/group synthesized for the sandbox user
     passwd, group = _passwd(in_uid, in_gid, name, home)
     ops.append(MountOp("file", "/etc/passwd", data=passwd, mode=0o644, why="synthesized"))
     ops.append(MountOp("file", "/etc/group", data=group, mode=0o644, why="synthesized"))
     ops.append(MountOp("file", "/etc/hostname", data=(req.hostname + "\n").encode(), mode=0o644))
-    hosts = f"127.0.0.1\tlocalhost {req.hostname}\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-    ops.append(MountOp("file", "/etc/hosts", data=hosts.encode(), mode=0o644))
+    host_hosts = next((d for n, k, d in facts.etc if n == "hosts" and k == "file"), None)
+    ops.append(MountOp("file", "/etc/hosts", data=hosts_file(req.hostname, host_hosts), mode=0o644,
+                       why="synthesized: the host's localhost lines, in its order"))
+    whole_hosts = "/etc/hosts" in req.etc_extra or "hosts" in req.etc_extra
     etc_names = [e[0] for e in facts.etc]
     if req.network == "host":
         e = _etc_entry("resolv.conf")
@@ -700,6 +794,8 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
             etc_names.append("resolv.conf")
             facts = HostFacts(facts.euid, facts.egid, facts.system, (*facts.etc, e), facts.proc_entries, facts.landlock_abi)
     for ename, kind, data in facts.etc:
+        if ename == "hosts" and not whole_hosts:
+            continue
         target = "/etc/" + ename
         if kind == "file":
             ops.append(MountOp("file", target, data=data, mode=0o644))
@@ -737,6 +833,13 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     # private /tmp, empty $HOME, the project and grants (parents before children)
     tree_ops: list[MountOp] = []
     tree_ops.append(MountOp("tmpfs", "/tmp", data="mode=1777", why="private /tmp"))
+    # /var/tmp is a fresh tmpfs per run like /tmp (nothing of a run survives it but the
+    # project's change set); /run the same, owned by the sandbox user as the host's is
+    # by root, never the host's (its sockets: dbus, docker, systemd)
+    tree_ops.append(MountOp("tmpfs", "/var/tmp", data="mode=1777", why="private /var/tmp"))
+    tree_ops.append(MountOp("tmpfs", "/run", data=f"mode=0755,uid={in_uid},gid={in_gid}", why="private /run (not the host's)"))
+    if not any(g == "/run" for g, _w in req.grants):  # a grant of the host's /run is the user's to shape
+        tree_ops.append(MountOp("mkdir", "/run/lock", mode=0o1777, why="lock files (/var/lock)"))
     proj = Path(project)
     home_p = Path(home)
     writable = ["/tmp", "/var/tmp", "/run", "/dev/shm"]
@@ -765,14 +868,6 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         # A mount point inside a tree the sandbox could write in an earlier run would be
         # resolved through what it planted there (a symlink aimed at the host).
         if gp == proj or proj in gp.parents:
-    # a few read-only pieces of /sys (SYS_EXPOSED): before the new procfs, so a
-    # launcher's shared base holds them; a host without one just goes without
-    for spath, swhy in SYS_EXPOSED:
-        ops.append(MountOp("bind", spath, source=spath, flags=frozenset({"ro", "optional"}), why="read-only: " + swhy))
-        ro_trees.append(spath)
-    # /var/run and /var/lock lead to the private /run, as on the host
-    ops.append(MountOp("symlink", "/var/run", data="../run"))
-    ops.append(MountOp("symlink", "/var/lock", data="../run/lock"))
             raise UsageError(f"granted path {gpath} is inside the project, which is already visible; grant paths outside it")
         for rw in rw_grants:
             if rw != gp and rw in gp.parents:
@@ -815,7 +910,9 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
             device_files=["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx", "/dev/pts"],
             exec_allow=exec_allow,
             network=req.network,
+            foreign_fds=bool(req.keep_fds),
         )
+    notes.append(tcp_note(req.network, bool(req.keep_fds), ll.abi if ll else 0))
 
     # cwd: same absolute path inside
     cwd = str(req.cwd)
@@ -827,15 +924,11 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     env.setdefault("LOGNAME", name)
     env["PWD"] = cwd
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    from .policy.env import hidden_refs, hidden_warning
+
+    env_warnings = tuple(hidden_warning(n, p) for n, p in hidden_refs(env, lambda q: sees(ops, q)))
     return Plan(
         argv=tuple(req.argv),
-    # /var/tmp is a fresh tmpfs per run like /tmp (nothing of a run survives it but the
-    # project's change set); /run the same, owned by the sandbox user as the host's is
-    # by root, never the host's (its sockets: dbus, docker, systemd)
-    tree_ops.append(MountOp("tmpfs", "/var/tmp", data="mode=1777", why="private /var/tmp"))
-    tree_ops.append(MountOp("tmpfs", "/run", data=f"mode=0755,uid={in_uid},gid={in_gid}", why="private /run (not the host's)"))
-    if not any(g == "/run" for g, _w in req.grants):  # a grant of the host's /run is the user's to shape
-        tree_ops.append(MountOp("mkdir", "/run/lock", mode=0o1777, why="lock files (/var/lock)"))
         env=tuple(sorted(env.items())),
         cwd=cwd,
         project=project,
@@ -860,4 +953,5 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         hidden=(*tuple(hidden), "other homes and projects", "parent directories of the project"),
         degraded=req.degraded,
         notes=tuple(notes),
+        env_warnings=env_warnings,
     )

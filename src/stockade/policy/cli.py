@@ -372,6 +372,8 @@ def cmd_log(args: argparse.Namespace) -> int:
             out(rec)
     except BrokenPipeError:
         return 0
+    if args.blocked_only and not args.json:
+        print(audit.BLOCKED_NOTE, file=sys.stderr)
     return 0
 
 

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .. import _tokens
 from .config import Origin
 
-__all__ = ["DEFAULT_ALLOW", "DEFAULT_BLOCK", "TOKEN_PATTERNS", "EnvDecision", "EnvFilter", "EnvRule", "name_matches", "token_kind"]
+__all__ = [
+    "DEFAULT_ALLOW", "DEFAULT_BLOCK", "TOKEN_PATTERNS", "EnvDecision", "EnvFilter", "EnvRule", "hidden_refs", "hidden_warning",
+    "name_matches", "path_refs", "token_kind",
+]
 
 DEFAULT_ALLOW: tuple[str, ...] = (
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TERM",
@@ -125,3 +130,44 @@ class EnvFilter:
             passed[name] = value
         passed.update(cli_env)
         return passed, sorted(removed)
+
+
+# ---------------------------------------------------------------------------
+# variables that point at paths the sandbox hides
+
+# Not checked: the sandbox sets these itself, and stockade's own settings name host
+# paths (the state dir) on purpose.
+PATH_REF_SKIP = frozenset({"PATH", "PWD", "OLDPWD", "HOME", "_"})
+
+
+def path_refs(value: str) -> list[str]:
+    """The absolute paths a value names: itself, or the words of a whitespace-separated
+    list (``PIP_FIND_LINKS="/opt/a /opt/b"``). A value with a ``:`` is a search list
+    (PATH, PYTHONPATH, LD_LIBRARY_PATH...: their readers skip a missing entry quietly,
+    and ~/.local/bin would warn on every run) or a URL: not checked."""
+    if ":" in value:
+        return []
+    return [w for w in value.split() if w.startswith("/")]
+
+
+def hidden_refs(env: Mapping[str, str], visible: Callable[[str], bool]) -> list[tuple[str, str]]:
+    """(name, path) for each variable naming a path that exists on the host but that
+    the sandbox does not show (``visible`` answers for a resolved host path); the first
+    such path of each variable. A path absent on the host too is left alone: the tool
+    would meet the same absence outside."""
+    out: list[tuple[str, str]] = []
+    for name in sorted(env):
+        if name in PATH_REF_SKIP or name.startswith("STOCKADE_"):
+            continue
+        for p in path_refs(env[name]):
+            real = os.path.realpath(p)
+            if os.path.exists(real) and not visible(real):
+                out.append((name, p))
+                break
+    return out
+
+
+def hidden_warning(name: str, path: str) -> str:
+    # The variable still passes: dropping it would change what a tool does without a
+    # word (its default may be worse than a clear "not found"); the user decides.
+    return f"{name} points at {path}, hidden inside the sandbox (passed unchanged; drop: --env {name}= or env.block; show: stockade allow {path})"
