@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import User, end_servers, need, sweep_cgroups, world_tmpdir
+from tests.conftest import User, end_servers, need, sweep_cgroups, umount_when_free, world_tmpdir
 
 pytestmark = pytest.mark.cli_paths
 
@@ -135,3 +136,27 @@ def test_a_relative_state_dir_is_the_same_dir_for_every_part_of_a_run(base: Path
     assert sorted(n for _p, names in found.values() for n in names) == ["made0", "made1", "made2"]
     assert {p for p, _n in found.values()} == {str(proj)}
     assert not (proj / "rel-st").exists() and not Path("/rel-st").exists()
+
+
+@pytest.mark.parametrize("launcher", ["1", "0"])
+def test_a_project_with_a_mount_inside_is_one_line_naming_the_mount(base: Path, cli_path: str | None, launcher: str) -> None:
+    # overlayfs cannot clone a lower layer with mounts below it in the sandbox's user
+    # namespace (they are locked): EINVAL, and the real reason only in dmesg
+    proj = base / "p"
+    sub = proj / "deep" / "mnt"
+    sub.mkdir(parents=True)
+    (proj / "f").write_text("x\n")
+    state = base / "st"
+    subprocess.run(["mount", "-t", "tmpfs", "stockade-test", str(sub)], check=True)
+    try:
+        u = _user(base, state, cli_path)
+        for _ in range(2):  # served: the first run starts the server
+            r = u.cli(["run", "--project", str(proj), "--", "true"], cwd=proj, env={"STOCKADE_LAUNCHER": launcher})
+            err = r.stderr.decode()
+            assert r.returncode == 2, err
+            lines = [ln for ln in err.splitlines() if "warning" not in ln]
+            assert len(lines) == 1, err
+            assert "EINVAL" in lines[0] and f"mount points ({sub})" in lines[0] and "unmount them" in lines[0], err
+            assert "state dir" not in lines[0], err  # not the session directory's filesystem
+    finally:
+        umount_when_free(sub, state)

@@ -429,8 +429,39 @@ def report_error(rep: Report, ops: Sequence[MountOp], cgroup_paths: Sequence[str
     for pre in (NEW, OLD):
         if path.startswith(pre):
             path = path[len(pre):] or "/"
-    kind = ops[rep.value].kind if rep.step == "mount" and 0 <= rep.value < len(ops) else None
-    return spawn_error(rep.step, rep.err, path or None, op_kind=kind)
+    op = ops[rep.value] if rep.step == "mount" and 0 <= rep.value < len(ops) else None
+    if op is not None and op.kind == "overlay" and rep.err == _errno.EINVAL:
+        inside = mounts_under(op.lower)
+        if inside:
+            # the kernel's own words are only in dmesg ("overlayfs: failed to clone
+            # lowerpath"): a layer with mounts below it is locked in our user namespace
+            shown = ", ".join(inside[:5]) + (f" and {len(inside) - 5} more" if len(inside) > 5 else "")
+            return SandboxError("mount", path=path or None, errno=rep.err, remedy=(
+                f"the project contains mount points ({shown}); overlayfs cannot use a tree with mounts inside it "
+                "as a layer of the sandbox: unmount them, or pass a --project that contains none"))
+    return spawn_error(rep.step, rep.err, path or None, op_kind=op.kind if op is not None else None)
+
+
+def mounts_under(dirs: Sequence[str]) -> list[str]:
+    """Mount points strictly below any of ``dirs`` (host paths), from /proc/self/mountinfo."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    import re  # only on this error path
+
+    roots = [d.rstrip("/") + "/" for d in dirs]
+    out: list[str] = []
+    for line in lines:
+        fields = line.split(b" ")
+        if len(fields) < 5:
+            continue
+        # the mount point, with space, tab, newline and backslash octal-escaped
+        mp = os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[4]))
+        if any(mp.startswith(r) for r in roots) and mp not in out:
+            out.append(mp)
+    return out
 
 
 def spawn_error(step: str, err: int, path: str | None, *, op_kind: str | None = None) -> SandboxError:
