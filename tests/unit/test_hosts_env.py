@@ -67,6 +67,7 @@ def test_hidden_refs(tmp_path: Path) -> None:
     env = {
         "PIP_FIND_LINKS": f"{shown} {hidden}", "A_SHOWN": str(shown), "MISSING": str(tmp_path / "nope"),
         "PATH": str(hidden), "HOME": str(hidden), "STOCKADE_STATE_DIR": str(hidden), "TMPDIR": str(hidden),
+        "HISTFILE": "/dev/null",
     }
     got = hidden_refs(env, lambda p: p == str(shown.resolve()))
     assert got == [("PIP_FIND_LINKS", str(hidden)), ("TMPDIR", str(hidden))]
@@ -144,3 +145,21 @@ def test_plan_denials_are_blocked_events(tmp_path: Path) -> None:
     (tmp_path / "events.jsonl").unlink()
     audit.AuditLog(_Sess(tmp_path)).plan_denials(1, P.build(req(tmp_path), facts()))
     assert not (tmp_path / "events.jsonl").exists()
+
+
+def test_policy_env_names_the_hidden_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from stockade.cli import main
+
+    hidden = tmp_path / "wheels"
+    hidden.mkdir()
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    monkeypatch.setenv("PIP_FIND_LINKS", str(hidden))
+    monkeypatch.setenv("IN_PROJECT", str(proj))
+    monkeypatch.setenv("STOCKADE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.chdir(proj)
+    assert main(["policy", "env", "--json"], serve=False) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["PIP_FIND_LINKS"]["passed"] and rows["PIP_FIND_LINKS"]["hidden_path"] == str(hidden)
+    assert "hidden inside the sandbox" in rows["PIP_FIND_LINKS"]["reason"]
+    assert "hidden_path" not in rows["IN_PROJECT"]

@@ -279,6 +279,18 @@ def cmd_policy_env(args: argparse.Namespace) -> int:
         rows.append({"name": name, "passed": dec.passed, "reason": dec.reason})
     for name in sorted(set(cli_env) - set(os.environ)):
         rows.append({"name": name, "passed": True, "reason": "--env on the command line"})
+    # a passed variable naming a host path the sandbox hides (the run summary warns too)
+    from . import sandbox_sees
+    from .env import hidden_refs
+    from .rules import is_under
+
+    values = {**os.environ, **cli_env}
+    hidden = dict(hidden_refs({r["name"]: values[r["name"]] for r in rows if r["passed"]},
+                              lambda p: any(is_under(p, str(t)) for t in eff.visible_trees()) or sandbox_sees(p, eff.etc_extra)))
+    for r in rows:
+        if r["name"] in hidden:
+            r["hidden_path"] = hidden[r["name"]]
+            r["reason"] += f"; points at {hidden[r['name']]}, hidden inside the sandbox"
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

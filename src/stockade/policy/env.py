@@ -160,6 +160,8 @@ def hidden_refs(env: Mapping[str, str], visible: Callable[[str], bool]) -> list[
         if name in PATH_REF_SKIP or name.startswith("STOCKADE_"):
             continue
         for p in path_refs(env[name]):
+            if p.startswith(("/dev/", "/proc/")):
+                continue  # the sandbox's own /dev and /proc: such a path names its files there
             real = os.path.realpath(p)
             if os.path.exists(real) and not visible(real):
                 out.append((name, p))
