@@ -160,3 +160,48 @@ def test_a_project_with_a_mount_inside_is_one_line_naming_the_mount(base: Path, 
             assert "state dir" not in lines[0], err  # not the session directory's filesystem
     finally:
         umount_when_free(sub, state)
+
+
+def _overlay_layers(mountinfo: str, project: Path) -> list[str]:
+    """The host paths of the project overlay's lower, upper and work dirs, as the
+    kernel recorded the mount's options (the project itself left out)."""
+    lines = [ln for ln in mountinfo.splitlines() if ln.split(" - ", 1)[-1].startswith("overlay ") and f" {project} " in ln]
+    assert len(lines) == 1, mountinfo
+    out: list[str] = []
+    for opt in lines[0].split(" - ", 1)[1].split(" ", 2)[2].split(","):
+        key, _, val = opt.partition("=")
+        if key in ("lowerdir", "upperdir", "workdir"):
+            out += [p.removeprefix("/oldroot") for p in val.split(":")]
+    return [p for p in out if p != str(project)]
+
+
+def test_every_layer_of_a_run_is_its_own_sessions(base: Path, cli_path: str | None) -> None:
+    # The same project in two state dirs (equal prepared-run keys, equal launcher bases:
+    # whatever one state dir's server, launcher or cache holds, the other's runs would
+    # meet it) and a project nested in it: each run's overlay is made of its own
+    # session's mask layer, upper and work dirs, never another session's or state dir's.
+    a = base / "w" / "a"
+    b = a / "b"
+    b.mkdir(parents=True)
+    for p in (a, b):
+        (p / ".env").write_text("SECRET=1\n")
+    for p in (a, b, a / ".env", b / ".env"):
+        os.utime(p, (1e9, 1e9))  # not changed just now: the prepared runs are kept (stockade.warm) and reused
+    states = [base / "st1", base / "st2"]
+    users = {st: _user(base, st, cli_path) for st in states}
+    seen: set[str] = set()
+    for _round in range(3):
+        for proj in (a, b, a):
+            for st in (states if _round % 2 == 0 else states[::-1]):
+                r = users[st].cli(["run", "--project", str(proj), "--", "cat", "/proc/self/mountinfo"], cwd=proj)
+                assert r.returncode == 0, r.stderr.decode()
+                sid = [ln.split()[-1] for ln in r.stderr.decode().splitlines() if ln.startswith("stockade: session ")]
+                assert len(sid) == 1, r.stderr.decode()
+                own = st / "sessions" / sid[0]
+                layers = _overlay_layers(r.stdout.decode(), proj)
+                assert any(x.startswith(f"{own}/masks/") for x in layers), layers  # the .env is masked
+                assert layers[-2:] == [f"{own}/upper", f"{own}/work"], layers
+                stray = [x for x in layers if not x.startswith(f"{own}/")]
+                assert stray == [], (st, proj, stray)
+                assert sid[0] not in seen  # a new session each run
+                seen.add(sid[0])
