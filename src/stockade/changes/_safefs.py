@@ -296,12 +296,15 @@ def copy_fd(src_fd: int, out: int) -> None:
             view = view[os.write(out, view):]
 
 
-def copy_to_new(src_fd: int, name: str, dir_fd: int, mode: int) -> None:
+def copy_to_new(src_fd: int, name: str, dir_fd: int, mode: int, owner: tuple[int, int] | None = None) -> None:
     """Copy ``src_fd`` into a file ``name`` that must not exist yet in ``dir_fd``
-    (O_EXCL|O_NOFOLLOW: nothing planted there is followed), then set its mode."""
+    (O_EXCL|O_NOFOLLOW: nothing planted there is followed), then set its owner
+    (through the fd: nothing swapped in under the name is touched) and mode."""
     out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
         copy_fd(src_fd, out)
+        if owner is not None:
+            os.fchown(out, *owner)  # before the mode: chown clears set-id bits
         os.fchmod(out, mode)
     finally:
         os.close(out)
@@ -316,7 +319,7 @@ _tmpfile_ok: bool | None = None
 _TMPFILE_UNSUPPORTED = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
 
 
-def link_new(src_fd: int, name: str, dir_fd: int, mode: int) -> bool:
+def link_new(src_fd: int, name: str, dir_fd: int, mode: int, owner: tuple[int, int] | None = None) -> bool:
     """Create ``name`` in ``dir_fd`` (it must not exist; nothing there is followed or
     replaced: EEXIST) with the contents of ``src_fd`` and ``mode``, atomically.
 
@@ -336,6 +339,8 @@ def link_new(src_fd: int, name: str, dir_fd: int, mode: int) -> bool:
         return False
     try:
         copy_fd(src_fd, out)
+        if owner is not None:
+            os.fchown(out, *owner)
         os.fchmod(out, mode)
         os.link(f"/proc/self/fd/{out}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
     finally:

@@ -49,7 +49,7 @@ from ..errors import SessionNotFound, UsageError
 from ..session import store
 from ..session.store import Session
 from ._safefs import Root, Roots, copy_to_new, link_new, rmtree_at
-from .held import held_back
+from .held import dangling_gitdirs, held_back
 from .layers import expose
 from .model import Change, ChangeSet, Kind, is_explicit, normalize_pathspec
 
@@ -334,6 +334,28 @@ class _Exec(Roots):
         self.id = apply_id
         self.adir = adir
         self.backups = adir / "backups"
+        # Real root applies as the project's owner would: every inode it creates in the
+        # project is handed to the owner of the project directory (never left root's,
+        # never given the id a file had in the sandbox's range). None: the caller creates
+        # as itself, which is already the owner or refused by the kernel.
+        self.owner: tuple[int, int] | None = None
+        if os.geteuid() == 0:
+            pst = os.stat(project)
+            self.owner = (pst.st_uid, pst.st_gid)
+
+    def _own_new(self, pfd: int, name: str, directory: bool) -> None:
+        """Give a just-made directory or symlink to the project owner (through an fd
+        opened without following: a name swapped meanwhile is not chowned through)."""
+        if self.owner is None:
+            return
+        if directory:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+            try:
+                os.fchown(fd, *self.owner)
+            finally:
+                os.close(fd)
+        else:  # a symlink: lchown changes the link itself, never its target
+            os.chown(name, *self.owner, dir_fd=pfd, follow_symlinks=False)
 
     def tmpname(self, n: int) -> str:
         return f".stockade-{self.id}-{n}.tmp"
@@ -381,6 +403,7 @@ class _Exec(Roots):
             os.rmdir(name, dir_fd=pfd)
         elif kind == "mkdir":
             os.mkdir(name, 0o700, dir_fd=pfd)
+            self._own_new(pfd, name, True)
         elif kind == "chmod":
             fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
             try:
@@ -395,18 +418,19 @@ class _Exec(Roots):
                 if op["old"] is None:
                     # a new file: O_TMPFILE + linkat, no temporary name, never replaces
                     try:
-                        if link_new(src, name, pfd, mode):
+                        if link_new(src, name, pfd, mode, self.owner):
                             return
                     except FileExistsError:
                         raise _NotDone(f"cannot apply {path}: it appeared on the host while applying; "
                                        "retry") from None
-                copy_to_new(src, tmp, pfd, mode)
+                copy_to_new(src, tmp, pfd, mode, self.owner)
             finally:
                 os.close(src)
             self._rename_into(tmp, name, pfd, path)
         elif kind == "symlink":
             tmp = self.tmpname(n)
             os.symlink(op["target"], tmp, dir_fd=pfd)
+            self._own_new(pfd, tmp, False)
             self._rename_into(tmp, name, pfd, path)
         else:  # pragma: no cover
             raise AssertionError(kind)
@@ -445,6 +469,7 @@ class _Exec(Roots):
         elif kind == "rmdir":
             if cur is None:
                 os.mkdir(name, 0o700, dir_fd=pfd)
+                self._own_new(pfd, name, True)
                 self._chmod_dir(pfd, name, op["omode"])
         elif kind == "mkdir":
             if cur is not None and stat.S_ISDIR(cur.st_mode):
@@ -475,6 +500,7 @@ class _Exec(Roots):
                     return
         if old["otype"] == "symlink":
             os.symlink(old["link"], tmp, dir_fd=pfd)
+            self._own_new(pfd, tmp, False)
         elif old["otype"] == "file":
             b = self.backups / str(n)
             if op.get("backup") == "link":
@@ -485,6 +511,8 @@ class _Exec(Roots):
                                   0o600, dir_fd=pfd)
                     try:
                         shutil.copyfileobj(f, _FdWriter(out))
+                        if self.owner is not None:
+                            os.fchown(out, *self.owner)
                         os.fchmod(out, stat.S_IMODE(old["omode"]))
                     finally:
                         os.close(out)
@@ -723,11 +751,13 @@ def _select(cs: ChangeSet, paths: Sequence[str] | None, exclude: Sequence[str] |
     return [c for c in chosen if c.kind is not Kind.REFUSED], specs, refused
 
 
-def _hold(cs: ChangeSet, chosen: list[Change], specs: Sequence[str]) -> tuple[list[Change], dict[str, str]]:
+def _hold(cs: ChangeSet, chosen: list[Change], specs: Sequence[str],
+          include_git: bool = False) -> tuple[list[Change], dict[str, str]]:
     """(to apply, held back -> why): what ``held_back`` names waits unless a spec names it
-    literally; a new directory whose only new contents are held back waits with them;
-    the new parent directories of what is applied are pulled in."""
-    why_all = held_back(cs, chosen)
+    literally; a ``.git`` file whose git dir would be left incomplete waits too (never a
+    dangling worktree); a new directory whose only new contents are held back waits with
+    them; the new parent directories of what is applied are pulled in."""
+    why_all = held_back(cs, chosen, include_git=include_git)
     held: dict[str, str] = {}
     out: list[Change] = []
     for c in chosen:
@@ -736,6 +766,10 @@ def _hold(cs: ChangeSet, chosen: list[Change], specs: Sequence[str]) -> tuple[li
             held[c.path] = why
         else:
             out.append(c)
+    dangling = dangling_gitdirs(cs, {c.path for c in out})
+    if dangling:
+        held.update(dangling)
+        out = [c for c in out if c.path not in dangling]
     if held:
         def _dir_only_for_held(c: Change) -> bool:
             if c.new_mode is None or not stat.S_ISDIR(c.new_mode):
@@ -785,11 +819,15 @@ def apply_changes(
     force: bool = False,
     dry_run: bool = False,
     only: Sequence[Change] | None = None,
+    include_git: bool = False,
 ) -> ApplyResult:
+    """``include_git``: take git metadata (objects, refs, index, logs, HEAD, worktree admin
+    dirs) with the rest; hooks and config still wait until named (``held.git_runs_code``).
+    Host-side changes to what it would overwrite are conflicts like any other path."""
     session = cs.session
     recover_pending()
     picked, specs, refused = _select(cs, paths, exclude, only)
-    chosen, held = _hold(cs, picked, specs)
+    chosen, held = _hold(cs, picked, specs, include_git)
     if not chosen:
         raise UsageError(f"nothing to apply in session {session.id}{_nothing_why(held, refused)}")
     flushing = None if dry_run else _flush_early(cs.project)
@@ -802,8 +840,12 @@ def apply_changes(
         fresh = scan(session, classify=False)
         current = {c.path: c for c in fresh.changes}
         first = {c.path for c in chosen}  # what was reviewed: nothing new joins under the lock
-        chosen, held_now = _hold(fresh, [current[c.path] for c in picked if c.path in current], specs)
+        chosen, held_now = _hold(fresh, [current[c.path] for c in picked if c.path in current], specs, include_git)
         chosen = [c for c in chosen if c.path in first]
+        # what was left out here may be a .git file's git dir: never apply the file without it
+        dangling = dangling_gitdirs(fresh, {c.path for c in chosen})
+        chosen = [c for c in chosen if c.path not in dangling]
+        held_now.update(dangling)
         held = {**held, **held_now}
         if not chosen:
             raise UsageError(f"nothing to apply in session {session.id}{_nothing_why(held, refused)}")
