@@ -388,6 +388,16 @@ def preload(path: str) -> Any:
     return _preloaded[path][2]
 
 
+def _mentions(ops: Any, d: str) -> bool:
+    """Whether any mount op names ``d`` or a path below it."""
+    below = d.rstrip("/") + "/"
+    for m in ops:
+        for p in (m.source, m.target, m.upper, m.work, *m.lower):
+            if p and (p == d or p.startswith(below)):
+                return True
+    return False
+
+
 def load(key: tuple[Any, ...], sess: Session, argv: tuple[str, ...]) -> Prepared | None:
     """The stored preparation for ``key``, for ``argv`` in ``sess``, if it still holds."""
     global last_path
@@ -431,6 +441,10 @@ def load(key: tuple[Any, ...], sess: Session, argv: tuple[str, ...]) -> Prepared
         lower.append(ensure_mask_layer(sess, [tuple(i) for i in items], plan.project, mode))
     upper, work = (None, None) if data["read_only"] else (sess.upper, sess.work)
     plan = _with(plan, mounts=_relayered(plan, tuple(lower), upper, work), argv=tuple(argv))
+    if sp[0] != str(sess.dir) and _mentions(plan.mounts, sp[0]):
+        # saved by a run in another session: only the project overlay's layers were
+        # swapped above, so anything else of that session's would reach this run
+        return None
     info = {
         "policy": _Policy(a),
         "masked": [_Masked(*m) for m in a["masked"]],

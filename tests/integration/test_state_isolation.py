@@ -205,3 +205,46 @@ def test_every_layer_of_a_run_is_its_own_sessions(base: Path, cli_path: str | No
                 assert stray == [], (st, proj, stray)
                 assert sid[0] not in seen  # a new session each run
                 seen.add(sid[0])
+
+
+_ONE_PROCESS = """
+import json, os, sys
+import stockade
+out = []
+for st, proj in json.loads(sys.argv[1]):
+    os.environ["STOCKADE_STATE_DIR"] = st  # one process, state dirs one after another
+    r = stockade.run(["cat", "/proc/self/mountinfo"], project=proj, capture_output=True)
+    out.append((st, proj, r.session, r.returncode, r.stdout.decode()))
+print(json.dumps(out))
+"""
+
+
+def test_one_process_running_in_two_state_dirs_keeps_them_apart(base: Path) -> None:
+    # The library in one process (its caches of plans, policies, scans, packed launcher
+    # plans, sessions made ahead, private launchers all live on between runs): runs in
+    # two state dirs and on nested projects, interleaved, each on its own session's layers.
+    a = base / "w" / "a"
+    b = a / "b"
+    b.mkdir(parents=True)
+    for p in (a, b):
+        (p / ".env").write_text("SECRET=1\n")
+    states = [base / "st1", base / "st2"]
+    order = [(str(st), str(proj)) for _ in range(2) for proj in (a, b, a) for st in states]
+    u = _user(base, states[0], None)
+    res = subprocess.run([u.python, "-c", _ONE_PROCESS, json.dumps(order)], env=u.env(), capture_output=True, timeout=300)
+    assert res.returncode == 0, res.stderr.decode()
+    runs = json.loads(res.stdout)
+    assert len(runs) == len(order)
+    sids = set()
+    for st, proj, sid, rc, mountinfo in runs:
+        assert rc == 0
+        own = f"{st}/sessions/{sid}"
+        assert (Path(own) / "meta.json").is_file()
+        layers = _overlay_layers(mountinfo, Path(proj))
+        assert layers[-2:] == [f"{own}/upper", f"{own}/work"], layers
+        assert any(x.startswith(f"{own}/masks/") for x in layers), layers
+        assert [x for x in layers if not x.startswith(own + "/")] == [], (st, proj, layers)
+        sids.add(sid)
+    assert len(sids) == len(order)
+    for st in states:
+        assert len([d for d in (st / "sessions").iterdir() if not d.name.startswith(".")]) == len(order) // 2

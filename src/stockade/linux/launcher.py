@@ -488,15 +488,24 @@ def _derived(plan: Plan, origin: Plan, hit: _Packed | None) -> _Packed | None:
             swap[id(a)] = b
     _o, base, key, orun, packed = hit
     run = tuple(swap.get(id(m), m) for m in orun)
+    swapped = [m for m in orun if id(m) in swap]
+    if len(swapped) != len(swap):
+        return None  # a changed op outside the run part: its bytes would stay the origin's
     pairs = [(_blob(native.overlay_options(m).encode("utf-8", "surrogateescape")),
               _blob(native.overlay_options(swap[id(m)]).encode("utf-8", "surrogateescape")))
-             for m in orun if id(m) in swap]
+             for m in swapped]
     if plan.argv != origin.argv:
         pairs.append((_strv(origin.argv), _strv(plan.argv)))
     for old, new in pairs:
         if packed.count(old) != 1:
             return None
         packed = packed.replace(old, new)
+    # none of the origin's own layers (another session's) may be left in the bytes
+    for m in swapped:
+        n = swap[id(m)]
+        for p in {m.upper, m.work, *m.lower} - {n.upper, n.work, *n.lower}:
+            if p and native._overlay_escape(p).encode("utf-8", "surrogateescape") in packed:
+                return None
     return (plan, base, key, run, packed)
 
 
