@@ -134,11 +134,13 @@ class ModuleRun:
     seconds: float = 0.0
 
 
-def run_module(side: Side, module: str, ignore: list[str], *, budget: float, attempts: int = 6) -> ModuleRun:
-    """Run one regrtest module on one side, going on past hangs and crashes."""
+def run_module(side: Side, module: str, ignore: list[str], *, budget: float, attempts: int = 6,
+               only: list[str] | None = None, tag: str = "") -> ModuleRun:
+    """Run one regrtest module on one side (only some of its tests: ``only``), going on
+    past hangs and crashes."""
     res = ModuleRun()
     start = time.monotonic()
-    tag = f"{module}-{side.name}"
+    tag = f"{module}-{side.name}{tag}"
     for n in range(attempts):
         rel = f"compat-out/{tag}-{n}.jsonl"
         ign = side.project / f"compat-in/{tag}-{n}.ignore"
@@ -150,6 +152,11 @@ def run_module(side: Side, module: str, ignore: list[str], *, budget: float, att
         side.user.own(side.project / "compat-out")
         cmd = [SYSTEM_PY, str(side.project / RUNNER.name), str(side.project / rel),
                "--tempdir", str(side.project / "compat-tmp"), "--ignorefile", str(ign), module]
+        if only is not None:
+            match = ign.with_suffix(".match")
+            match.write_text("".join(f"{i}\n" for i in only))
+            side.user.own(match)
+            cmd[-1:-1] = ["--matchfile", str(match)]
         token = uuid.uuid4().hex
         log = side.logs / f"{tag}-{side.user.name}-{n}.log"
         p = side.popen(cmd, token, log)

@@ -20,13 +20,23 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import User, need
 
-from .harness import Diff, ModuleRun, Side, compare, fresh_project, run_module, testsuite_missing
+from .harness import (
+    GOOD,
+    Diff,
+    ModuleRun,
+    Side,
+    compare,
+    fresh_project,
+    run_module,
+    testsuite_missing,
+)
 
 FULL = os.environ.get("STOCKADE_COMPAT_FULL") == "1"
 
@@ -201,5 +211,18 @@ def test_module_same_inside(user: User, compat_base: Path, module: str) -> None:
     logs.mkdir()
     budget = 600.0 if FULL else 150.0
     bare = run_module(Side(user, project, False, logs), module, ignore_list(module), budget=budget)
-    inside = run_module(Side(user, project, True, logs), module, ignore_list(module), budget=budget)
+    inside_side = Side(user, project, True, logs)
+    inside = run_module(inside_side, module, ignore_list(module), budget=budget)
+    # A test that failed inside and is not listed runs once more, alone: one that passes
+    # then was a timing flake under load (said as a warning), not a wall.
+    known = KNOWN_DIFFERENCES.get((user.name, module), {})
+    again = [d.test_id for d in compare(bare, inside)
+             if d.inside in {"fail", "error"} and d.test_id not in known and d.test_id in bare.outcomes]
+    if again:
+        second = run_module(inside_side, module, [], budget=budget, only=again, tag="-again")
+        for tid in again:
+            if second.outcomes.get(tid) in GOOD:
+                warnings.warn(f"{tid} failed inside once and passed when run again (flaky): "
+                              f"{inside.why.get(tid, '')[-200:]}", stacklevel=1)
+                inside.outcomes[tid] = second.outcomes[tid]
     check(user.name, module, bare, inside)
