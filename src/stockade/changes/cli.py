@@ -309,7 +309,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         if not only:
             raise UsageError("nothing chosen to apply")
     res = apply_changes(cs, paths=rest or None, exclude=args.exclude or None, force=args.force,
-                        dry_run=args.dry_run, only=only)
+                        dry_run=args.dry_run, only=only, include_git=args.include_git)
     if args.json:
         _out(json.dumps(res.to_json(), indent=1) + "\n")
     elif res.dry_run:
@@ -498,6 +498,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dry-run", "-n", action="store_true", help="show what would be done")
     p.add_argument("--interactive", "-i", action="store_true", help="ask per path (y/n/d/a/q)")
     p.add_argument("--force", action="store_true", help="overwrite paths changed on the host since the session started")
+    p.add_argument("--include-git", action="store_true",
+                   help="also apply git metadata (objects, refs, index, logs, HEAD, worktree admin dirs) as one "
+                        "group; hooks and config still only when named")
     p.add_argument("--json", action="store_true")
 
     p = add("rollback", "undo an apply, restoring exactly what it replaced", cmd_rollback)

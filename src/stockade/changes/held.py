@@ -77,7 +77,7 @@ def held_back_reason(path: str) -> str | None:
 
 def _vector_why(pattern: str) -> str:
     if pattern == ".git":
-        return "git repository: its hooks and config run at the next host git command"
+        return GIT_CODE_WHY
     return f"runs code on the host ({pattern})"
 
 
@@ -312,28 +312,179 @@ def _symlink_why(links: _Links, c: Change) -> str | None:
     return None
 
 
+# ---- git metadata: what --include-git takes, and groups that only work whole ----------------------
+#
+# A repository's metadata is data (objects, refs, index, logs, HEAD, worktrees/ admin
+# dirs) except for the parts git runs as code: hooks and config (core.fsmonitor,
+# core.pager, aliases, filters ...). ``--include-git`` takes the data and never the
+# code; those stay held back until named literally (wall (b) of issue #12), and so does
+# objects/info/alternates (it points git at object stores outside the repository).
+# A ``.git`` FILE ("gitdir: <dir>", a worktree or a separate git dir) works only with
+# the directory it names: it and its worktree's new files are one group, held back
+# while any needed part of that directory is.
+
+GIT_CODE_WHY = "git repository: its hooks and config run at the next host git command"  # even with --include-git
+GIT_DATA_WHY = ("git repository metadata: applied as one group by `stockade apply --include-git` "
+                "(never hooks or config)")
+_DATA_TOPS = frozenset({"objects", "refs", "logs"})
+
+
+def git_split(path: str) -> tuple[str, str] | None:
+    """(the repository's ``.git`` path, the path inside it) for a path at or under the
+    first ``.git`` component of ``path``, else None: ``a/.git/refs/x`` -> (``a/.git``, ``refs/x``)."""
+    parts = path.split("/")
+    if ".git" not in parts:
+        return None
+    i = parts.index(".git")
+    return "/".join(parts[:i + 1]), "/".join(parts[i + 1:])
+
+
+def git_runs_code(inner: str) -> bool:
+    """Whether the path ``inner`` inside a git dir is one git runs as code (or that leads
+    it outside): hooks, config, config.worktree, alternates, at any level (a submodule's
+    modules/<name>/, a worktrees/<name>/ admin dir); a ref or log named ``hooks`` is data."""
+    parts = inner.split("/")
+    if not inner or (parts[0] in _DATA_TOPS and inner != "objects/info/alternates"):
+        return False
+    return "hooks" in parts or parts[-1] in ("config", "config.worktree", "alternates")
+
+
+def _gitdir_target(sides: _Sides, c: Change) -> str | None:
+    """The project-relative directory a new ``.git`` file points at, or None when it is
+    not a gitdir pointer, unreadable, or points outside the project."""
+    if c.new_mode is None or not stat.S_ISREG(c.new_mode) or c.path.rsplit("/", 1)[-1] != ".git":
+        return None
+    try:
+        fd = sides.layer(c.layer).open_read(c.path)
+        try:
+            data = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    line = data.decode("utf-8", "replace").splitlines()[0] if data else ""
+    if not line.startswith("gitdir:"):
+        return None
+    target = line[len("gitdir:"):].strip()
+    base = os.path.dirname(c.path)
+    proj = os.fspath(sides.cs.project).rstrip("/")
+    full = os.path.normpath(target if target.startswith("/") else os.path.join(proj, base, target))
+    if not full.startswith(proj + "/"):
+        return None
+    return full[len(proj) + 1:]
+
+
+def _needed_under(cs: ChangeSet, target: str) -> list[Change]:
+    """The changes at or under ``target`` a git command needs there (not hooks/config)."""
+    from .model import Kind
+
+    pre = target + "/"
+    out = []
+    for c in cs.changes:
+        if c.kind is Kind.REFUSED or not (c.path == target or c.path.startswith(pre)):
+            continue
+        split = git_split(c.path)
+        if split is not None and git_runs_code(split[1]):
+            continue
+        out.append(c)
+    return out
+
+
+def _pointers(sides: _Sides) -> dict[str, str | None]:
+    """Each changed ``.git`` file of the change set -> the directory it points at (None:
+    not a pointer into the project)."""
+    return {c.path: _gitdir_target(sides, c) for c in sides.cs.changes
+            if c.path.rsplit("/", 1)[-1] == ".git" and c.new_mode is not None and stat.S_ISREG(c.new_mode)}
+
+
+def _pointer_why(ptr: str, target: str | None, missing: list[str]) -> str:
+    if target is None:
+        return "a .git file that does not point into the project (gitdir: outside it, or unreadable)"
+    shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+    return (f"git worktree group: {ptr} points at {target}, whose {len(missing)} path(s) ({shown}) "
+            f"are held back; applied as a whole by `stockade apply --include-git`")
+
+
+def dangling_gitdirs(cs: ChangeSet, applying: set[str]) -> dict[str, str]:
+    """The ``.git`` files in ``applying`` that would point at a git dir the apply leaves
+    incomplete (some needed path there not applied, or the target absent): path -> why.
+    Apply runs it on its final choice, after pathspecs released what they name."""
+    out: dict[str, str] = {}
+    sides = _Sides(cs)
+    try:
+        for ptr, target in _pointers(sides).items():
+            if ptr not in applying:
+                continue
+            if target is None:
+                out[ptr] = _pointer_why(ptr, None, [])
+                continue
+            missing = [c.path for c in _needed_under(cs, target) if c.path not in applying]
+            if missing:
+                out[ptr] = _pointer_why(ptr, target, missing)
+            elif not any(c.path == target for c in cs.changes) and sides.host().lstat(target) is None:
+                out[ptr] = f"a .git file pointing at {target}, which exists neither on the host nor in the session"
+    finally:
+        sides.close()
+    return out
+
+
+def _groups(sides: _Sides, held: dict[str, str]) -> dict[str, str]:
+    """Paths held back with a ``.git`` file whose target has held-back paths: the file,
+    and when its directory is new (a ``git worktree add`` in the sandbox), every change
+    under that directory, so the host never gets a worktree without its git dir."""
+    cs = sides.cs
+    out: dict[str, str] = {}
+    new_dirs = {c.path for c in cs.changes if c.old_mode is None and c.new_mode is not None and stat.S_ISDIR(c.new_mode)}
+    for ptr, target in _pointers(sides).items():
+        missing = [] if target is None else [c.path for c in _needed_under(cs, target) if c.path in held]
+        if target is not None and not missing:
+            continue  # its git dir goes whole (or is on the host already): not a group
+        why = _pointer_why(ptr, target, missing)
+        out[ptr] = why
+        wt = ptr.rsplit("/", 1)[0] if "/" in ptr else ""
+        if wt and wt in new_dirs:
+            pre = wt + "/"
+            for c in cs.changes:
+                if (c.path == wt or c.path.startswith(pre)) and c.path not in out:
+                    out[c.path] = held.get(c.path) or why
+    return out
+
+
 # ---- all of it ------------------------------------------------------------------------------------
 
 
-def held_back(cs: ChangeSet, changes: list[Change] | tuple[Change, ...] | None = None) -> dict[str, str]:
-    """path -> why it is held back, for ``changes`` (default: all) of ``cs``."""
+def held_back(cs: ChangeSet, changes: list[Change] | tuple[Change, ...] | None = None,
+              include_git: bool = False) -> dict[str, str]:
+    """path -> why it is held back, for ``changes`` (default: all) of ``cs``.
+
+    ``include_git``: git metadata that is data (see ``git_runs_code``) is not held back;
+    hooks, config and the rest still are."""
     from .model import Kind
 
     todo = cs.changes if changes is None else changes
-    out: dict[str, str] = {}
     sides = _Sides(cs)
     try:
         links = _Links(sides, {c.path: c for c in cs.changes})
         global_rel = _global_rel(cs.project)
         aliases = _policy_aliases(links, cs.changes)
-        for c in todo:
+        every: dict[str, str] = {}  # over the whole change set: a group spans more than ``todo``
+        for c in cs.changes:
             if c.kind is Kind.REFUSED:
                 continue
             pattern = held_back_reason(c.path)
-            why = (_vector_why(pattern) if pattern else None) or _policy_why(sides, c, global_rel, aliases) \
-                or _symlink_why(links, c)
+            why = None
+            if pattern == ".git" and (split := git_split(c.path)) is not None:
+                if git_runs_code(split[1]):
+                    why = GIT_CODE_WHY
+                elif not include_git:
+                    why = GIT_DATA_WHY
+            elif pattern:
+                why = _vector_why(pattern)
+            why = why or _policy_why(sides, c, global_rel, aliases) or _symlink_why(links, c)
             if why:
-                out[c.path] = why
+                every[c.path] = why
+        every.update(_groups(sides, every))
     finally:
         sides.close()
-    return out
+    wanted = {c.path for c in todo if c.kind is not Kind.REFUSED}
+    return {p: w for p, w in every.items() if p in wanted}

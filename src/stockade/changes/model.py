@@ -263,22 +263,26 @@ class ChangeSet:
         exclude: list[str] | None = None,
         force: bool = False,
         dry_run: bool = False,
+        include_git: bool = False,
     ) -> ApplyResult:
         from .apply import apply_changes
 
-        return apply_changes(self, paths=paths, exclude=exclude, force=force, dry_run=dry_run)
+        return apply_changes(self, paths=paths, exclude=exclude, force=force, dry_run=dry_run,
+                             include_git=include_git)
 
     def discard(self, paths: list[str] | None = None) -> list[str]:
         from .apply import discard_changes
 
         return discard_changes(self, paths=paths)
 
-    def held_back(self, changes: tuple[Change, ...] | list[Change] | None = None) -> dict[str, str]:
-        """path -> why ``apply`` holds it back unless a pathspec names it literally
-        (host-code-execution vectors, stockade policy files, symlinks leading out)."""
+    def held_back(self, changes: tuple[Change, ...] | list[Change] | None = None,
+                  include_git: bool = False) -> dict[str, str]:
+        """path -> why ``apply`` (with ``include_git``) holds it back unless a pathspec names
+        it literally (host-code-execution vectors, git metadata and the worktrees that need
+        it, stockade policy files, symlinks leading out)."""
         from .held import held_back
 
-        return held_back(self, changes)
+        return held_back(self, changes, include_git=include_git)
 
     def changes_json(self, changes: tuple[Change, ...] | list[Change] | None = None) -> list[dict[str, object]]:
         """``changes`` (default: all) as JSON, each held-back one with ``held_back``: why."""
