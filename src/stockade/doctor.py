@@ -463,6 +463,31 @@ def _prctl_caps(prctl: Any, capset: Any) -> list[str]:
     return out
 
 
+def probe_id_range(etc: Path = Path("/etc")) -> Probe:
+    """Which ids exist inside a sandbox. Only the sandbox user's own (plus, for a real
+    root caller, host root for the mounts: plan._mounter_id) is mapped: a range of ids
+    would only turn chown's EINVAL into EPERM, since the command keeps no capability
+    (a mapped host root must give it nothing). A subordinate-id entry is reported, not used."""
+    import pwd
+
+    try:
+        name = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        name = str(os.getuid())
+    sub = []
+    for f in ("subuid", "subgid"):
+        text = _read(etc / f) or ""
+        if any(ln.split(":")[0] in (name, str(os.getuid())) for ln in text.splitlines() if ln.count(":") == 2):
+            sub.append(f)
+    seen = f"; this user's /etc/{' and /etc/'.join(sub)} entry is not used" if sub else ""
+    return Probe("id range", "info",
+                 "none — only the sandbox user's id is mapped inside: chown to another id and setuid/setgid "
+                 f"give EINVAL, setgroups EPERM (GNU tar as root exits 2){seen}",
+                 "run without --root: tar and Python's tarfile then extract as your own id and keep no other "
+                 "owner (or pass tar --no-same-owner)",
+                 {"mapped": "single", "subordinate_entries": sub, "newuidmap": shutil.which("newuidmap")})
+
+
 def probe_apparmor(proc: Path = Path("/proc")) -> Probe:
     aa = _read(proc / "sys" / APPARMOR_SYSCTL)
     enabled = _read(Path("/sys/module/apparmor/parameters/enabled"))
@@ -589,6 +614,7 @@ def run(*, refresh: bool = False, self_test: bool = True) -> Report:
 
     probes, cached = cached_probes(state_dir(), refresh=refresh)
     probes.append(probe_interpreter())
+    probes.append(probe_id_range())
     if self_test:
         probes.append(run_self_test())
     return Report(probes, cached)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 from pathlib import Path
@@ -127,3 +128,27 @@ def test_report_exit_status() -> None:
     assert ok.exit_status == 0
     bad = doctor.Report([doctor.Probe("landlock", "missing", "", "x"), doctor.Probe("cgroups", "ok", "")])
     assert bad.exit_status == 1 and "missing landlock" in bad.format()
+
+
+@pytest.mark.parametrize("launcher", ["0", "1"])
+def test_id_range_line_says_what_a_sandbox_does(user: User, project: Path, launcher: str) -> None:
+    """doctor's "id range" line is the sandbox's real behaviour: as root inside, chown to
+    another id, setuid and setgroups fail the way it says (a range mapped one day must
+    change both). Errnos are read inside, the map from the host's view of the command."""
+    code = ("import os\nopen('f','w').close()\n"
+            "for name, f in (('chown', lambda: os.chown('f', 1000, 1000)), ('setuid', lambda: os.setuid(1000)),"
+            " ('setgroups', lambda: os.setgroups([1000]))):\n"
+            "    try:\n        f(); print(name, 'ok')\n    except OSError as e: print(name, e.errno)\n"
+            "print(open('/proc/self/uid_map').read().split())")
+    r = user.cli(["run", "--root", "--", "/usr/bin/python3", "-I", "-c", code], cwd=project,
+                 env={"STOCKADE_LAUNCHER": launcher})
+    assert r.returncode == 0, r.stderr.decode()
+    lines = r.stdout.decode().splitlines()
+    assert lines[:3] == ["chown 22", "setuid 22", "setgroups 1"], lines
+    assert all(c == "1" for c in ast.literal_eval(lines[3])[2::3]), lines  # single ids only, no range
+    d = user.cli(["doctor", "--json"], timeout=180)
+    [p] = [p for p in json.loads(d.stdout)["probes"] if p["name"] == "id range"]
+    assert p["detail"].startswith("none — ") and "EINVAL" in p["detail"] and "setgroups EPERM" in p["detail"]
+    assert p["fix"] and "--root" in p["fix"] and p["data"]["mapped"] == "single"
+    text = user.cli(["doctor"], timeout=180).stdout.decode()
+    assert any(ln.split()[:4] == ["INFO", "id", "range", "none"] for ln in text.splitlines()), text
