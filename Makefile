@@ -16,6 +16,7 @@ run: $(BOOT)
 	@$(PY) -m stockade.demo
 
 test: $(BOOT)
+	@./scripts/test-tools.sh
 	$(PY) -m pytest -q tests
 
 # Kernel-specific tests under a second kernel (Debian 6.1: cgroup v2, Landlock ABI 2).
