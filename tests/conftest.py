@@ -393,3 +393,35 @@ def make_wheel(d: Path) -> Path:
             z.writestr(n, body)
         z.writestr("demo_pkg-0.1.dist-info/RECORD", record)
     return whl
+
+
+@pytest.fixture
+def root() -> Iterator[User]:
+    """A real-root caller (no setpriv), with its own home and state dir."""
+    need(os.geteuid() == 0, "a real-root caller needs the tests to run as root")
+    base = world_tmpdir("stockade-root-")
+    home = base / "home"
+    home.mkdir()
+    u = User("root", 0, 0, home, home / "state", sys.executable)
+    try:
+        yield u
+    finally:
+        end_servers(u.state)
+        sweep_cgroups(u.state, u.uid)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def canaries() -> Iterator[tuple[Path, Path]]:
+    """Two host files a sandbox-written git hook and fsmonitor config would create; under
+    /var/tmp: the sandbox's own /tmp hides nothing from the host, and any host user can
+    create them."""
+    import secrets
+
+    tag = secrets.token_hex(4)
+    cs = (Path(f"/var/tmp/stockade-hook-canary-{tag}"), Path(f"/var/tmp/stockade-fsmonitor-canary-{tag}"))
+    try:
+        yield cs
+    finally:
+        for c in cs:
+            c.unlink(missing_ok=True)

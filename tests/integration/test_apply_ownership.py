@@ -7,30 +7,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import User, end_servers, need, sweep_cgroups, world_tmpdir
+from tests.conftest import User, world_tmpdir
 
 OWNER = 65534
-
-
-@pytest.fixture
-def root() -> Iterator[User]:
-    need(os.geteuid() == 0, "a real-root caller needs the tests to run as root")
-    base = world_tmpdir("stockade-own-")
-    home = base / "home"
-    home.mkdir()
-    u = User("root", 0, 0, home, home / "state", sys.executable)
-    try:
-        yield u
-    finally:
-        end_servers(u.state)
-        sweep_cgroups(u.state, u.uid)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def _owners(project: Path) -> dict[str, tuple[int, int]]:

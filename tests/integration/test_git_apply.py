@@ -14,9 +14,7 @@ In-process and served CLI, root and uid 65534.
 
 from __future__ import annotations
 
-import secrets
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,17 +38,6 @@ def _repo(user: User, project: Path) -> None:
     for args in (("init", "-q", "."), ("add", "-A"), ("commit", "-q", "-m", "initial")):
         r = _git(user, project, *args)
         assert r.returncode == 0, r.stderr
-
-
-@pytest.fixture
-def canaries() -> Iterator[tuple[Path, Path]]:
-    tag = secrets.token_hex(4)
-    cs = (Path(f"/var/tmp/stockade-wt-hook-{tag}"), Path(f"/var/tmp/stockade-wt-fsmonitor-{tag}"))
-    try:
-        yield cs
-    finally:
-        for c in cs:
-            c.unlink(missing_ok=True)
 
 
 def test_a_worktree_commit_and_stash_apply_whole_or_not_at_all(

@@ -13,9 +13,7 @@ root and uid 65534.
 from __future__ import annotations
 
 import os
-import secrets
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,18 +27,6 @@ pytestmark = pytest.mark.cli_paths  # in-process and served
 def start(request: pytest.FixtureRequest) -> dict[str, str]:
     """How the sandbox starts: a cold start from the CLI's process, or a launcher's spare."""
     return {"STOCKADE_LAUNCHER": "0"} if request.param == "cold" else {}
-
-
-@pytest.fixture
-def canaries() -> Iterator[tuple[Path, Path]]:
-    # under /var/tmp: the sandbox's own /tmp hides nothing from the host, and the host user can create them
-    tag = secrets.token_hex(4)
-    cs = (Path(f"/var/tmp/stockade-hook-canary-{tag}"), Path(f"/var/tmp/stockade-fsmonitor-canary-{tag}"))
-    try:
-        yield cs
-    finally:
-        for c in cs:
-            c.unlink(missing_ok=True)
 
 
 def _git(user: User, project: Path, *args: str) -> subprocess.CompletedProcess[bytes]:

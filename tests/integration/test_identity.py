@@ -9,31 +9,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import User, end_servers, need, sweep_cgroups, world_tmpdir
+from tests.conftest import User, world_tmpdir
 
 PATHS = [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]  # (STOCKADE_SERVER, STOCKADE_LAUNCHER)
-
-
-@pytest.fixture
-def root() -> Iterator[User]:
-    need(os.geteuid() == 0, "a real-root caller needs the tests to run as root")
-    base = world_tmpdir("stockade-ident-")
-    home = base / "home"
-    home.mkdir()
-    u = User("root", 0, 0, home, home / "state", sys.executable)
-    try:
-        yield u
-    finally:
-        end_servers(u.state)
-        sweep_cgroups(u.state, u.uid)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def _sandboxed(token: str) -> list[int]:
