@@ -216,11 +216,23 @@ def sweep_cgroups(state: Path, uid: int) -> None:
     (a SIGKILLed supervisor's): a CLI run sweeps only its own state dir's, and a test's
     state dir has no later run."""
     try:
+        import time
+
         from stockade.cgroups import detect
         from stockade.cgroups.fs import owner_tag
-        from stockade.cgroups.sweep import sweep_stale
+        from stockade.cgroups.sweep import _is_run_dir, run_parents, sweep_stale
 
-        sweep_stale(detect.detect(), tag=owner_tag(uid, str(state)))
+        manager = detect.detect()
+        tag = owner_tag(uid, str(state))
+        # a supervisor a test killed may still be ending: its cgroups are swept once it is gone
+        deadline = time.monotonic() + 10
+        while True:
+            sweep_stale(manager, tag=tag)
+            alive = [pid for parent in run_parents(manager) for name in os.listdir(parent)
+                     if (pid := _is_run_dir(name, tag)) is not None and os.path.exists(f"/proc/{pid}")]
+            if not alive or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     except OSError:
         pass
 
