@@ -1,16 +1,27 @@
 #!/bin/sh
-# Test-only tools, installed by `make test` (not `make run`): CPython's own regression
-# tests (the `test` package) for the compatibility suite (tests/compat), which runs
-# them with /usr/bin/python3.
+# Test-only tools, installed by `make test` (not `make run`):
+#  - uidmap (newuidmap/newgidmap): rootless identity-mapping tests (tests/integration) and
+#    rootless podman;
+#  - CPython's own regression tests (the `test` package) for the compatibility suite
+#    (tests/compat), which runs them with /usr/bin/python3;
+#  - podman and bubblewrap: tests/integration/test_containers.py runs stockade inside a
+#    podman container with its default options.
+# Idempotent and silent when everything is present.
 set -e
+missing=""
+command -v newuidmap >/dev/null 2>&1 && command -v newgidmap >/dev/null 2>&1 || missing="$missing uidmap"
 if [ -x /usr/bin/python3 ] && ! /usr/bin/python3 -c 'import test.test_os, test.libregrtest' >/dev/null 2>&1; then
-    testsuite="libpython3.$(/usr/bin/python3 -c 'import sys; print(sys.version_info[1])')-testsuite"
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "bootstrap: installing $testsuite (CPython's regression tests, for tests/compat)"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$testsuite" >/dev/null 2>&1 || {
-            apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$testsuite" >/dev/null; } ||
-            echo "bootstrap: could not install $testsuite: tests/compat will skip (fail under STOCKADE_MUST_WORK=1)" >&2
-    else
-        echo "bootstrap: note: tests/compat needs CPython's test package; run: sudo apt-get install -y $testsuite" >&2
-    fi
+    missing="$missing libpython3.$(/usr/bin/python3 -c 'import sys; print(sys.version_info[1])')-testsuite"
+fi
+command -v podman >/dev/null 2>&1 || missing="$missing podman"
+command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
+[ -z "$missing" ] && exit 0
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: installing test tools:$missing"
+    # shellcheck disable=SC2086  # $missing is a space-separated package list
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null 2>&1 || {
+        apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null; } ||
+        echo "bootstrap: could not install$missing: the tests that need them skip (fail under STOCKADE_MUST_WORK=1)" >&2
+else
+    echo "bootstrap: note: some tests need test-only packages; run: sudo apt-get install -y$missing" >&2
 fi
