@@ -14,6 +14,8 @@ if [ -x /usr/bin/python3 ] && ! /usr/bin/python3 -c 'import test.test_os, test.l
     missing="$missing libpython3.$(/usr/bin/python3 -c 'import sys; print(sys.version_info[1])')-testsuite"
 fi
 command -v podman >/dev/null 2>&1 || missing="$missing podman"
+# runc: crun (podman's default runtime) refuses a hybrid cgroup host (v1 with controllers on v2)
+command -v runc >/dev/null 2>&1 || missing="$missing runc"
 command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
 [ -z "$missing" ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
