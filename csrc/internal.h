@@ -24,7 +24,7 @@ void sk_report_fill(struct sk_report *r, int kind, int step, int err, int value,
 int sk_mounts_child(const struct sk_plan *p, int rep);
 int sk_landlock_child(const struct sk_landlock *ll, int rep);
 int sk_seccomp_child(const unsigned char *bpf, size_t len, int rep);
-int sk_caps_child(int rep);
+int sk_caps_child(unsigned long long keep, int rep);
 void sk_init_child(const struct sk_plan *p, int rep) __attribute__((noreturn));
 size_t sk_strlen(const char *s);
 

@@ -297,7 +297,7 @@ static void __attribute__((noreturn)) child_rest(const struct sk_plan *p, int sy
     rep = close_fds(p, rep);
     if (setsid() < 0)
         FAIL(SK_STEP_SETSID, NULL);
-    if (p->drop_caps && sk_caps_child(rep) < 0)
+    if (p->drop_caps && sk_caps_child(p->keep_caps, rep) < 0)
         _exit(125);
     if (p->no_new_privs && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
         FAIL(SK_STEP_NO_NEW_PRIVS, NULL);

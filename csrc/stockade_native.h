@@ -102,6 +102,8 @@ struct sk_plan {
                                          stdio and send its master over this socket */
 
     int drop_caps;
+    unsigned long long keep_caps;     /* with drop_caps: the capabilities root inside keeps
+                                         in its own user namespace (a mapped id range) */
     int no_new_privs;
     struct sk_landlock landlock;
     const unsigned char *seccomp_bpf; /* struct sock_filter[], installed last */

@@ -99,6 +99,7 @@ size_t sk_plan_pack(const struct sk_plan *p, unsigned char *buf, size_t cap)
     put_i32(&w, p->pty);
     put_i32(&w, p->console_sock);
     put_i32(&w, p->drop_caps);
+    put_u64(&w, p->keep_caps);
     put_i32(&w, p->no_new_privs);
     const struct sk_landlock *ll = &p->landlock;
     put_i32(&w, ll->abi);
@@ -270,6 +271,7 @@ int sk_plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p)
     p->pty = get_i32(&r);
     p->console_sock = get_i32(&r);
     p->drop_caps = get_i32(&r);
+    p->keep_caps = get_u64(&r);
     p->no_new_privs = get_i32(&r);
     struct sk_landlock *ll = &p->landlock;
     ll->abi = get_i32(&r);

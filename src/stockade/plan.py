@@ -14,10 +14,13 @@ import pwd
 import stat
 import time
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UsageError
+from .linux import idmap
+from .linux.idmap import Range
 
 # ---------------------------------------------------------------------------
 # data
@@ -74,15 +77,19 @@ class MountOp:
 
 @dataclass(frozen=True)
 class IdMap:
-    inside: int
-    outside: int
-    count: int = 1
-    # further single ids, (inside, outside): a real-root caller's own id, mapped so
-    # that the mounts it makes in the new namespaces can create inodes (see _identity)
-    extra: tuple[tuple[int, int], ...] = ()
+    """One user namespace map (linux/idmap.py decides what it holds)."""
+
+    entries: tuple[tuple[int, int, int], ...]  # (inside, outside, count) lines
+    # newuidmap/newgidmap's path when they must write it (an unprivileged caller's
+    # subordinate range); None: the parent writes it itself
+    helper: str | None = None
 
     def line(self) -> str:
-        return f"{self.inside} {self.outside} {self.count}\n" + "".join(f"{i} {o} 1\n" for i, o in self.extra)
+        return "".join(f"{i} {o} {n}\n" for i, o, n in self.entries)
+
+    def ranged(self) -> bool:
+        """More ids than the singles: a range of other ids is mapped."""
+        return any(n > 1 for _i, _o, n in self.entries)
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,9 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     # variables passed in that name a host path the sandbox does not show (run summary)
     env_warnings: tuple[str, ...] = ()
+    # capabilities root inside keeps in its own user namespace (KEEP_CAPS), only
+    # where a range of other ids is mapped and no host id but its own and the range's
+    keep_caps: tuple[str, ...] = ()
 
     @property
     def path_env(self) -> str:
@@ -161,7 +171,12 @@ class Plan:
         else:
             out.append("landlock:    off")
         out.append(f"seccomp:     {self.seccomp_name or 'off'}" + (f" ({len(self.seccomp_bpf) // 8} BPF instructions)" if self.seccomp_bpf else ""))
-        out.append("privileges:  all capabilities dropped, bounding set cleared, securebits locked, no_new_privs")
+        if self.keep_caps:
+            out.append(f"privileges:  root inside keeps {', '.join(self.keep_caps)} in its own user namespace only "
+                       "(other ids are the mapped range; no host id but its own); the rest dropped, bounding set "
+                       "cut to these, securebits locked, no_new_privs")
+        else:
+            out.append("privileges:  all capabilities dropped, bounding set cleared, securebits locked, no_new_privs")
         if self.keep_fds:
             out.append(f"passed fds:  {', '.join(map(str, self.keep_fds))}")
         if self.hidden:
@@ -220,6 +235,13 @@ class HostFacts:
     etc: tuple[tuple[str, str, str | bytes], ...]  # (name, kind file|symlink|dir, data)
     proc_entries: frozenset[str]
     landlock_abi: int
+    # root that may map any id and call setgroups: real root, or a rootless
+    # container's root; not root after `unshare -Ur` (setgroups "deny", one id)
+    privileged: bool = False
+    # the sandbox's other ids (linux/idmap.py): both or neither, with why not
+    uid_range: Range | None = None
+    gid_range: Range | None = None
+    range_why: str = ""
 
 
 @functools.lru_cache(maxsize=1)
@@ -296,9 +318,10 @@ def host_facts(etc_extra: Sequence[str] = ()) -> HostFacts:
         for path, sig in hit[1]:
             try:
                 st = os.lstat(path)
+                now = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             except OSError:
-                break
-            if (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != sig:
+                now = (0, 0, 0, 0)
+            if now != sig:
                 break
         else:
             return hit[2]
@@ -316,6 +339,13 @@ def host_facts(etc_extra: Sequence[str] = ()) -> HostFacts:
                 except OSError:
                     continue
                 files.append(("/etc/" + name, (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)))
+    for sub in ("/etc/subuid", "/etc/subgid"):  # edited in place by hand
+        try:
+            st = os.lstat(sub)
+            files.append((sub, (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)))
+        except OSError:
+            files.append((sub, (0, 0, 0, 0)))
+    uid_range, gid_range, range_why = idmap.ranges(euid)
     facts = HostFacts(
         euid=euid,
         egid=egid,
@@ -323,6 +353,10 @@ def host_facts(etc_extra: Sequence[str] = ()) -> HostFacts:
         etc=tuple(etc),
         proc_entries=_proc_entries(),
         landlock_abi=landlock_abi(),
+        privileged=euid == 0 and idmap.setgroups_allowed(),
+        uid_range=uid_range,
+        gid_range=gid_range,
+        range_why=range_why,
     )
     # a directory changed within the timestamp granularity may change again unseen
     if etc_sig is not None and etc_sig[1] < started - _RACY_NS and _dir_sig("/etc") == etc_sig:
@@ -689,7 +723,9 @@ def resolve_cwd(project: Path, cwd: str | os.PathLike[str] | None) -> Path:
 
 def _identity(req: Request, facts: HostFacts) -> tuple[int, int, int, int, str, str]:
     """(outside uid, outside gid, inside uid, inside gid, user name, home)."""
-    if facts.euid != 0:
+    if not facts.privileged:
+        # root after `unshare -Ur` (setgroups "deny", its one id) is planned like
+        # any unprivileged caller: it has nothing more to map
         out_uid, out_gid = facts.euid, facts.egid
         if req.user is not None and req.user != out_uid:
             raise UsageError("--user needs real root; an unprivileged caller always runs as itself (use --root to appear as uid 0)")
@@ -733,6 +769,40 @@ def _mounter_id(mine: int, out_id: int, in_id: int) -> tuple[tuple[int, int], ..
     return ((65534 if in_id == 0 else 0, mine),)
 
 
+# what root inside keeps when other ids are mapped: what `tar x`, `chown`, `su`,
+# `setpriv` and test suites run as root need, as rootless podman keeps; never
+# CAP_SYS_ADMIN (unmounting a mask would uncover what it hides), DAC_READ_SEARCH
+# (open_by_handle_at) or SETFCAP (file capabilities reaching the host through apply)
+KEEP_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
+             "CAP_NET_BIND_SERVICE")
+
+
+def _maps(facts: HostFacts, out_uid: int, out_gid: int, in_uid: int, in_gid: int) -> tuple[IdMap, IdMap, str]:
+    """The uid and gid maps, and the explain note saying which ids exist inside.
+
+    The sandbox user's id (and a real root's mounter id) are single entries; the
+    caller's range (linux/idmap.py) fills the rest of 0..65535. Root inside then
+    keeps a few capabilities in its own namespace, and those reach every inode
+    owned by a mapped id: so no range where host root is mapped as the mounter
+    beside a root inside that is someone else (``--root`` over another owner's
+    project), since its capabilities would then reach host root's files."""
+    su = ((in_uid, out_uid), *(_mounter_id(facts.euid, out_uid, in_uid) if facts.privileged else ()))
+    sg = ((in_gid, out_gid), *(_mounter_id(facts.egid, out_gid, in_gid) if facts.privileged else ()))
+    ur, gr, why = facts.uid_range, facts.gid_range, facts.range_why
+    if ur and gr and in_uid == 0 and len(su) > 1:
+        ur = gr = None
+        why = ("--root over a project owned by another user: host root is mapped too (it makes the mounts), and root "
+               "inside must not reach its files; run as the owner (without --root), or as root on a root-owned copy")
+    if not (ur and gr):
+        return IdMap(tuple((i, o, 1) for i, o in su)), IdMap(tuple((i, o, 1) for i, o in sg)), (
+            f"ids: only the sandbox user's id is mapped ({why}): chown to another id and setuid/setgid give EINVAL, "
+            "setgroups EPERM (GNU tar as root exits 2; pass it --no-same-owner)")
+    um, gm = IdMap(idmap.build(su, ur), ur.helper), IdMap(idmap.build(sg, gr), gr.helper)
+    return um, gm, (f"ids: inside 0..{idmap.SPAN - 1} are mapped, the others onto host {ur.start}+id "
+                    f"(uids, from {ur.source}) and {gr.start}+id (gids)" + (f", written by {ur.helper}" if ur.helper else "")
+                    + ("; root inside keeps " + ", ".join(KEEP_CAPS) + " in its own namespace" if in_uid == 0 else ""))
+
+
 def _passwd(uid: int, gid: int, name: str, home: str) -> tuple[bytes, bytes]:
     users = {0: "root:x:0:0:root:/root:/bin/sh", 65534: "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin"}
     users[uid] = f"{name}:x:{uid}:{gid}:{name}:{home}:/bin/sh"
@@ -755,7 +825,9 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         raise UsageError("no command given; usage: stockade run [OPTIONS] -- CMD [ARGS...]")
     facts = facts or host_facts(req.etc_extra)
     out_uid, out_gid, in_uid, in_gid, name, home = _identity(req, facts)
-    privileged = facts.euid == 0
+    privileged = facts.privileged
+    uid_map, gid_map, id_note = _maps(facts, out_uid, out_gid, in_uid, in_gid)
+    ranged = uid_map.ranged()
     project = str(req.project)
     ops: list[MountOp] = []
     hidden: list[str] = []
@@ -792,7 +864,7 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         e = _etc_entry("resolv.conf")
         if e:
             etc_names.append("resolv.conf")
-            facts = HostFacts(facts.euid, facts.egid, facts.system, (*facts.etc, e), facts.proc_entries, facts.landlock_abi)
+            facts = dataclasses.replace(facts, etc=(*facts.etc, e))
     for ename, kind, data in facts.etc:
         if ename == "hosts" and not whole_hosts:
             continue
@@ -913,6 +985,7 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
             foreign_fds=bool(req.keep_fds),
         )
     notes.append(tcp_note(req.network, bool(req.keep_fds), ll.abi if ll else 0))
+    notes.append(id_note)
 
     # cwd: same absolute path inside
     cwd = str(req.cwd)
@@ -936,10 +1009,11 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         gid=in_gid,
         user_name=name,
         home=home,
-        uid_map=IdMap(in_uid, out_uid, extra=_mounter_id(facts.euid, out_uid, in_uid) if privileged else ()),
-        gid_map=IdMap(in_gid, out_gid, extra=_mounter_id(facts.egid, out_gid, in_gid) if privileged else ()),
-        deny_setgroups=not privileged,
-        drop_groups=privileged,
+        uid_map=uid_map,
+        gid_map=gid_map,
+        deny_setgroups=not (privileged or ranged),
+        drop_groups=privileged or ranged,
+        keep_caps=KEEP_CAPS if ranged and in_uid == 0 else (),
         namespaces=namespaces,
         hostname=req.hostname,
         mounts=tuple(ops),

@@ -8,9 +8,10 @@ import pytest
 
 from stockade import plan as P
 from stockade.errors import UsageError
+from stockade.linux.idmap import Range
 
 
-def facts(euid: int = 1000, abi: int = 7) -> P.HostFacts:
+def facts(euid: int = 1000, abi: int = 7, *, privileged: bool | None = None, rng: Range | None = None) -> P.HostFacts:
     return P.HostFacts(
         euid=euid,
         egid=euid,
@@ -18,6 +19,10 @@ def facts(euid: int = 1000, abi: int = 7) -> P.HostFacts:
         etc=(("nsswitch.conf", "file", b"passwd: files\n"), ("localtime", "symlink", "/usr/share/zoneinfo/UTC"), ("ssl", "dir", "")),
         proc_entries=frozenset({"sys", "sysrq-trigger", "kcore", "acpi", "1", "self"}),
         landlock_abi=abi,
+        privileged=euid == 0 if privileged is None else privileged,
+        uid_range=rng,
+        gid_range=rng,
+        range_why="" if rng else "no range in this test",
     )
 
 
@@ -80,6 +85,46 @@ def test_identity_unprivileged_and_root(tmp_path: Path) -> None:
     assert (plan.uid, plan.uid_map.line(), plan.gid_map.line()) == (0, "0 0 1\n", "0 0 1\n")
     with pytest.raises(UsageError):
         P.build(req(tmp_path, user=4242), facts(euid=1000))
+
+
+ROOT_RANGE = Range(1879048192, 65536, "built-in")
+SUB = Range(400000, 65536, "/etc/subuid (uid 1000)", "/usr/bin/newuidmap")
+
+
+def test_a_range_fills_the_other_ids_and_root_inside_keeps_a_few_capabilities(tmp_path: Path) -> None:
+    # real root over a root-owned project: 0 is host root, 1..65535 the range
+    plan = P.build(req(tmp_path, user=0), facts(euid=0, rng=ROOT_RANGE))
+    assert plan.uid_map.line() == "0 0 1\n1 1879048193 65535\n" and plan.uid_map.helper is None
+    assert plan.keep_caps == P.KEEP_CAPS and "CAP_SYS_ADMIN" not in plan.keep_caps
+    assert (plan.drop_groups, plan.deny_setgroups) == (True, False)
+    # real root as the owner 4242: host root (the mounter) and 4242 are cut out of the range
+    plan = P.build(req(tmp_path, user=4242), facts(euid=0, rng=ROOT_RANGE))
+    assert plan.uid_map.line() == ("4242 4242 1\n0 0 1\n1 1879048193 4241\n4243 1879052435 61293\n")
+    assert plan.keep_caps == ()  # not root inside
+    # --root over another owner's project: host root is mapped as the mounter, so
+    # no range and no capability (root inside would reach host root's files)
+    plan = P.build(req(tmp_path, user=4242, root=True), facts(euid=0, rng=ROOT_RANGE))
+    assert (plan.uid_map.line(), plan.keep_caps) == ("0 4242 1\n65534 0 1\n", ())
+    assert any("--root over a project owned by another user" in n for n in plan.notes)
+    # an unprivileged caller's subordinate range: newuidmap writes it, setgroups stays allowed
+    plan = P.build(req(tmp_path, root=True), facts(euid=1000, rng=SUB))
+    assert plan.uid_map.line() == "0 1000 1\n1 400001 65535\n" and plan.uid_map.helper == "/usr/bin/newuidmap"
+    assert (plan.keep_caps, plan.deny_setgroups, plan.drop_groups) == (P.KEEP_CAPS, False, True)
+    plan = P.build(req(tmp_path), facts(euid=1000, rng=SUB))
+    assert plan.uid_map.line() == "1000 1000 1\n0 400000 1000\n1001 401001 64535\n"
+    assert plan.keep_caps == ()
+    # without a range: the single map, and the note says why
+    plan = P.build(req(tmp_path, root=True), facts(euid=1000))
+    assert (plan.uid_map.line(), plan.keep_caps) == ("0 1000 1\n", ())
+    assert any(n.startswith("ids: only the sandbox user's id is mapped (no range in this test)") for n in plan.notes)
+
+
+def test_root_in_a_nested_user_namespace_is_planned_as_unprivileged(tmp_path: Path) -> None:
+    # `unshare -Ur`: euid 0, setgroups "deny", one id: nothing to map but itself, no setgroups
+    plan = P.build(req(tmp_path), facts(euid=0, privileged=False))
+    assert (plan.uid, plan.uid_map.line(), plan.deny_setgroups, plan.drop_groups) == (0, "0 0 1\n", True, False)
+    with pytest.raises(UsageError):
+        P.build(req(tmp_path, user=4242), facts(euid=0, privileged=False))
 
 
 def test_passwd_is_synthesized(tmp_path: Path) -> None:

@@ -105,6 +105,7 @@ class Lowered:
         self._keep = keep
         mounts = plan.mounts if mounts is None else mounts
         self.mounts = mounts  # what a mount step's op index refers to
+        self.maps = (plan.uid_map, plan.gid_map)  # spawn: the ones a helper writes
 
         def s(v: str | bytes | None) -> Any:
             if v is None:
@@ -149,8 +150,9 @@ class Lowered:
             keep.append(jf)
             p.cgroup_join_fds = jf
             p.n_cgroup_join_fds = len(join_fds)
-        p.uid_map = s(plan.uid_map.line())
-        p.gid_map = s(plan.gid_map.line())
+        # newuidmap/newgidmap write a subordinate range's maps (spawn, before "go")
+        p.uid_map = ffi.NULL if plan.uid_map.helper else s(plan.uid_map.line())
+        p.gid_map = ffi.NULL if plan.gid_map.helper else s(plan.gid_map.line())
         p.deny_setgroups = int(plan.deny_setgroups)
         p.drop_groups = int(plan.drop_groups)
         p.uid = plan.uid
@@ -186,6 +188,7 @@ class Lowered:
         p.pty = int(pty)
         p.console_sock = console_sock
         p.drop_caps = 1
+        p.keep_caps = cap_mask(plan.keep_caps)
         p.no_new_privs = 1
         if plan.landlock is not None and plan.landlock.abi > 0:
             ll = plan.landlock
@@ -295,6 +298,18 @@ class Child:
         self.pidfd = self.report_fd = self.sync_fd = -1
 
 
+def cap_mask(names: tuple[str, ...]) -> int:
+    """Capability names (CAP_CHOWN, ...) as the kernel's bit mask."""
+    if not names:
+        return 0
+    import prctl
+
+    mask = 0
+    for n in names:
+        mask |= 1 << int(getattr(prctl, n))
+    return mask
+
+
 def spawn(lowered: Lowered) -> Child:
     out = ffi.new("struct sk_child *")
     step = ffi.new("int *")
@@ -302,7 +317,20 @@ def spawn(lowered: Lowered) -> Child:
     if r < 0:
         name = STEP_NAMES.get(step[0], str(step[0]))
         raise spawn_error(name, -r, None)
-    return Child(out.pid, out.pidfd, out.report_fd, out.sync_fd, lowered)
+    child = Child(out.pid, out.pidfd, out.report_fd, out.sync_fd, lowered)
+    if any(m.helper for m in lowered.maps):
+        from . import idmap
+
+        try:
+            for m, what in zip(lowered.maps, ("uid_map", "gid_map")):
+                if m.helper:
+                    idmap.write_with_helper(out.pid, m.helper, m.entries, what)
+        except BaseException:
+            os.kill(out.pid, 9)
+            child.reap()
+            child.close()
+            raise
+    return child
 
 
 def start(
