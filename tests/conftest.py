@@ -237,6 +237,39 @@ def sweep_cgroups(state: Path, uid: int) -> None:
         pass
 
 
+SUBIDS_START = 1000000000  # the test range of uid 65534's /etc/subuid and /etc/subgid entry
+
+
+@pytest.fixture
+def subids() -> Iterator[int]:
+    """An /etc/subuid and /etc/subgid entry for uid 65534 (its subordinate range: the
+    start is yielded), removed after; the files are restored byte for byte."""
+    import fcntl
+
+    need(os.geteuid() == 0, "editing /etc/subuid needs root")
+    need(shutil.which("newuidmap") is not None and shutil.which("newgidmap") is not None,
+         "newuidmap/newgidmap missing (apt-get install uidmap; make test installs it)")
+    with open("/tmp/stockade-test-subids.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        saved = {}
+        for f in ("/etc/subuid", "/etc/subgid"):
+            try:
+                saved[f] = Path(f).read_bytes()
+            except FileNotFoundError:
+                saved[f] = None
+            with open(f, "ab") as out:
+                sep = b"\n" if saved[f] and not saved[f].endswith(b"\n") else b""  # type: ignore[union-attr]
+                out.write(sep + f"nobody:{SUBIDS_START}:65536\n".encode())
+        try:
+            yield SUBIDS_START
+        finally:
+            for f, data in saved.items():
+                if data is None:
+                    os.unlink(f)
+                else:
+                    Path(f).write_bytes(data)
+
+
 @pytest.fixture(params=["root", "unpriv"])
 def user(request: pytest.FixtureRequest, cli_path: str | None) -> Iterator[User]:
     base = world_tmpdir("stockade-user-")

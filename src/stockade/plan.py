@@ -8,17 +8,18 @@ process), so plans can be unit-tested without privileges and printed by
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import functools
 import os
 import pwd
 import stat
 import time
 from collections.abc import Mapping, Sequence
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import SandboxError, UsageError
 from .linux import idmap
 from .linux.idmap import Range
 
@@ -150,7 +151,7 @@ class Plan:
             f"identity:    uid {self.uid} gid {self.gid} ({self.user_name}), home {self.home}; "
             f"uid_map '{self.uid_map.line().strip().replace(chr(10), ', ')}', gid_map '{self.gid_map.line().strip().replace(chr(10), ', ')}'"
         )
-        out.append(f"hostname:    {self.hostname}")
+        out.append(f"hostname:    {self.hostname or '(kept: --allow-degraded hostname)'}")
         out.append(f"network:     {self.network}")
         out.append("mounts (in order):")
         for i, m in enumerate(self.mounts):
@@ -238,6 +239,8 @@ class HostFacts:
     # root that may map any id and call setgroups: real root, or a rootless
     # container's root; not root after `unshare -Ur` (setgroups "deny", one id)
     privileged: bool = False
+    # may map its own id when that is 0 (CAP_SETFCAP): not root under `bwrap --uid 0`
+    maps_root: bool = True
     # the sandbox's other ids (linux/idmap.py): both or neither, with why not
     uid_range: Range | None = None
     gid_range: Range | None = None
@@ -354,6 +357,7 @@ def host_facts(etc_extra: Sequence[str] = ()) -> HostFacts:
         proc_entries=_proc_entries(),
         landlock_abi=landlock_abi(),
         privileged=euid == 0 and idmap.setgroups_allowed(),
+        maps_root=euid != 0 or idmap.holds_setfcap(),
         uid_range=uid_range,
         gid_range=gid_range,
         range_why=range_why,
@@ -727,6 +731,13 @@ def _identity(req: Request, facts: HostFacts) -> tuple[int, int, int, int, str, 
         # root after `unshare -Ur` (setgroups "deny", its one id) is planned like
         # any unprivileged caller: it has nothing more to map
         out_uid, out_gid = facts.euid, facts.egid
+        if not facts.maps_root:
+            raise SandboxError(
+                "map uid 0 into the sandbox's user namespace", errno=errno.EPERM,
+                detail="this process is root inside a user namespace without CAP_SETFCAP (bubblewrap's --uid 0 drops "
+                       "it), and only a holder of CAP_SETFCAP may map that namespace's uid 0 into a new one",
+                remedy="give it back to the outer sandbox (bwrap --cap-add CAP_SETFCAP), or start it as another uid "
+                       "(bwrap --uid 1000)")
         if req.user is not None and req.user != out_uid:
             raise UsageError("--user needs real root; an unprivileged caller always runs as itself (use --root to appear as uid 0)")
     elif req.user is not None:
@@ -850,13 +861,18 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     ops.append(MountOp("symlink", "/var/run", data="../run"))
     ops.append(MountOp("symlink", "/var/lock", data="../run/lock"))
 
+    # walls a container refused that the caller allowed a run without (prepare, linux/walls.py)
+    gone = {d.split(" ", 1)[0] for d in req.degraded}
+    # kept: the sandbox's own UTS namespace starts as a copy of this one
+    hostname = os.uname().nodename if "hostname" in gone else req.hostname
+
     # /etc: curated; passwd/group synthesized for the sandbox user
     passwd, group = _passwd(in_uid, in_gid, name, home)
     ops.append(MountOp("file", "/etc/passwd", data=passwd, mode=0o644, why="synthesized"))
     ops.append(MountOp("file", "/etc/group", data=group, mode=0o644, why="synthesized"))
-    ops.append(MountOp("file", "/etc/hostname", data=(req.hostname + "\n").encode(), mode=0o644))
+    ops.append(MountOp("file", "/etc/hostname", data=(hostname + "\n").encode(), mode=0o644))
     host_hosts = next((d for n, k, d in facts.etc if n == "hosts" and k == "file"), None)
-    ops.append(MountOp("file", "/etc/hosts", data=hosts_file(req.hostname, host_hosts), mode=0o644,
+    ops.append(MountOp("file", "/etc/hosts", data=hosts_file(hostname, host_hosts), mode=0o644,
                        why="synthesized: the host's localhost lines, in its order"))
     whole_hosts = "/etc/hosts" in req.etc_extra or "hosts" in req.etc_extra
     etc_names = [e[0] for e in facts.etc]
@@ -890,15 +906,23 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         ops.append(MountOp("symlink", "/dev/" + n, data=t))
 
     # /proc: new procfs; kernel tunables read-only, leaky files masked
-    ops.append(MountOp("proc", "/proc", why="new procfs for the sandbox's PID namespace"))
+    proc_entries = facts.proc_entries
+    if "proc" in gone:
+        # never this process's /proc bound in: it shows its processes, same-uid ones' environ
+        # included (docs/ARCHITECTURE.md)
+        ops.append(MountOp("tmpfs", "/proc", data="mode=0555,size=0", flags=frozenset({"ro"}),
+                           why="empty: a new procfs is refused here (--allow-degraded proc)"))
+        proc_entries = frozenset()
+    else:
+        ops.append(MountOp("proc", "/proc", why="new procfs for the sandbox's PID namespace"))
     for pe in PROC_READONLY:
-        if pe in facts.proc_entries:
+        if pe in proc_entries:
             ops.append(MountOp("bind", "/proc/" + pe, source="/proc/" + pe, source_in_sandbox=True, flags=frozenset({"ro", "rec"}), why="read-only"))
     for pe in PROC_MASKED:
-        if pe in facts.proc_entries:
+        if pe in proc_entries:
             ops.append(MountOp("bind", "/proc/" + pe, source="/dev/null", source_in_sandbox=True, flags=frozenset({"ro", "file"}), why="masked"))
     for pe in PROC_MASKED_DIRS:
-        if pe in facts.proc_entries:
+        if pe in proc_entries:
             ops.append(MountOp("tmpfs", "/proc/" + pe, data="mode=0555,size=0", flags=frozenset({"ro"}), why="masked"))
     hidden.append("/sys (except " + ", ".join(p for p, _ in SYS_EXPOSED) + ", read-only)")
 
@@ -1015,7 +1039,7 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         drop_groups=privileged or ranged,
         keep_caps=KEEP_CAPS if ranged and in_uid == 0 else (),
         namespaces=namespaces,
-        hostname=req.hostname,
+        hostname="" if "hostname" in gone else req.hostname,  # "": sethostname is not called
         mounts=tuple(ops),
         rlimits=req.rlimits,
         landlock=ll,

@@ -101,6 +101,18 @@ def setgroups_allowed(proc: Path = Path("/proc")) -> bool:
         return True  # kernels before 3.19 have no such file
 
 
+def holds_setfcap(proc: Path = Path("/proc")) -> bool:
+    """CAP_SETFCAP in this process's effective set: the kernel lets only its holder
+    map the id 0 of the namespace it runs in into a new one (even as itself)."""
+    try:
+        for line in (proc / "self" / "status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> 31 & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def ranges(euid: int, *, etc: Path = Path("/etc"), proc: Path = Path("/proc")) -> tuple[Range | None, Range | None, str]:
     """(uid range, gid range, why) for a caller. Both or neither: a sandbox with
     other uids but one gid (or the reverse) would fail half-way through tar."""
