@@ -25,11 +25,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-CACHE_VERSION = 3
-REQUIRED = ("userns", "overlay", "landlock", "seccomp", "self-test")
+CACHE_VERSION = 4
+REQUIRED = ("userns", "proc", "hostname", "overlay", "landlock", "seccomp", "self-test")
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWPID = 0x20000000
+SYS_CLONE3 = 435  # same number on every architecture
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_RDONLY = 1
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
@@ -51,6 +55,10 @@ class Probe:
     detail: str
     fix: str | None = None
     data: dict[str, Any] = field(default_factory=dict)
+    # for a failure: what the environment makes of it, and the environment seen
+    # (the same words a run's error uses: linux/remedies.py)
+    cause: str | None = None
+    environment: str | None = None
 
     @property
     def required(self) -> bool:
@@ -82,6 +90,8 @@ class Report:
             first, *more = p.detail.split("\n")
             out.append(f"{p.status.upper():<9} {p.name:<12} {first}")
             out.extend(f"{'':<22}{ln}" for ln in more)
+            if p.cause and p.status != "ok" and p.cause not in p.detail:
+                out.append(f"{'':<22}cause: {p.cause}")
             if p.fix and p.status != "ok":
                 out.append(f"{'':<22}fix: {p.fix}")
         out.append("")
@@ -182,39 +192,46 @@ def _enter_userns() -> None:
 # --------------------------------------------------------------------------- probes
 
 
-def analyze_userns(sc: dict[str, str | None], live: dict[str, Any], uid: int) -> Probe:
-    """Name the cause of a user-namespace failure from the sysctls (pure; unit-tested)."""
+def _env(proc: Path = Path("/proc")) -> Any:
+    from .linux import remedies
+
+    return remedies.detect(proc)
+
+
+def _errno_of(live: dict[str, Any], default: int) -> int:
+    import errno as E
+
+    if live.get("errno"):
+        return int(live["errno"])
+    err = str(live.get("error") or "")
+    return next((n for n, name in E.errorcode.items() if name in err.split()), default)
+
+
+def analyze_userns(sc: dict[str, str | None], live: dict[str, Any], uid: int, env: Any = None) -> Probe:
+    """Name the cause of a user-namespace failure from the sysctls and the environment
+    (pure given ``env``; unit-tested); the words are a run's (linux/remedies.userns)."""
+    import dataclasses
+    import errno as E
+
+    from .linux import remedies
+
     data = {"sysctls": {k: v for k, v in sc.items() if "userns" in k or "max_user" in k}, "live": live}
-    max_ns = sc.get("user/max_user_namespaces")
-    deb = sc.get("kernel/unprivileged_userns_clone")
-    aa = sc.get(APPARMOR_SYSCTL)
-    causes: list[tuple[str, str]] = []
-    if max_ns == "0":
-        causes.append(("user.max_user_namespaces = 0",
-                       "sudo sysctl -w user.max_user_namespaces=15000 (persist it in /etc/sysctl.d/)"))
-    if deb == "0" and uid != 0:
-        causes.append(("kernel.unprivileged_userns_clone = 0 (Debian)",
-                       "sudo sysctl -w kernel.unprivileged_userns_clone=1"))
-    if aa == "1" and uid != 0:
-        causes.append(("AppArmor restricts unprivileged user namespaces "
-                       "(kernel.apparmor_restrict_unprivileged_userns = 1)",
-                       "install the profile printed by `stockade doctor --apparmor` "
-                       "(or: sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0)"))
+    env = dataclasses.replace(env or remedies.detect(), uid=uid,
+                              max_user_namespaces=sc.get("user/max_user_namespaces"),
+                              unprivileged_userns_clone=sc.get("kernel/unprivileged_userns_clone"),
+                              apparmor_restrict=sc.get(APPARMOR_SYSCTL))
+    where = env.describe()
     if live.get("ok"):
         detail = "user namespaces work (unshare + id map + mount)"
-        if aa == "1" and uid != 0:
+        if env.apparmor_restrict == "1" and uid != 0:
             detail += "; an AppArmor profile allows them for this interpreter"
-        return Probe("userns", "ok", detail, None, data)
+        return Probe("userns", "ok", detail, None, data, environment=where)
+    err = _errno_of(live, E.ENOSPC if env.max_user_namespaces == "0" else E.EPERM)
     step = live.get("step") or "unshare"
-    err = live.get("error") or "failed"
-    if causes:
-        detail = f"{step}: {err}; cause: " + "; ".join(c for c, _ in causes)
-        return Probe("userns", "missing", detail, " ; ".join(f for _, f in causes), data)
-    if os.path.exists("/.dockerenv") or sc.get("container"):
-        fix = "run the container with --security-opt seccomp=unconfined (Docker's default profile blocks unshare) or use --privileged"
-    else:
-        fix = "check `unshare -Urm true`; a seccomp filter or LSM of a parent container may block user namespaces"
-    return Probe("userns", "missing", f"{step}: {err}", fix, data)
+    # the namespace was made and a mount in it refused: that is mount's cause, not userns's
+    rem = remedies.mount(err, env) if step.startswith("mount") else remedies.userns(err, env)
+    return Probe("userns", "missing", f"{step}: {live.get('error') or 'failed'}: {rem.cause}", rem.fix, data,
+                 cause=rem.cause, environment=where)
 
 
 def probe_userns(proc: Path = Path("/proc")) -> list[Probe]:
@@ -232,11 +249,140 @@ def probe_userns(proc: Path = Path("/proc")) -> list[Probe]:
 
     live = _child_result(child)
     probes = [analyze_userns(sc, live, os.getuid())]
-    if os.getuid() == 0:
+    # nested, uid 65534 is rarely mapped: setpriv could not become it to try
+    if os.getuid() == 0 and not _env(proc).nested:
         unpriv = unprivileged_userns()
         if unpriv is not None:
             probes.append(unpriv)
     return probes
+
+
+def _step_probe(name: str, what: str, live: dict[str, Any], remedy: Any, env: Any, *,
+                failed: str = "missing") -> Probe:
+    """A live step's result as a probe: on failure, the cause and fix a run's error gives."""
+    where = env.describe()
+    if live.get("ok"):
+        return Probe(name, "ok", live.get("detail") or f"{what} works", None, {"live": live}, environment=where)
+    err = int(live.get("errno") or 0)
+    if str(live.get("step") or "").startswith("unshare(CLONE_NEWUSER"):
+        from .linux import remedies
+
+        remedy = remedies.userns  # no namespace to try the step in: the user namespace's cause
+    rem = remedy(err, env)
+    import errno as E
+
+    ename = E.errorcode.get(err, str(err))
+    return Probe(name, failed, f"{live.get('step') or what}: {ename}: {rem.cause}", rem.fix, {"live": live},
+                 cause=rem.cause, environment=where)
+
+
+def _in_userns_child(fn: Any) -> dict[str, Any]:
+    """``fn()`` in a throwaway child, inside a new user and mount namespace (as a run's)."""
+
+    def child() -> dict[str, Any]:
+        _enter_userns()
+        return dict(fn())
+
+    return _child_result(child)
+
+
+def probe_clone3(env: Any = None) -> Probe:
+    """clone3(CLONE_NEWUSER), the call a run starts with (container profiles answer
+    ENOSYS so that callers fall back to clone)."""
+    from .linux import remedies
+
+    env = env or remedies.detect()
+
+    def child() -> dict[str, Any]:
+        libc = _libc()
+        libc.syscall.restype = ctypes.c_long
+        # struct clone_args, CLONE_ARGS_SIZE_VER0: flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls
+        args = (ctypes.c_uint64 * 8)(CLONE_NEWUSER, 0, 0, 0, 17, 0, 0, 0)
+        pid = libc.syscall(ctypes.c_long(SYS_CLONE3), ctypes.byref(args), ctypes.c_size_t(64))
+        if pid == 0:
+            os._exit(0)
+        _check(-1 if pid < 0 else 0, "clone3(CLONE_NEWUSER)")
+        os.waitpid(int(pid), 0)
+        return {"ok": True, "detail": "clone3 creates a user namespace"}
+
+    live = _child_result(child)
+    # ENOSYS: a run falls back to clone where the C core does; a weaker signal than EPERM
+    import errno as E
+
+    status = "degraded" if live.get("errno") == E.ENOSYS else "missing"
+    return _step_probe("clone3", "clone3", live, remedies.userns, env, failed=status)
+
+
+def probe_setgroups(env: Any = None) -> Probe:
+    """setgroups(2), which a root caller's sandbox calls to drop supplementary groups."""
+    from .linux import remedies
+
+    env = env or remedies.detect()
+    if os.geteuid() != 0:
+        return Probe("setgroups", "ok", "not needed: an unprivileged caller's sandbox maps its own id only, "
+                     "setgroups denied", None, environment=env.describe())
+
+    def child() -> dict[str, Any]:
+        try:
+            os.setgroups(os.getgroups())
+        except OSError as e:
+            err = _StepError(e.errno, e.strerror)
+            err.step = "setgroups"
+            raise err from None
+        return {"ok": True, "detail": f"setgroups works (/proc/self/setgroups: {env.setgroups or '?'})"}
+
+    # a refusal leaves runs working with one id and the caller's groups: degraded, not missing
+    return _step_probe("setgroups", "setgroups", _child_result(child), remedies.setgroups, env, failed="degraded")
+
+
+def probe_proc(env: Any = None) -> Probe:
+    """A new procfs in a new user and PID namespace (the sandbox's /proc)."""
+    from .linux import remedies
+
+    env = env or remedies.detect()
+
+    def fn() -> dict[str, Any]:
+        libc = _libc()
+        _check(libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+        d = tempfile.mkdtemp(prefix="stockade-doctor-proc-")
+        try:
+            pid = os.fork()
+            if pid == 0:  # the new PID namespace's first process
+                rc = libc.mount(b"proc", d.encode(), b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+                err = ctypes.get_errno()
+                if rc == 0:
+                    libc.umount2(d.encode(), 2)  # MNT_DETACH: the dir is removed next
+                os._exit(0 if rc == 0 else min(err, 255))
+            _pid, status = os.waitpid(pid, 0)
+        finally:
+            os.rmdir(d)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            _check_errno(code, "mount proc")
+        return {"ok": True, "detail": "a new procfs mounts in a new user and PID namespace"}
+
+    return _step_probe("proc", "mount proc", _in_userns_child(fn), remedies.proc, env)
+
+
+def probe_hostname(env: Any = None) -> Probe:
+    """sethostname in a new UTS namespace (the sandbox's hostname)."""
+    from .linux import remedies
+
+    env = env or remedies.detect()
+
+    def fn() -> dict[str, Any]:
+        libc = _libc()
+        _check(libc.unshare(CLONE_NEWUTS), "unshare(CLONE_NEWUTS)")
+        _check(libc.sethostname(b"stockade-doctor", 15), "sethostname")
+        return {"ok": True, "detail": "sethostname works in a new UTS namespace"}
+
+    return _step_probe("hostname", "sethostname", _in_userns_child(fn), remedies.hostname, env)
+
+
+def _check_errno(err: int, step: str) -> None:
+    e = _StepError(err, os.strerror(err))
+    e.step = step
+    raise e
 
 
 def unprivileged_userns() -> Probe | None:
@@ -304,11 +450,16 @@ def probe_overlay(state: Path) -> Probe:
         _rmtree(base)
     data = {"fstype": fstype, **res}
     if not res.get("ok"):
-        fix = ("put the state dir on ext4, xfs, btrfs or tmpfs (STOCKADE_STATE_DIR=...)"
-               if fstype in {"overlay", "nfs", "nfs4", "fuse", "cifs", "zfs"}
-               else "kernel 5.11+ mounts overlay in user namespaces; check `dmesg` for overlayfs errors")
+        from .linux import remedies
+
+        env = remedies.detect()
+        if str(res.get("step") or "").startswith("unshare(CLONE_NEWUSER"):
+            rem = remedies.userns(int(res.get("errno") or 0), env)
+        else:
+            rem = remedies.overlay(int(res.get("errno") or 0), env, str(state))
         return Probe("overlay", "missing",
-                     f"{res.get('step') or 'mount overlay'} on {fstype} ({state}): {res.get('error')}", fix, data)
+                     f"{res.get('step') or 'mount overlay'} on {fstype} ({state}): {res.get('error')}: {rem.cause}",
+                     rem.fix, data, cause=rem.cause, environment=env.describe())
     if not upper_ok:
         return Probe("overlay", "missing", "overlay mounted but writes did not reach the upper dir", None, data)
     if not whiteout:
@@ -347,15 +498,11 @@ def landlock_abi() -> tuple[int, int]:
 def analyze_landlock(abi: int, err: int, lsm: str | None) -> Probe:
     data = {"abi": abi, "lsm": lsm}
     if abi < 1:
-        import errno as E
+        from .linux import remedies
 
-        if err == E.EOPNOTSUPP:
-            why = "Landlock is built in but not enabled"
-            fix = "add landlock to the lsm= boot parameter (e.g. lsm=landlock,lockdown,yama,apparmor,bpf)"
-        else:
-            why = "the kernel has no Landlock (needs 5.13+ with CONFIG_SECURITY_LANDLOCK)"
-            fix = "use a kernel with Landlock, or accept the named degraded mode `--allow-degraded landlock`"
-        return Probe("landlock", "missing", why, fix, data)
+        env = remedies.detect()
+        rem = remedies.landlock(err, env)
+        return Probe("landlock", "missing", rem.cause, rem.fix, data, cause=rem.cause, environment=env.describe())
     feats = ["fs"]
     if abi >= 2:
         feats.append("refer")
@@ -423,13 +570,25 @@ def probe_cgroups() -> Probe:
         desc = {}
     data = {"kind": kind, "reasons": list(d.reasons), "describe": {k: str(v) for k, v in desc.items()}}
     if kind == "none":
+        from .linux import remedies
+
+        env = remedies.detect()
+        # the command is the user's: a run's refusal repeats the one it was given
+        rem = remedies.cgroup_delegation(env, "stockade run -- <command>")
         return Probe("cgroups", "degraded",
                      # each reason whole, one a line (a cut at a length garbled the last one)
                      "no delegated cgroup: memory/pids/CPU limits fall back to rlimits"
                      + "".join(f"\n- {r}" for r in d.reasons),
-                     "run under `systemd-run --user --scope -p Delegate=yes stockade ...` or enable cgroup v2 delegation",
-                     data)
+                     rem.fix, data, cause=rem.cause, environment=env.describe())
     return Probe("cgroups", "ok", f"backend {kind}", None, data)
+
+
+def probe_environment(proc: Path = Path("/proc"), root: Path = Path("/")) -> Probe:
+    """What this process runs in: every fix above is chosen for it."""
+    from .linux import remedies
+
+    env = remedies.detect(proc, root)
+    return Probe("environment", "info", env.describe(), data=env.to_json(), environment=env.describe())
 
 
 def probe_capabilities() -> Probe:
@@ -552,7 +711,8 @@ def run_self_test(timeout: float = 30.0) -> Probe:
                      None, {"ms": round(ms, 1), "degraded": list(getattr(res, "degraded", ()) or ())})
     except Exception as e:  # report the failing step; doctor must not crash
         remedy = getattr(e, "remedy", None)
-        return Probe("self-test", "missing", f"{type(e).__name__}: {e}", remedy or "see the message above")
+        return Probe("self-test", "missing", f"{type(e).__name__}: {e}", remedy or "see the message above",
+                     cause=getattr(e, "detail", None))
     finally:
         _rmtree(base)
         _rmtree(store.sessions_dir() / name)
@@ -581,8 +741,12 @@ def _rmtree(path: Path) -> None:
 
 def _cache_key(state: Path) -> dict[str, Any]:
     sc = sysctls()
+    from .linux import remedies
+
+    # the environment decides every fix: a nested namespace or a filter is another machine
     return {"version": CACHE_VERSION, "boot_id": sc.get("kernel/random/boot_id"),
             "release": os.uname().release, "uid": os.getuid(), "state": str(state),
+            "env": remedies.detect().to_json(),
             "sysctls": {k: v for k, v in sc.items() if k != "kernel/random/boot_id"}}
 
 
@@ -596,7 +760,11 @@ def cached_probes(state: Path, *, refresh: bool = False) -> tuple[list[Probe], b
                 return [Probe(**p) for p in doc["probes"]], True
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    probes = [*probe_userns(), probe_overlay(state), probe_landlock(), probe_seccomp(), probe_cgroups(),
+    from .linux import remedies
+
+    env = remedies.detect()
+    probes = [probe_environment(), *probe_userns(), probe_clone3(env), probe_setgroups(env), probe_proc(env),
+              probe_hostname(env), probe_overlay(state), probe_landlock(), probe_seccomp(), probe_cgroups(),
               probe_apparmor(), probe_capabilities()]
     try:
         state.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -28,7 +28,8 @@ def test_every_cgroup_reason_is_printed_whole(monkeypatch: pytest.MonkeyPatch) -
     lines = text.splitlines()
     assert lines[0] == "DEGRADED  cgroups      no delegated cgroup: memory/pids/CPU limits fall back to rlimits"
     assert lines[1:1 + len(reasons)] == [f"{'':<22}- {r}" for r in reasons]
-    assert lines[1 + len(reasons)].startswith(f"{'':<22}fix: ")
+    assert lines[1 + len(reasons)] == f"{'':<22}cause: {probe.cause}"
+    assert lines[2 + len(reasons)] == f"{'':<22}fix: {probe.fix}"
 
 
 def test_id_range_names_an_unused_subordinate_entry(tmp_path: Path) -> None:
@@ -41,3 +42,143 @@ def test_id_range_names_an_unused_subordinate_entry(tmp_path: Path) -> None:
     (tmp_path / "subuid").write_text(f"someone:100000:65536\n{name}:165536:65536\n")
     p = doctor.probe_id_range(tmp_path)
     assert p.data["subordinate_entries"] == ["subuid"] and "/etc/subuid entry is not used" in p.detail
+
+
+# ---------------------------------------------------------------- one cause, one fix: doctor and run errors (#14 item 3)
+
+
+def fake_proc(tmp_path: Path, *, uid_map: str = "0 0 4294967295", seccomp: int = 0, setgroups: str = "allow",
+              mounts: tuple[str, ...] = (), sysctl: dict[str, str] | None = None) -> Path:
+    """A /proc tree with what linux/remedies.detect reads."""
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "uid_map").write_text(f"{uid_map}\n")
+    (proc / "self" / "setgroups").write_text(f"{setgroups}\n")
+    (proc / "self" / "status").write_text(f"Name:\tpython3\nSeccomp:\t{seccomp}\nSeccomp_filters:\t{int(seccomp == 2)}\n")
+    lines = ["22 27 0:21 / /proc rw,relatime - proc proc rw"]
+    lines += [f"{40 + i} 22 0:5 /null {m} ro,relatime - devtmpfs udev rw" for i, m in enumerate(mounts)]
+    (proc / "self" / "mountinfo").write_text("\n".join(lines) + "\n")
+    for name, value in (sysctl or {}).items():
+        (proc / "sys" / name).parent.mkdir(parents=True, exist_ok=True)
+        (proc / "sys" / name).write_text(f"{value}\n")
+    return proc
+
+
+def fake_root(tmp_path: Path, *files: str, dirs: tuple[str, ...] = ()) -> Path:
+    root = tmp_path / "root"
+    root.mkdir()
+    for f in files:
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+        (root / f).touch()
+    for d in dirs:
+        (root / d).mkdir(parents=True)
+    return root
+
+
+def test_apparmor_restriction_same_cause_and_fix_in_doctor_and_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AppArmor's restriction (a fake /proc): doctor's userns line and a run's clone3 error
+    carry the same cause and fix (the fix installs the profile or turns the sysctl off)."""
+    import dataclasses
+    import errno
+
+    from stockade.linux import native, remedies
+
+    proc = fake_proc(tmp_path, sysctl={"kernel/apparmor_restrict_unprivileged_userns": "1"})
+    env = dataclasses.replace(remedies.detect(proc, fake_root(tmp_path)), uid=1000)
+    assert env.apparmor_restrict == "1" and not env.nested
+    p = doctor.analyze_userns(doctor.sysctls(proc), {"ok": False, "errno": errno.EPERM, "step": "unshare",
+                                                     "error": "Operation not permitted"}, 1000, env)
+    assert p.status == "missing" and p.cause and "AppArmor restricts unprivileged user namespaces" in p.cause
+    assert p.fix and "stockade doctor --apparmor" in p.fix and "apparmor_restrict_unprivileged_userns=0" in p.fix
+    monkeypatch.setattr(remedies, "detect", lambda *a, **k: env)
+    err = native.spawn_error("clone", errno.EPERM, None)
+    assert err.detail == p.cause and err.remedy == p.fix
+    assert f": {p.cause} (fix: {p.fix})" in str(err)
+    # root is not under the restriction: the same environment names another cause
+    assert "AppArmor" not in remedies.userns(errno.EPERM, dataclasses.replace(env, uid=0)).cause
+
+
+def test_detect_nested_engine_masks_filter(tmp_path: Path) -> None:
+    from stockade.linux import remedies
+
+    proc = fake_proc(tmp_path, uid_map="0 1000 1", setgroups="deny", seccomp=2,
+                     mounts=("/proc/timer_list", "/proc/keys", "/proc/sys/fs/binfmt_misc"),
+                     sysctl={"user/max_user_namespaces": "0"})
+    env = remedies.detect(proc, fake_root(tmp_path, "run/.containerenv"))
+    assert env.nested and env.setgroups == "deny" and env.seccomp == 2
+    assert env.engine == "podman" and env.engine_evidence == "/run/.containerenv"
+    # binfmt_misc sits on an empty dir the kernel keeps for it: it never stops a procfs
+    assert env.masked_proc == ("/proc/timer_list", "/proc/keys")
+    d = env.describe()
+    assert "nested user namespace (uid_map '0 1000 1', setgroups deny)" in d and "podman container" in d
+    assert "Seccomp: 2" in d and "user.max_user_namespaces = 0" in d
+    full = remedies.detect(fake_proc(tmp_path / "b"), fake_root(tmp_path / "b"))
+    assert not full.nested and full.engine is None and full.masked_proc == () and not full.systemd
+
+
+@pytest.mark.parametrize(("engine_file", "flag"), [("run/.containerenv", "`podman run --security-opt unmask=ALL`"),
+                                                   (".dockerenv", "`docker run --security-opt systempaths=unconfined`")])
+def test_masked_proc_fix_is_the_engines_option(tmp_path: Path, engine_file: str, flag: str) -> None:
+    import errno
+
+    from stockade.linux import remedies
+
+    env = remedies.detect(fake_proc(tmp_path, mounts=("/proc/kcore",)), fake_root(tmp_path, engine_file))
+    r = remedies.proc(errno.EPERM, env)
+    assert "/proc/kcore" in r.cause and flag in r.fix
+
+
+@pytest.mark.parametrize("engine_file", ["run/.containerenv", ".dockerenv", None])
+def test_seccomp_fix_names_the_engine_flag_only_under_a_filter(tmp_path: Path, engine_file: str | None) -> None:
+    """The old line blamed Docker's seccomp profile for any EPERM in a container; now only
+    a filter on this process (Seccomp: 2) is blamed, and a nested namespace is named."""
+    import errno
+
+    from stockade.linux import remedies
+
+    files = (engine_file,) if engine_file else ()
+    under = remedies.detect(fake_proc(tmp_path / "a", seccomp=2), fake_root(tmp_path / "a", *files))
+    r = remedies.userns(errno.EPERM, under)
+    assert "Seccomp: 2" in r.cause and "--security-opt seccomp=unconfined" in r.fix
+    nested = remedies.detect(fake_proc(tmp_path / "b", uid_map="0 0 1"), fake_root(tmp_path / "b", *files))
+    r = remedies.userns(errno.EPERM, nested)
+    assert "nested: uid_map '0 0 1'" in r.cause and "Seccomp: 2" not in r.cause and "seccomp=" not in r.fix
+
+
+def test_cgroup_fix_is_systemd_run_with_the_command_or_the_engine_option(tmp_path: Path) -> None:
+    from stockade.linux import remedies
+
+    cmd = "stockade run --memory 1G -- make -j8"
+    sd = remedies.detect(fake_proc(tmp_path / "a"), fake_root(tmp_path / "a", ".dockerenv", dirs=("run/systemd/system",)))
+    assert sd.systemd
+    fix = remedies.cgroup_delegation(sd, cmd).fix
+    want = "systemd-run --user --scope" if os.getuid() != 0 else "systemd-run --scope"
+    assert fix == f"`{want} -p Delegate=yes -- {cmd}`"
+    box = remedies.detect(fake_proc(tmp_path / "b"), fake_root(tmp_path / "b", "run/.containerenv"))
+    r = remedies.cgroup_delegation(box, cmd)
+    assert "podman container" in r.cause and "`podman run --systemd=always`" in r.fix and "systemd-run" not in r.fix
+
+
+def test_user_command_is_the_clis_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process (sys.argv[0] the script) and served (the server sets "stockade") alike."""
+    import sys
+
+    from stockade.linux import remedies
+
+    for argv0 in ("/home/u/.venv/bin/stockade", "/x/stockade/__main__.py", "stockade"):
+        monkeypatch.setattr(sys, "argv", [argv0, "run", "--memory", "1G", "--", "sh", "-c", "echo 'a b'"])
+        assert remedies.user_command() == "stockade run --memory 1G -- sh -c 'echo '\"'\"'a b'\"'\"''"
+
+
+def test_every_run_error_says_something_concrete() -> None:
+    """No step of a run ends in "see `stockade doctor`" alone: each names a cause and a fix."""
+    import errno
+
+    from stockade.linux import native
+
+    for step in sorted(set(native.STEP_NAMES.values())):
+        for err in (errno.EPERM, errno.EINVAL, errno.ENOSPC, errno.ENOSYS, errno.EACCES, errno.ENOMEM):
+            for kind in ((None, "proc", "overlay", "bind") if step == "mount" else (None,)):
+                e = native.spawn_error(step, err, None, op_kind=kind)
+                assert e.remedy and "stockade doctor`" not in e.remedy.replace("stockade doctor --apparmor`", ""), (step, err, e)
+                assert len(e.remedy) > 20, (step, err, e)

@@ -355,9 +355,15 @@ def check_enforceable(
     if bad and not allow_degraded:
         enf = manager.enforcement(limits)
         name = bad[0]
+        how = ""
+        if manager.kind == "none":  # no cgroup of its own: say how to get one, for this command
+            from ..linux import remedies
+
+            rem = remedies.cgroup_delegation(remedies.detect())
+            how = f"; {rem.cause}: {rem.fix}"
         raise UsageError(
             f"{FLAG_FOR[name]}: cannot be enforced for the whole sandbox with cgroup backend "
-            f"{manager.kind!r} (would be: {enf[name]}); pass --allow-degraded limits to run anyway"
+            f"{manager.kind!r} (would be: {enf[name]}); pass --allow-degraded limits to run anyway{how}"
         )
     return bad
 

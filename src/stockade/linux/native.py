@@ -393,7 +393,10 @@ def go(child: Child) -> bool:
     if r == -_e.EPIPE:
         return False
     if r < 0:
-        raise SandboxError("release child", errno=-r, remedy="the sandbox's init died before starting; see `stockade doctor`")
+        from .remedies import detect, release  # error path only
+
+        rem = release(-r, detect())
+        raise SandboxError("release child", errno=-r, detail=rem.cause, remedy=rem.fix)
     return True
 
 
@@ -406,44 +409,12 @@ def has_exited(child: Child) -> bool:
     return bool(p.poll(0))
 
 
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def userns_remedy(err: int) -> str:
-    if err == _errno.ENOSPC:
-        n = _read_int("/proc/sys/user/max_user_namespaces")
-        if n == 0:
-            return "user namespaces are disabled (user.max_user_namespaces=0): run `sudo sysctl -w user.max_user_namespaces=15000`"
-        return "the user namespace limit is reached: raise user.max_user_namespaces or end other sandboxes"
-    if err == _errno.EPERM:
-        if _read_int("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == 1:
-            return ("AppArmor restricts unprivileged user namespaces: run `sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` "
-                    "or install the profile printed by `stockade doctor --apparmor`")
-        if _read_int("/proc/sys/kernel/unprivileged_userns_clone") == 0:
-            return "unprivileged user namespaces are disabled: run `sudo sysctl -w kernel.unprivileged_userns_clone=1`"
-        return ("creating namespaces is forbidden here (a container's seccomp profile or an LSM): "
-                "run on the host, or give the container `--security-opt seccomp=unconfined`; `stockade doctor` probes it")
-    return "see `stockade doctor`"
-
-
 _REMEDIES: dict[str, str] = {
-    "uid-map": "the kernel refused the uid map; see `stockade doctor`",
-    "gid-map": "the kernel refused the gid map; see `stockade doctor`",
-    "pivot-root": "pivot_root needs a private mount namespace; see `stockade doctor`",
-    "landlock": "Landlock refused the ruleset; run with --allow-degraded landlock to run without it, and see `stockade doctor`",
-    "seccomp": "the kernel refused the seccomp filter; see `stockade doctor`",
+    # the steps linux/remedies.py has no environment to weigh for
     "chdir": "the working directory does not exist inside the sandbox; pass --cwd with a directory inside the project",
     "lo-up": "bringing up loopback failed in the new network namespace",
     "rlimit": "a resource limit is above the hard limit of the caller; lower it",
-    "unshare": "the launcher could not create a run's namespaces; set STOCKADE_LAUNCHER=0 to start each sandbox directly, and see `stockade doctor`",
-    "launcher": "the sandbox launcher could not start; set STOCKADE_LAUNCHER=0 to start each sandbox directly, and see `stockade doctor`",
-    "cgroup-join": ("the sandbox could not enter its cgroup; check that the cgroup still exists and is writable by "
-                    "this user, or run with STOCKADE_CGROUP=none (rlimits only), and see `stockade doctor`"),
+    "launcher": "the sandbox launcher could not start; set STOCKADE_LAUNCHER=0 to start each sandbox directly",
 }
 
 
@@ -467,7 +438,8 @@ def report_error(rep: Report, ops: Sequence[MountOp], cgroup_paths: Sequence[str
             return SandboxError("mount", path=path or None, errno=rep.err, remedy=(
                 f"the project contains mount points ({shown}); overlayfs cannot use a tree with mounts inside it "
                 "as a layer of the sandbox: unmount them, or pass a --project that contains none"))
-    return spawn_error(rep.step, rep.err, path or None, op_kind=op.kind if op is not None else None)
+    return spawn_error(rep.step, rep.err, path or None, op_kind=op.kind if op is not None else None,
+                       upper=op.upper if op is not None else None)
 
 
 def mounts_under(dirs: Sequence[str]) -> list[str]:
@@ -492,14 +464,14 @@ def mounts_under(dirs: Sequence[str]) -> list[str]:
     return out
 
 
-def spawn_error(step: str, err: int, path: str | None, *, op_kind: str | None = None) -> SandboxError:
+def spawn_error(step: str, err: int, path: str | None, *, op_kind: str | None = None,
+                upper: str | None = None) -> SandboxError:
+    """The cause and fix come from linux/remedies.py, which `stockade doctor` uses too."""
+    from . import remedies  # error path only
+
+    rem = remedies.for_step(step, err, op_kind=op_kind, state=upper)
     if step == "clone":
-        return SandboxError("clone3 (new user, mount, pid, net, ipc, uts, cgroup namespaces)", errno=err, remedy=userns_remedy(err))
-    remedy = _REMEDIES.get(step)
-    if step == "mount":
-        if op_kind == "overlay":
-            remedy = ("overlayfs refused the session directory; put the state dir on ext4, xfs, btrfs or tmpfs "
-                      "(set STOCKADE_STATE_DIR=/path/on/such/fs) and see `stockade doctor`")
-        else:
-            remedy = "a mount the plan needs failed; `stockade explain` prints the plan and `stockade doctor` probes the kernel"
-    return SandboxError(step, path=path, errno=err, remedy=remedy or "see `stockade doctor`")
+        step = "clone3 (new user, mount, pid, net, ipc, uts, cgroup namespaces)"
+    if rem is None:
+        return SandboxError(step, path=path, errno=err, remedy=_REMEDIES.get(step))
+    return SandboxError(step, path=path, errno=err, detail=rem.cause, remedy=rem.fix)
