@@ -214,3 +214,17 @@ def test_root_in_a_nested_user_namespace_runs(user: User, project: Path, wrap: s
     lines = r.stdout.decode().split("\n")
     assert lines[0] == "0" and lines[1].split() == ["0", "0", "1"]
     assert (_upper(user) / "made").read_text() == "x\n" and not (project / "made").exists()
+
+
+def test_apply_by_root_gives_range_owned_files_to_the_project_owner(root: User, tree: Path) -> None:
+    """What root inside chowned to another id is R+id in the change set; applied, it
+    belongs to the project's owner (never to an id of the range, nor to 1000)."""
+    r = root.cli(["run", "--project", str(tree), "--", "sh", "-c",
+                  "chown 1000:1000 f && mkdir -p d/e && echo n > d/e/n && chown -R 7:7 d"], env={"STOCKADE_SERVER": "0"})
+    assert r.returncode == 0, r.stderr.decode()
+    assert (_upper(root) / "d" / "e" / "n").stat().st_uid == R0 + 7
+    r = root.cli(["apply"], cwd=tree)
+    assert r.returncode == 0, (r.stdout + r.stderr).decode()
+    for q in (tree / "d", tree / "d" / "e", tree / "d" / "e" / "n", tree / "f"):
+        assert (q.stat().st_uid, q.stat().st_gid) == (0, 0), q
+    assert (tree / "d" / "e" / "n").read_text() == "n\n"
