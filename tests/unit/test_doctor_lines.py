@@ -182,3 +182,19 @@ def test_every_run_error_says_something_concrete() -> None:
                 e = native.spawn_error(step, err, None, op_kind=kind)
                 assert e.remedy and "stockade doctor`" not in e.remedy.replace("stockade doctor --apparmor`", ""), (step, err, e)
                 assert len(e.remedy) > 20, (step, err, e)
+
+
+def test_cgroup_permission_error_uses_the_same_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cgroup write refused mid-run names the delegation fix doctor's cgroups line gives
+    (in a container: the engine's option, never systemd-run)."""
+    import errno
+
+    from stockade.cgroups.fs import cgroup_error
+    from stockade.linux import remedies
+
+    env = remedies.detect(fake_proc(tmp_path), fake_root(tmp_path, "run/.containerenv"))
+    monkeypatch.setattr(remedies, "detect", lambda *a, **k: env)
+    e = cgroup_error("create cgroup", "/sys/fs/cgroup/x", PermissionError(errno.EACCES, "Permission denied"))
+    rem = remedies.cgroup_delegation(env)
+    assert e.remedy and rem.fix in e.remedy and rem.cause in e.remedy and "systemd-run" not in e.remedy
+    assert "STOCKADE_CGROUP=none" in e.remedy

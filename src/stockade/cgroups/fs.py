@@ -127,10 +127,10 @@ def parse_pids(text: str) -> list[int]:
 def cgroup_error(step: str, path: str, e: OSError, remedy: str | None = None) -> SandboxError:
     if remedy is None:
         if e.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS):
-            remedy = (
-                "run as root, or from a delegated cgroup (e.g. `systemd-run --user --scope "
-                "-p Delegate=yes stockade ...`), or set STOCKADE_CGROUP=none to use rlimits only"
-            )
+            from ..linux import remedies  # error path only: the same words as doctor's cgroups line
+
+            rem = remedies.cgroup_delegation(remedies.detect())
+            remedy = f"{rem.cause}: {rem.fix}, or set STOCKADE_CGROUP=none to use rlimits only"
         elif e.errno == _errno.EBUSY:
             remedy = "tasks are still in the cgroup; kill them first (stockade kills the run's tree)"
         elif e.errno == _errno.ENOENT:
