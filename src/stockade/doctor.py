@@ -622,29 +622,41 @@ def _prctl_caps(prctl: Any, capset: Any) -> list[str]:
     return out
 
 
-def probe_id_range(etc: Path = Path("/etc")) -> Probe:
-    """Which ids exist inside a sandbox. Only the sandbox user's own (plus, for a real
-    root caller, host root for the mounts: plan._mounter_id) is mapped: a range of ids
-    would only turn chown's EINVAL into EPERM, since the command keeps no capability
-    (a mapped host root must give it nothing). A subordinate-id entry is reported, not used."""
+def probe_id_range(etc: Path = Path("/etc"), proc: Path = Path("/proc"), euid: int | None = None) -> Probe:
+    """Which ids exist inside a sandbox (linux/idmap.py): a range, where from, or why
+    none and what that breaks."""
+    from .linux import idmap
+
+    uid = os.geteuid() if euid is None else euid
+    ur, gr, why = idmap.ranges(uid, etc=etc, proc=proc)
+    if ur and gr:
+        how = f", written by {ur.helper}" if ur.helper else ""
+        return Probe("id range", "ok",
+                     f"65536 ids inside: host uids {ur.start}+id and gids {gr.start}+id (from {ur.source}{how}); "
+                     "root inside (--root, or a real root's own project) keeps chown/setuid/setgid capabilities "
+                     "in its own namespace", None,
+                     {"mapped": "range", "uid_start": ur.start, "gid_start": gr.start, "source": ur.source,
+                      "helper": ur.helper})
+    if uid == 0:
+        fix = "run from the host's own user namespace to get a range of ids inside"
+    elif "newuidmap" in why:
+        fix = "apt-get install uidmap (newuidmap/newgidmap)"
+    else:
+        fix = (f"add a range for this user, as root: usermod --add-subuids 100000-165535 --add-subgids 100000-165535 "
+               f"{_user_name(uid)} (any free block of 65536 ids); or run without --root, or pass tar --no-same-owner")
+    return Probe("id range", "info",
+                 f"none ({why}) — only the sandbox user's id is mapped inside: chown to another id and "
+                 "setuid/setgid give EINVAL, setgroups EPERM (GNU tar as root exits 2)",
+                 fix, {"mapped": "single", "why": why, "newuidmap": shutil.which("newuidmap")})
+
+
+def _user_name(uid: int) -> str:
     import pwd
 
     try:
-        name = pwd.getpwuid(os.getuid()).pw_name
+        return pwd.getpwuid(uid).pw_name
     except KeyError:
-        name = str(os.getuid())
-    sub = []
-    for f in ("subuid", "subgid"):
-        text = _read(etc / f) or ""
-        if any(ln.split(":")[0] in (name, str(os.getuid())) for ln in text.splitlines() if ln.count(":") == 2):
-            sub.append(f)
-    seen = f"; this user's /etc/{' and /etc/'.join(sub)} entry is not used" if sub else ""
-    return Probe("id range", "info",
-                 "none — only the sandbox user's id is mapped inside: chown to another id and setuid/setgid "
-                 f"give EINVAL, setgroups EPERM (GNU tar as root exits 2){seen}",
-                 "run without --root: tar and Python's tarfile then extract as your own id and keep no other "
-                 "owner (or pass tar --no-same-owner)",
-                 {"mapped": "single", "subordinate_entries": sub, "newuidmap": shutil.which("newuidmap")})
+        return str(uid)
 
 
 def probe_apparmor(proc: Path = Path("/proc")) -> Probe:

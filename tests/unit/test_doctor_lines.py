@@ -32,16 +32,31 @@ def test_every_cgroup_reason_is_printed_whole(monkeypatch: pytest.MonkeyPatch) -
     assert lines[2 + len(reasons)] == f"{'':<22}fix: {probe.fix}"
 
 
-def test_id_range_names_an_unused_subordinate_entry(tmp_path: Path) -> None:
+def test_id_range_says_where_the_range_comes_from_or_why_there_is_none(tmp_path: Path) -> None:
     import pwd
+    import shutil
 
-    name = pwd.getpwuid(os.getuid()).pw_name
-    p = doctor.probe_id_range(tmp_path)
-    assert p.status == "info" and p.detail.startswith("none — ") and "not used" not in p.detail
-    assert p.data["subordinate_entries"] == []
+    name = pwd.getpwuid(65534).pw_name
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "uid_map").write_text("         0          0 4294967295\n")
+    p = doctor.probe_id_range(tmp_path, proc, euid=65534)
+    assert p.status == "info" and p.detail.startswith("none (no entry of 65536 ids for this user in /etc/subuid")
+    assert f"usermod --add-subuids 100000-165535 --add-subgids 100000-165535 {name}" in (p.fix or "")
     (tmp_path / "subuid").write_text(f"someone:100000:65536\n{name}:165536:65536\n")
-    p = doctor.probe_id_range(tmp_path)
-    assert p.data["subordinate_entries"] == ["subuid"] and "/etc/subuid entry is not used" in p.detail
+    (tmp_path / "subgid").write_text(f"{name}:165536:65536\n")
+    p = doctor.probe_id_range(tmp_path, proc, euid=65534)
+    if shutil.which("newuidmap") and shutil.which("newgidmap"):
+        assert p.status == "ok" and p.data["uid_start"] == 165536 and "newuidmap" in p.detail
+    else:
+        assert "newuidmap/newgidmap are not installed" in p.detail and p.fix == "apt-get install uidmap (newuidmap/newgidmap)"
+    # real root: the built-in block, unless /etc/subuid names one for root
+    p = doctor.probe_id_range(tmp_path, proc, euid=0)
+    assert p.status == "ok" and p.data["uid_start"] == 1879048192 and p.data["helper"] is None
+    # root in a nested user namespace: none, and why
+    (proc / "self" / "uid_map").write_text("         0       1000          1\n")
+    p = doctor.probe_id_range(tmp_path, proc, euid=0)
+    assert p.status == "info" and "root inside another user namespace" in p.detail
 
 
 # ---------------------------------------------------------------- one cause, one fix: doctor and run errors (#14 item 3)
