@@ -182,10 +182,12 @@ def _enter_userns() -> None:
             f.write("deny")
     except FileNotFoundError:
         pass
-    with open("/proc/self/uid_map", "w") as f:
-        f.write(f"0 {uid} 1")
-    with open("/proc/self/gid_map", "w") as f:
-        f.write(f"0 {gid} 1")
+    for name, line in (("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+        try:
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(line)
+        except OSError as e:
+            _check_errno(e.errno or 0, f"write /proc/self/{name}")
     _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount(/, MS_PRIVATE)")
 
 
@@ -228,8 +230,7 @@ def analyze_userns(sc: dict[str, str | None], live: dict[str, Any], uid: int, en
         return Probe("userns", "ok", detail, None, data, environment=where)
     err = _errno_of(live, E.ENOSPC if env.max_user_namespaces == "0" else E.EPERM)
     step = live.get("step") or "unshare"
-    # the namespace was made and a mount in it refused: that is mount's cause, not userns's
-    rem = remedies.mount(err, env) if step.startswith("mount") else remedies.userns(err, env)
+    rem = _remedy_for(step, err, env) or remedies.userns(err, env)
     return Probe("userns", "missing", f"{step}: {live.get('error') or 'failed'}: {rem.cause}", rem.fix, data,
                  cause=rem.cause, environment=where)
 
@@ -257,6 +258,20 @@ def probe_userns(proc: Path = Path("/proc")) -> list[Probe]:
     return probes
 
 
+def _remedy_for(step: str, err: int, env: Any) -> Any:
+    """The remedy for a step of the user-namespace set-up itself (None: not one of them):
+    the namespace was made and a map or mount in it refused, which is that step's cause."""
+    from .linux import remedies
+
+    if step.startswith("unshare(CLONE_NEWUSER"):
+        return remedies.userns(err, env)
+    if step.startswith("write /proc/self/"):
+        return remedies.id_map(err, env, step.rsplit("/", 1)[1])
+    if step.startswith("mount(/, MS_PRIVATE)") or step.startswith("mount tmpfs"):
+        return remedies.mount(err, env)
+    return None
+
+
 def _step_probe(name: str, what: str, live: dict[str, Any], remedy: Any, env: Any, *,
                 failed: str = "missing") -> Probe:
     """A live step's result as a probe: on failure, the cause and fix a run's error gives."""
@@ -264,11 +279,8 @@ def _step_probe(name: str, what: str, live: dict[str, Any], remedy: Any, env: An
     if live.get("ok"):
         return Probe(name, "ok", live.get("detail") or f"{what} works", None, {"live": live}, environment=where)
     err = int(live.get("errno") or 0)
-    if str(live.get("step") or "").startswith("unshare(CLONE_NEWUSER"):
-        from .linux import remedies
-
-        remedy = remedies.userns  # no namespace to try the step in: the user namespace's cause
-    rem = remedy(err, env)
+    # no namespace to try the step in: the set-up step's own cause
+    rem = _remedy_for(str(live.get("step") or ""), err, env) or remedy(err, env)
     import errno as E
 
     ename = E.errorcode.get(err, str(err))
@@ -453,10 +465,8 @@ def probe_overlay(state: Path) -> Probe:
         from .linux import remedies
 
         env = remedies.detect()
-        if str(res.get("step") or "").startswith("unshare(CLONE_NEWUSER"):
-            rem = remedies.userns(int(res.get("errno") or 0), env)
-        else:
-            rem = remedies.overlay(int(res.get("errno") or 0), env, str(state))
+        err = int(res.get("errno") or 0)
+        rem = _remedy_for(str(res.get("step") or ""), err, env) or remedies.overlay(err, env, str(state))
         return Probe("overlay", "missing",
                      f"{res.get('step') or 'mount overlay'} on {fstype} ({state}): {res.get('error')}: {rem.cause}",
                      rem.fix, data, cause=rem.cause, environment=env.describe())

@@ -24,6 +24,7 @@ DENY = HERE / "deny_namespaces.py"
 
 # as the environment's creator, before the CLI: unshare after setpriv makes uid 65534 root inside
 NESTED = ["unshare", "-Ur"]
+BWRAP_ROOT = ["bwrap", "--unshare-user", "--uid", "0", "--gid", "0", "--dev-bind", "/", "/", "--"]
 NO_MORE_USERNS = ["unshare", "-Ur", "sh", "-c", 'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"', "sh"]
 
 
@@ -76,12 +77,14 @@ SECCOMP_PATHS = [*RUN_PATHS[:2], pytest.param({"STOCKADE_LAUNCHER": "1"}, id="de
 # ---------------------------------------------------------------- nested user namespace
 
 
-def test_nested_userns_is_named_not_docker(user: User, project: Path) -> None:
-    """Root inside `unshare -Ur` (setgroups "deny", one id): doctor names the nested
-    namespace on the setgroups line with its fix, and blames no seccomp profile. A run
-    there either works (plan.py plans for what the caller has) or fails with those words."""
-    rc, probes = doctor_in(user, NESTED)
-    assert rc == 0  # nothing a run needs is missing: setgroups is degraded, not required
+@pytest.mark.parametrize("nest", [NESTED, BWRAP_ROOT], ids=["unshare-Ur", "bwrap-unshare-user"])
+def test_nested_userns_is_named_not_docker(user: User, project: Path, nest: list[str]) -> None:
+    """Root inside `unshare -Ur` or `bwrap --unshare-user --uid 0` (setgroups "deny", one
+    id): doctor names the nested namespace on the setgroups line with its fix, and blames
+    no seccomp profile. A run there works (plan.py plans for what the caller has) or fails
+    with doctor's words: bwrap started by uid 65534 drops CAP_SETFCAP, without which root
+    there cannot map its uid 0 into a new namespace."""
+    rc, probes = doctor_in(user, nest)
     env = probes["environment"]
     assert env["data"]["nested"] is True and env["data"]["uid_map"].split()[2] == "1", env
     assert "nested user namespace" in env["detail"] and "setgroups deny" in env["detail"]
@@ -90,13 +93,24 @@ def test_nested_userns_is_named_not_docker(user: User, project: Path) -> None:
     assert "setgroups is denied" in sg["cause"] and "nested: uid_map '0 " in sg["cause"], sg
     assert "initial user namespace" in sg["fix"] and "newuidmap" in sg["fix"], sg
     assert "nested user namespace" in sg["environment"]
-    assert probes["userns"]["status"] == "ok"
     for p in probes.values():  # the old line blamed Docker's seccomp profile here
-        assert "seccomp=unconfined" not in (p["fix"] or "") and "seccomp" not in (p["cause"] or ""), p
-    r = run_in(user, NESTED, ["run", "--session", "n", "--", "true"], cwd=project)
-    if r.returncode != 0:
-        assert r.returncode == 2
-        assert_same_words(error_line(r), sg)
+        assert "seccomp=unconfined" not in (p["fix"] or "") and "Seccomp: 2" not in (p["cause"] or ""), p
+    setfcap = bool(env["data"]["cap_eff"] >> 31 & 1)
+    assert setfcap == (user.name == "root" or nest is NESTED)  # bwrap keeps real root's capabilities only
+    u = probes["userns"]
+    if setfcap:
+        assert rc == 0 and u["status"] == "ok", u  # setgroups is degraded, not required
+    else:
+        assert rc == 1 and u["status"] == "missing", u
+        assert "without CAP_SETFCAP" in u["cause"] and "bwrap --cap-add CAP_SETFCAP" in u["fix"], u
+    r = run_in(user, nest, ["run", "--session", "n", "--", "true"], cwd=project)
+    if setfcap:
+        if r.returncode != 0:
+            assert r.returncode == 2
+            assert_same_words(error_line(r), sg)
+    else:
+        assert r.returncode == 2, r.stderr.decode()
+        assert_same_words(error_line(r), u)
     assert_no_sandbox_left(user, "n")
 
 
@@ -116,6 +130,24 @@ def test_max_user_namespaces_zero_inside_a_namespace(user: User, project: Path, 
     assert "ENOSPC" in line
     assert_same_words(line, p)
     assert_no_sandbox_left(user, "m")
+
+
+@pytest.mark.parametrize("paths", RUN_PATHS)
+def test_bwrap_disable_userns(user: User, project: Path, paths: dict[str, str]) -> None:
+    """Inside `bwrap --unshare-user --disable-userns` the limit is in a namespace around
+    this one (here it reads 2147483647): the fix is to leave that sandbox, not a sysctl here."""
+    wrap = ["bwrap", "--unshare-user", "--disable-userns", "--dev-bind", "/", "/", "--"]
+    rc, probes = doctor_in(user, wrap)
+    p = probes["userns"]
+    assert rc == 1 and p["status"] == "missing" and p["data"]["live"]["errno"] == 28, p
+    assert "a user namespace enclosing the user namespace this runs in (nested" in p["cause"], p
+    assert "bwrap: drop --disable-userns" in p["fix"] and "sudo" not in p["fix"], p
+    r = run_in(user, wrap, ["run", "--session", "b", "--", "true"], cwd=project, env=paths)
+    assert r.returncode == 2, r.stderr.decode()
+    line = error_line(r)
+    assert "ENOSPC" in line
+    assert_same_words(line, p)
+    assert_no_sandbox_left(user, "b")
 
 
 # ---------------------------------------------------------------- seccomp filters

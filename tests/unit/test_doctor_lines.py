@@ -63,13 +63,14 @@ def test_id_range_says_where_the_range_comes_from_or_why_there_is_none(tmp_path:
 
 
 def fake_proc(tmp_path: Path, *, uid_map: str = "0 0 4294967295", seccomp: int = 0, setgroups: str = "allow",
-              mounts: tuple[str, ...] = (), sysctl: dict[str, str] | None = None) -> Path:
+              mounts: tuple[str, ...] = (), sysctl: dict[str, str] | None = None, cap_eff: int = 0x1ffffffffff) -> Path:
     """A /proc tree with what linux/remedies.detect reads."""
     proc = tmp_path / "proc"
     (proc / "self").mkdir(parents=True)
     (proc / "self" / "uid_map").write_text(f"{uid_map}\n")
     (proc / "self" / "setgroups").write_text(f"{setgroups}\n")
-    (proc / "self" / "status").write_text(f"Name:\tpython3\nSeccomp:\t{seccomp}\nSeccomp_filters:\t{int(seccomp == 2)}\n")
+    (proc / "self" / "status").write_text(f"Name:\tpython3\nCapEff:\t{cap_eff:016x}\nSeccomp:\t{seccomp}\n"
+                                          f"Seccomp_filters:\t{int(seccomp == 2)}\n")
     lines = ["22 27 0:21 / /proc rw,relatime - proc proc rw"]
     lines += [f"{40 + i} 22 0:5 /null {m} ro,relatime - devtmpfs udev rw" for i, m in enumerate(mounts)]
     (proc / "self" / "mountinfo").write_text("\n".join(lines) + "\n")
@@ -213,3 +214,24 @@ def test_cgroup_permission_error_uses_the_same_fix(tmp_path: Path, monkeypatch: 
     rem = remedies.cgroup_delegation(env)
     assert e.remedy and rem.fix in e.remedy and rem.cause in e.remedy and "systemd-run" not in e.remedy
     assert "STOCKADE_CGROUP=none" in e.remedy
+
+
+def test_root_without_setfcap_in_a_nested_namespace(tmp_path: Path) -> None:
+    """bwrap --uid 0 started by a user drops CAP_SETFCAP: mapping uid 0 into a new
+    namespace is refused, and the words are plan.py's refusal's (remedies.map_root)."""
+    import dataclasses
+    import errno
+
+    from stockade.linux import remedies
+
+    bare = remedies.detect(fake_proc(tmp_path / "a", uid_map="0 65534 1", setgroups="deny", cap_eff=0),
+                           fake_root(tmp_path / "a"))
+    env = dataclasses.replace(bare, uid=0)
+    assert env.nested and not env.setfcap
+    assert remedies.id_map(errno.EPERM, env, "uid_map") == remedies.map_root(env)
+    assert "bwrap --cap-add CAP_SETFCAP" in remedies.map_root(env).fix
+    full = dataclasses.replace(env, cap_eff=0x1ffffffffff)
+    assert full.setfcap and remedies.id_map(errno.EPERM, full, "uid_map") != remedies.map_root(env)
+    p = doctor.analyze_userns({}, {"ok": False, "errno": errno.EPERM, "step": "write /proc/self/uid_map",
+                                   "error": "Operation not permitted"}, 0, env)
+    assert p.cause == remedies.map_root(env).cause and p.fix == remedies.map_root(env).fix

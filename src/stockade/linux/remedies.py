@@ -42,6 +42,12 @@ class Env:
     max_user_namespaces: str | None
     unprivileged_userns_clone: str | None
     systemd: bool  # a systemd manager runs here (/run/systemd/system): systemd-run works
+    cap_eff: int | None = None  # /proc/self/status CapEff
+
+    @property
+    def setfcap(self) -> bool:
+        """CAP_SETFCAP: only its holder may map this namespace's uid 0 into a new one."""
+        return self.cap_eff is not None and bool(self.cap_eff >> 31 & 1)
 
     @property
     def nested(self) -> bool:
@@ -130,6 +136,7 @@ def detect(proc: Path = Path("/proc"), root: Path = Path("/")) -> Env:
     uid_map = " ".join((_read(proc / "self/uid_map") or "").split("\n")[0].split())
     status = _read(proc / "self/status") or ""
     m = re.search(r"^Seccomp:\s*(\d+)", status, re.M)
+    caps = re.search(r"^CapEff:\s*([0-9a-f]+)", status, re.M)
     label = _read(proc / "self/attr/apparmor/current") or _read(proc / "self/attr/current")
     engine, evidence = _engine(proc, root)
     return Env(
@@ -145,6 +152,7 @@ def detect(proc: Path = Path("/proc"), root: Path = Path("/")) -> Env:
         max_user_namespaces=_read(proc / "sys/user/max_user_namespaces"),
         unprivileged_userns_clone=_read(proc / "sys/kernel/unprivileged_userns_clone"),
         systemd=(root / "run/systemd/system").is_dir(),
+        cap_eff=int(caps.group(1), 16) if caps else None,
     )
 
 
@@ -209,9 +217,12 @@ def userns(err: int, env: Env) -> Remedy:
                               "raise it inside that namespace as its root: `sysctl -w user.max_user_namespaces=15000` "
                               "(or `echo 15000 > /proc/sys/user/max_user_namespaces`), or run stockade outside it "
                               "(bwrap: drop --disable-userns)")
-            return Remedy(f"the user namespace limit of {where} is reached (user.max_user_namespaces = {n})",
-                          "raise it inside that namespace as its root: `sysctl -w user.max_user_namespaces=15000`, "
-                          "or end other sandboxes")
+            # the limit that bites is an enclosing namespace's: bwrap --disable-userns sets 1
+            # in the namespace around this one, where nothing inside can raise it
+            return Remedy(f"a user namespace enclosing {where} allows no more user namespaces "
+                          f"(user.max_user_namespaces is {n} here; bwrap --disable-userns sets 1 around it)",
+                          "run stockade outside that sandbox (bwrap: drop --disable-userns), or raise "
+                          "user.max_user_namespaces in the namespace that lowered it")
         if n == "0":
             return Remedy("user namespaces are disabled (user.max_user_namespaces = 0)",
                           "`sudo sysctl -w user.max_user_namespaces=15000` (persist it in /etc/sysctl.d/)")
@@ -273,6 +284,8 @@ def id_map(err: int, env: Env, which: str) -> Remedy:
     aa = _apparmor_userns(env, err)
     if aa is not None:
         return aa
+    if which == "uid_map" and env.nested and env.uid == 0 and env.cap_eff is not None and not env.setfcap:
+        return map_root(env)
     if env.nested:
         return Remedy(f"{which}: an id the sandbox maps is not mapped in {_nested_where(env)}",
                       "run as an id mapped there without --user, or from the initial user namespace; "
@@ -280,6 +293,15 @@ def id_map(err: int, env: Env, which: str) -> Remedy:
     return Remedy(f"the kernel refused the sandbox's {which} ({E.errorcode.get(err, err)})",
                   "an unprivileged caller may map only its own id: drop --user, or run as root; "
                   "`stockade explain` shows the maps")
+
+
+def map_root(env: Env) -> Remedy:
+    """Root of a nested namespace without CAP_SETFCAP maps its uid 0 into a new one
+    (plan.py refuses such a run before it starts with these words)."""
+    return Remedy("this process is root inside a user namespace without CAP_SETFCAP (bubblewrap's --uid 0 drops "
+                  "it), and only a holder of CAP_SETFCAP may map that namespace's uid 0 into a new one",
+                  "give it back to the outer sandbox (bwrap --cap-add CAP_SETFCAP), or start it as another uid "
+                  "(bwrap --uid 1000)")
 
 
 def proc(err: int, env: Env) -> Remedy:
