@@ -128,6 +128,8 @@ def test_detect_nested_engine_masks_filter(tmp_path: Path) -> None:
     d = env.describe()
     assert "nested user namespace (uid_map '0 1000 1', setgroups deny)" in d and "podman container" in d
     assert "Seccomp: 2" in d and "user.max_user_namespaces = 0" in d
+    (tmp_path / "root" / "run/.containerenv").write_text('engine="podman-4.3.1"\nrootless=1\n')
+    assert remedies.detect(proc, tmp_path / "root").engine_evidence == "/run/.containerenv, rootless"
     full = remedies.detect(fake_proc(tmp_path / "b"), fake_root(tmp_path / "b"))
     assert not full.nested and full.engine is None and full.masked_proc == () and not full.systemd
 

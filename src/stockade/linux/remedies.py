@@ -116,7 +116,9 @@ def masked_proc(mountinfo: str) -> tuple[str, ...]:
 
 def _engine(proc: Path, root: Path) -> tuple[str | None, str | None]:
     if (root / "run/.containerenv").exists():
-        return "podman", "/run/.containerenv"
+        # podman writes the engine and whether the container is rootless into it
+        text = _read(root / "run/.containerenv") or ""
+        return "podman", "/run/.containerenv" + (", rootless" if "rootless=1" in text else "")
     if (root / ".dockerenv").exists():
         return "docker", "/.dockerenv"
     if (root / "var/run/secrets/kubernetes.io").exists():
