@@ -168,7 +168,12 @@ def _discard_unused(sess: store.Session) -> None:
             os.rename(sess.dir, trash)
     except (StockadeError, OSError):
         return  # in use by another run (a same-named session made meanwhile): not ours to remove
-    shutil.rmtree(trash, ignore_errors=True)
+    from .session import idrange
+
+    try:  # its layers may hold the sandbox's other ids' inodes (session/idrange.py)
+        idrange.remove_tree(trash)
+    except (StockadeError, OSError):
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _run_in_session(
@@ -206,6 +211,10 @@ def _run_in_session(
     with sess.lock(wait=not no_wait, for_run=True) as hold_fd:
         # under the lock: snapshots and the mask layer must not change between plan and run
         prep = _prepare(sess, project, args, timeout=timeout, **opts)
+        if prep.plan.uid_map.ranged():  # before it starts: its layers may get other ids' inodes
+            from .session import idrange
+
+            idrange.record_plan(sess.dir, prep.plan)
         return _execute(
             sess, prep.plan, prep.plan.argv, input=input, stdin=stdin, stdout=stdout, stderr=stderr,
             text_mode=text_mode, encoding=encoding, errors=errors, timeout=prep.timeout, check=check,

@@ -46,7 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SessionNotFound, UsageError
+from ..linux.idns import acting_root
 from ..session import store
+from ..session.idrange import with_sandbox_ids
 from ..session.store import Session
 from ._safefs import Root, Roots, copy_to_new, link_new, rmtree_at
 from .held import dangling_gitdirs, held_back
@@ -65,6 +67,9 @@ class ApplyResult:
     dry_run: bool = False
     operations: tuple[str, ...] = field(default=())
     why_held: dict[str, str] = field(default_factory=dict)  # held-back path -> the reason
+    # applied paths a sandbox gave to another id than its user's: the project gets them
+    # owned as every applied path is (the caller's, or a real root's project owner)
+    owner_not_kept: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -74,6 +79,7 @@ class ApplyResult:
             "held_back_reasons": dict(self.why_held),
             "refused": list(self.refused),
             "dry_run": self.dry_run,
+            "owner_not_kept": self.owner_not_kept,
         }
 
 
@@ -339,7 +345,7 @@ class _Exec(Roots):
         # never given the id a file had in the sandbox's range). None: the caller creates
         # as itself, which is already the owner or refused by the kernel.
         self.owner: tuple[int, int] | None = None
-        if os.geteuid() == 0:
+        if acting_root():
             pst = os.stat(project)
             self.owner = (pst.st_uid, pst.st_gid)
 
@@ -812,6 +818,7 @@ def _nothing_why(held: dict[str, str], refused: list[str]) -> str:
     return ""
 
 
+@with_sandbox_ids()
 def apply_changes(
     cs: ChangeSet,
     paths: Sequence[str] | None = None,
@@ -863,12 +870,13 @@ def apply_changes(
         chosen = [c for c in chosen if c.path not in planner.dropped]
         desc = tuple(f"{op['op']} {op['path']}" for op in ops)
         applied = tuple(c.path for c in chosen)
+        others = sum(1 for c in chosen if c.owner is not None and c.kind is not Kind.DELETED)
         if dry_run:
-            return ApplyResult(None, applied, tuple(held), tuple(refused), True, desc, held)
+            return ApplyResult(None, applied, tuple(held), tuple(refused), True, desc, held, others)
         apply_id = _new_apply_id()
         whole = _whole_dirs(fresh.changes, chosen, planner.created_dirs)
         _run_apply(apply_id, session, project, chosen, ops, whole, flushing)
-        return ApplyResult(apply_id, applied, tuple(held), tuple(refused), False, desc, held)
+        return ApplyResult(apply_id, applied, tuple(held), tuple(refused), False, desc, held, others)
 
 
 def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Change],
@@ -1057,6 +1065,7 @@ def _load_plan(adir: Path) -> dict[str, Any] | None:
         return None
 
 
+@with_sandbox_ids(lambda *a, **k: _pending_sessions())
 def recover_pending() -> list[str]:
     """Finish or undo applies/rollbacks a crash interrupted. Cheap when nothing is pending."""
     try:
@@ -1073,6 +1082,26 @@ def recover_pending() -> list[str]:
                                   _space_remedy(applies_dir(), "its journal stays pending until then")):
                 messages.append(_recover_one(apply_id))
     return messages
+
+
+def _session_dir_of_apply(apply_id: str | None) -> str | None:
+    """The session directory an apply (default: the latest finished one) came from."""
+    if apply_id is None:
+        live = [a for a in list_applies() if a.state == "done"]
+        if not live:
+            return None
+        apply_id = max(live, key=lambda a: a.created_ns).id
+    plan = _load_plan(applies_dir() / apply_id) if "/" not in apply_id else None
+    return str(plan["session_dir"]) if plan and plan.get("session_dir") else None
+
+
+def _pending_sessions() -> list[str | None]:
+    """The session directories of interrupted applies (nothing pending: none, one listdir)."""
+    try:
+        names = os.listdir(pending_dir())
+    except FileNotFoundError:
+        return []
+    return [_session_dir_of_apply(n) for n in names if not n.startswith(".")]
 
 
 def _recover_one(apply_id: str) -> str:
@@ -1231,6 +1260,7 @@ def _verify_applied(ex: _Exec, adir: Path) -> list[str]:
     return sorted(p for p, v in result.items() if now[p] != v)
 
 
+@with_sandbox_ids(lambda apply_id=None, **k: [_session_dir_of_apply(apply_id)])
 def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord:
     """Undo a finished apply: restore exactly what it replaced, put the entries back in the session."""
     recover_pending()
@@ -1297,6 +1327,7 @@ def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord
 # ---- discard -----------------------------------------------------------------------------------------
 
 
+@with_sandbox_ids()
 def discard_changes(cs: ChangeSet, paths: Sequence[str] | None = None,
                     only: Sequence[Change] | None = None) -> list[str]:
     """Drop changes from the session (the project is not touched). Returns the paths dropped."""

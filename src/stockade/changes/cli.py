@@ -144,7 +144,9 @@ def _du(path: str) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     from ..errors import StockadeError
     from ..session import store
+    from ..session.idrange import with_sandbox_ids
 
+    du = with_sandbox_ids()(_du)  # a sandbox's other ids' directories count too
     rows: list[dict[str, Any]] = []
     now = time.time()
     for s in store.list_sessions():
@@ -163,7 +165,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             "age_s": round(now - int(meta.get("created_ns", 0)) / 1e9, 1),
             "runs": len(s.runs()),
             "changes": c,
-            "disk_bytes": _du(str(s.dir)),
+            "disk_bytes": du(str(s.dir)),
         })
     if args.json:
         _out(json.dumps(rows, indent=1) + "\n")
@@ -216,6 +218,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 extra = f"  ({c.old_type} -> {c.new_type})"
             elif c.is_dir:
                 extra = extra or "  (directory)"
+            if c.owner is not None:
+                extra += f"  (owner inside {c.owner[0]}:{c.owner[1]})"
             if c.path in held:
                 extra += f"  (held back: {held[c.path]})"
             _out(f"  {c.letter} {_quote(c.path)}{extra}\n")
@@ -246,8 +250,20 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
         _out(render_diff(cs, sel, color=_use_color(args.color)))
     # on stderr: the patch on stdout stays one `git apply` accepts
+    _say_owners(sel)
     _say_held(session.id, cs.held_back(sel), "`stockade apply` holds back")
     return 0
+
+
+def _say_owners(changes: tuple[Any, ...]) -> None:
+    """Paths the sandbox gave to another id than its user's (a patch has no owners)."""
+    owned = [c for c in changes if c.owner is not None]
+    if not owned:
+        return
+    _err(f"stockade: {len(owned)} path(s) owned inside by another id than the sandbox user "
+         "(uid:gid inside; apply does not carry it over):")
+    for c in owned:
+        _err(f"  {_quote(c.path)}: {c.owner[0]}:{c.owner[1]}")
 
 
 def _say_held(sid: str, held: dict[str, str], lead: str) -> None:
@@ -320,6 +336,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
         _err(f"stockade: applied {len(res.applied)} path(s) from session {session.id} "
              f"(apply {res.apply_id}); undo with: stockade rollback {res.apply_id}")
     _say_held(session.id, res.why_held, "would hold back" if res.dry_run else "held back")
+    if res.owner_not_kept and not args.json:
+        _err(f"stockade: ownership inside was not carried over for {res.owner_not_kept} path(s): "
+             f"{'they would be' if res.dry_run else 'they are'} owned in the project like every applied "
+             "path (see `stockade status` for their owners inside)")
     if res.refused:
         _err(f"stockade: refused {len(res.refused)} path(s) (fifos, sockets, devices, masked secrets): "
              f"{', '.join(_quote(p) for p in res.refused)}")
@@ -347,26 +367,9 @@ def cmd_discard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rmtree(path: str) -> None:
-    import shutil
-    import stat as _stat
-
-    def onerror(func: Callable[..., Any], p: str, exc: Any) -> None:
-        try:
-            parent = os.path.dirname(p)
-            os.chmod(parent, _stat.S_IRWXU)
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, _stat.S_IRWXU)
-            func(p)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=onerror)
-
-
 def cmd_clean(args: argparse.Namespace) -> int:
     from ..errors import UsageError
-    from ..session import store
+    from ..session import idrange, store
 
     if args.all and args.session_name:
         raise UsageError("give a session or --all, not both")
@@ -376,7 +379,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
         with s.lock(wait=False):
             trash = s.dir.with_name(f".clean-{s.id}-{os.getpid()}")
             os.rename(s.dir, trash)
-        _rmtree(str(trash))
+        idrange.remove_tree(trash)
         removed.append(s.id)
     _err(f"stockade: removed {len(removed)} session(s)" + (f": {', '.join(removed)}" if removed else ""))
     return 0

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..session.idrange import with_sandbox_ids
 from ._safefs import Root, copy_to_new
 from .model import ChangeSet, Kind
 
@@ -41,6 +42,7 @@ def _copy_logs(cs: ChangeSet, out: Path) -> None:
                     shutil.copyfileobj(f, agg)
 
 
+@with_sandbox_ids()
 def export(cs: ChangeSet, dest: str | os.PathLike[str]) -> dict[str, Any]:
     out = Path(dest)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

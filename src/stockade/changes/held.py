@@ -19,6 +19,7 @@ import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..session.idrange import with_sandbox_ids
 from ._safefs import Root
 
 if TYPE_CHECKING:
@@ -453,6 +454,7 @@ def _groups(sides: _Sides, held: dict[str, str]) -> dict[str, str]:
 # ---- all of it ------------------------------------------------------------------------------------
 
 
+@with_sandbox_ids()
 def held_back(cs: ChangeSet, changes: list[Change] | tuple[Change, ...] | None = None,
               include_git: bool = False) -> dict[str, str]:
     """path -> why it is held back, for ``changes`` (default: all) of ``cs``.

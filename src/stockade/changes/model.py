@@ -73,6 +73,9 @@ class Change:
     source: str | None = None
     layer: int = -1
     reason: str = ""
+    # (uid, gid) inside the sandbox when a sandbox with a range of ids gave the path to
+    # another owner than its user (session/idrange.py); None: the sandbox user's
+    owner: tuple[int, int] | None = None
 
     @property
     def letter(self) -> str:
@@ -105,6 +108,7 @@ class Change:
             "size": self.size,
             "binary": self.binary,
             **({"reason": self.reason} if self.reason else {}),
+            **({"owner_inside": {"uid": self.owner[0], "gid": self.owner[1]}} if self.owner else {}),
         }
 
 

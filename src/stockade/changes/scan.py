@@ -17,6 +17,7 @@ Layer semantics follow overlayfs, topmost layer first:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import stat
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from ..session import idrange
 from ..session.store import Session
 from ._safefs import Root, files_equal, is_whiteout
 from .model import Change, ChangeSet, Kind
@@ -189,6 +191,9 @@ class Scanner:
         finally:
             for r in layer_roots.values():
                 r.close()
+        ids = idrange.read(self.session.dir)
+        if ids is not None and ids.uid_map:
+            self.out = [_owned(c, entries, ids) for c in self.out]
         masked = mask_paths(self.session)
         if masked:
             self.out = [_masked(c) if _under(c.path, masked) else c for c in self.out]
@@ -279,6 +284,15 @@ def mask_paths(session: Session) -> set[str]:
     return out
 
 
+def _owned(c: Change, entries: dict[str, _Entry], ids: idrange.Ids) -> Change:
+    """``c`` with the inside owner of its new side, when not the sandbox user."""
+    e = entries.get(c.path)
+    if c.new_mode is None or e is None or e.whiteout:
+        return c
+    owner = ids.inside_owner(e.st)
+    return dataclasses.replace(c, owner=owner) if owner is not None else c
+
+
 def _under(path: str, roots: set[str]) -> bool:
     parts = path.split("/")
     return any("/".join(parts[:i]) in roots for i in range(1, len(parts) + 1))
@@ -289,6 +303,7 @@ def _masked(c: Change) -> Change:
                   "masked secret path: never diffed or applied")
 
 
+@idrange.with_sandbox_ids()
 def scan(session: Session, *, classify: bool = True) -> ChangeSet:
     """The session's change set. ``classify=False`` skips binary detection (faster)."""
     return Scanner(session, classify=classify).run()

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
-from ..session import store
+from ..linux.idns import acting_root
+from ..session import idrange, store
 from ..session.store import Session
 from ._safefs import is_whiteout
 from .layers import opaque_name, set_opaque
@@ -69,7 +70,7 @@ def _fresh_upper(session: Session) -> None:
     session.upper.mkdir(mode=0o755)
     own = session.meta()
     uid, gid = own.get("sandbox_uid"), own.get("sandbox_gid")
-    if isinstance(uid, int) and isinstance(gid, int) and os.geteuid() == 0:
+    if isinstance(uid, int) and isinstance(gid, int) and acting_root():
         os.chown(session.upper, uid, gid)
 
 
@@ -94,11 +95,12 @@ def _freeze_upper(session: Session, name: str) -> Snapshot:
     os.rename(session.upper, dest)
     os.rename(fresh, session.upper)
     st = dest.stat()
-    if os.geteuid() == 0:
+    if acting_root():
         os.chown(session.upper, st.st_uid, st.st_gid)
     return Snapshot(name, idx, dest, time.time())
 
 
+@idrange.with_sandbox_ids()
 def create(session: Session, name: str) -> Snapshot:
     """Freeze the upper layer as read-only snapshot ``name`` (an O(1) rename)."""
     _check_name(name)
@@ -106,6 +108,7 @@ def create(session: Session, name: str) -> Snapshot:
         return _freeze_upper(session, name)
 
 
+@idrange.with_sandbox_ids()
 def restore(session: Session, name: str) -> list[str]:
     """Return the session to snapshot ``name``: drop the layers above it and the upper."""
     _check_name(name)
@@ -127,12 +130,13 @@ def restore(session: Session, name: str) -> list[str]:
         os.rename(session.upper, trash / "upper")
         os.rename(fresh, session.upper)
         st = snap.path.stat()
-        if os.geteuid() == 0:
+        if acting_root():
             os.chown(session.upper, st.st_uid, st.st_gid)
         shutil.rmtree(trash, ignore_errors=True)
         return dropped
 
 
+@idrange.with_sandbox_ids()
 def delete(session: Session, name: str) -> None:
     """Forget snapshot ``name`` as a restore point; its changes stay (merged upward)."""
     _check_name(name)
@@ -212,10 +216,11 @@ def _link_tree(src: Path, dst: Path) -> None:
                     os.mknod(d, stat.S_IFCHR, 0)
                 else:
                     shutil.copy2(s, d, follow_symlinks=False)
-    if os.geteuid() == 0:
+    if acting_root():
         os.lchown(dst, st.st_uid, st.st_gid)
 
 
+@idrange.with_sandbox_ids()
 def fork(session: Session, new_name: str) -> Session:
     """A new session on the same frozen layers as ``session`` (its upper frozen first)."""
     store.validate_name(new_name)
@@ -245,8 +250,9 @@ def fork(session: Session, new_name: str) -> Session:
                     new.layers_dir.mkdir(exist_ok=True, mode=0o700)
                 for layer in layers:
                     _link_tree(layer, new.layers_dir / layer.name)
-                if owner is not None and os.geteuid() == 0:
+                if owner is not None and acting_root():
                     os.chown(new.upper, *owner)
+                idrange.copy_mark(session.dir, new.dir)
                 new.update_meta(forked_from=session.id)
         except BaseException:
             shutil.rmtree(new.dir, ignore_errors=True)  # a half-made fork is no session

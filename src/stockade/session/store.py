@@ -139,7 +139,8 @@ def write_json_new(path: Path | str, data: Any) -> None:
     wrong moment (or after a crash) finds it empty or short, which ``Session.runs``
     reports as an incomplete run, as when the file is missing."""
     with disk_space(f"write {os.path.basename(path)}", path):
-        write_file(str(path), (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), os.O_TRUNC)
+        # the command line and its outcome: the caller's only, like the output logs
+        write_file(str(path), (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), os.O_TRUNC, 0o600)
 
 
 def write_file(path: str, data: bytes, flags: int, mode: int = 0o666) -> None:
@@ -204,6 +205,8 @@ class Session:
                         return True
             except FileNotFoundError:
                 continue
+            except PermissionError:
+                return True  # a sandbox gave the layer's root to another id: the scan looks (idrange)
         return False
 
     # ---- metadata -----------------------------------------------------------
@@ -452,6 +455,13 @@ def _forget_ahead() -> None:
 os.register_at_fork(after_in_child=_forget_ahead)
 
 
+def _caller_uid() -> int:
+    """The caller's host uid, also in linux/idns's child (where getuid() is 0; a fork made
+    there). Looked up only where that module is loaded: the run path stays lean."""
+    idns = sys.modules.get("stockade.linux.idns")
+    return int(idns.host_ids(os.getuid(), os.getgid())[0]) if idns is not None else os.getuid()
+
+
 def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | None = None) -> Session:
     """Create a session for ``project`` (absolute, resolved).
 
@@ -471,7 +481,7 @@ def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | N
                 "project": str(project),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now / 1e9)),
                 "created_ns": now,
-                "uid": os.getuid(),
+                "uid": _caller_uid(),
             }
             if owner is not None:
                 meta["sandbox_uid"], meta["sandbox_gid"] = owner
