@@ -367,7 +367,8 @@ def main(argv: list[str] | None = None, *, serve: bool = True) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
-        parser.print_help(sys.stderr)
+        print("stockade: no command given; try `stockade run -- CMD`, or `stockade --help` for every verb",
+              file=sys.stderr)
         return 2
 
     def verb() -> int:

@@ -143,7 +143,9 @@ class Plan:
 
     def describe(self) -> str:
         out: list[str] = []
-        out.append(f"command:     {' '.join(self.argv)}")
+        from .audit import record_argv
+
+        out.append(f"command:     {' '.join(record_argv(self.argv))}")
         out.append(f"project:     {self.project}" + (" (read-only)" if self.read_only else " (copy-on-write overlay)"))
         out.append(f"cwd:         {self.cwd}")
         out.append(f"namespaces:  {' '.join(self.namespaces)}")
@@ -834,6 +836,10 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     """Turn a request into a Plan. Pure apart from the cached host facts."""
     if not req.argv:
         raise UsageError("no command given; usage: stockade run [OPTIONS] -- CMD [ARGS...]")
+    if not req.argv[0]:
+        raise UsageError("the command is an empty string; give a program name: stockade run [OPTIONS] -- CMD [ARGS...]")
+    if req.user is not None and not 0 <= req.user < 2**32 - 1:
+        raise UsageError(f"user {req.user} is not a uid; give a number from 0 to 4294967294")
     facts = facts or host_facts(req.etc_extra)
     out_uid, out_gid, in_uid, in_gid, name, home = _identity(req, facts)
     privileged = facts.privileged

@@ -54,9 +54,12 @@ def test_no_sink_shows_a_secret_from_argv(user: User, project: Path) -> None:
     for p in files:
         _no_secret(str(p), p.read_bytes())
 
-    # every verb that shows a record
+    # a record is the caller's only, like the output logs
+    assert [(run_dir / n / "run.json").stat().st_mode & 0o777 for n in ("1", "2")] == [0o600, 0o600]
+
+    # every verb that shows a record, and the plan explain prints
     for args in (["status", "sec"], ["status", "--json", "sec"], ["log", "sec"], ["log", "--json", "sec"],
-                 ["list"], ["list", "--json"]):
+                 ["list"], ["list", "--json"], ["explain", "--", *RUNS[0]]):
         r = user.cli(args, cwd=project)
         assert r.returncode == 0, (args, r.stderr.decode())
         _no_secret(" ".join(args), r.stdout + r.stderr)

@@ -119,6 +119,19 @@ def test_a_range_fills_the_other_ids_and_root_inside_keeps_a_few_capabilities(tm
     assert any(n.startswith("ids: only the sandbox user's id is mapped (no range in this test)") for n in plan.notes)
 
 
+def test_an_empty_command_or_a_negative_user_is_bad_input(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="the command is an empty string"):
+        P.build(req(tmp_path, argv=("",)), facts())
+    with pytest.raises(UsageError, match="user -5 is not a uid"):
+        P.build(req(tmp_path, user=-5), facts(euid=0))
+
+
+def test_explain_redacts_the_command_as_the_records_do(tmp_path: Path) -> None:
+    plan = P.build(req(tmp_path, argv=("curl", "-H", "Authorization: Bearer sk-abcdef1234567890abcdef", "x")), facts())
+    text = plan.describe()
+    assert "sk-abcdef1234567890abcdef" not in text and "[REDACTED]" in text
+
+
 def test_root_in_a_nested_user_namespace_is_planned_as_unprivileged(tmp_path: Path) -> None:
     # `unshare -Ur`: euid 0, setgroups "deny", one id: nothing to map but itself, no setgroups
     plan = P.build(req(tmp_path), facts(euid=0, privileged=False))
