@@ -258,13 +258,42 @@ def test_idns_call_child(user: User, subids: int) -> None:
             except SandboxError as e:
                 print(type(e).__name__, e.errno, e.path, str(e))
             sys.exit(idns.call(lambda: sys.exit(7)))
-        """))
+        """), timeout=60)
         assert r.returncode == 7, r.stderr.decode()
         lines = r.stdout.decode().splitlines()
         assert lines[0] == "['a']"
         assert lines[1] == f"from the child True ({NOBODY}, {subids + 6})"
         assert lines[2] == "SandboxError 13 /p step failed on /p: EACCES: Permission denied (fix: r)"
         assert os.lstat(secret / "a").st_uid == subids + 7
+    finally:
+        subprocess.run(["rm", "-rf", str(base)], check=True)
+
+
+def test_idns_call_from_threads(user: User, subids: int) -> None:
+    """Calls from several threads at once (each fork copies the others' pipe ends): every
+    one returns its own result, none waits for another's child."""
+    base = world_tmpdir("stockade-idns-")
+    try:
+        secret = base / "secret"
+        secret.mkdir(mode=0o700)
+        for i in range(4):
+            (secret / str(i)).write_text(str(i))
+        os.chown(secret, subids + 7, subids + 7)
+        r = user.py(textwrap.dedent(f"""
+            import os, threading
+            from stockade.linux import idns
+            bad = []
+            def work(i):
+                for _ in range(5):
+                    got = idns.call(lambda: open(os.path.join({str(secret)!r}, str(i))).read())
+                    if got != str(i):
+                        bad.append((i, got))
+            ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+            [t.start() for t in ts]
+            [t.join() for t in ts]
+            print("bad", bad)
+        """), timeout=120)
+        assert _ok(r).strip() == "bad []"
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=True)
 
