@@ -264,6 +264,10 @@ def test_idns_call_child(user: User, subids: int) -> None:
                 idns.call(lambda: (_ for _ in ()).throw(SandboxError("step", path="/p", errno=13, remedy="r")))
             except SandboxError as e:
                 print(type(e).__name__, e.errno, e.path, str(e))
+            import signal
+            signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # as in a CLI server: children reaped unseen
+            print("ignored", idns.call(lambda: 5), flush=True)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             sys.exit(idns.call(lambda: sys.exit(7)))
         """), timeout=60)
         assert r.returncode == 7, r.stderr.decode()
@@ -271,6 +275,7 @@ def test_idns_call_child(user: User, subids: int) -> None:
         assert lines[0] == "['a']"
         assert lines[1] == f"from the child True ({NOBODY}, {subids + 6})"
         assert lines[2] == "SandboxError 13 /p step failed on /p: EACCES: Permission denied (fix: r)"
+        assert lines[3] == "ignored 5"
         assert os.lstat(secret / "a").st_uid == subids + 7
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=True)

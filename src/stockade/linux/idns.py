@@ -294,7 +294,10 @@ def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             os.write(go_w, b"k" if mapped else b"x")
         head = _read_exact(res_r, _LEN.size, pidfd)
         body = _read_exact(res_r, _LEN.unpack(head)[0], pidfd) if len(head) == _LEN.size else b""
-        _, status = os.waitpid(pid, 0)
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:  # SIGCHLD ignored (a CLI server): the kernel reaped it
+            status = 0
         if map_error is not None:
             raise map_error
     finally:
