@@ -172,6 +172,21 @@ def test_apply_creates_as_the_caller_then_rollback_discard_clean(
 
 
 @unpriv
+def test_rollback_after_the_session_is_gone(user: User, project: Path, mapped: tuple[Path, int]) -> None:
+    """The applied entries wait in the apply's journal (removed/), still of the sandbox's
+    ids: a rollback after `stockade clean` reaches them through the apply's own record."""
+    sdir, s = mapped
+    _ok(user.cli(["apply", sdir.name, "d"]))
+    adir = next(p for p in (user.state / "applies").iterdir() if (p / "plan.json").exists())
+    assert (adir / idrange.MARKER).is_file()
+    assert any(os.lstat(p).st_uid == s + INSIDE_OWNER for p in (adir / "removed").rglob("*"))
+    _ok(user.cli(["clean", sdir.name]))
+    _ok(user.cli(["rollback"]))
+    assert not (project / "d").exists()
+    assert _host_listing(adir / "removed") == []
+
+
+@unpriv
 def test_snapshot_fork_export(user: User, project: Path, mapped: tuple[Path, int]) -> None:
     sdir, s = mapped
     sid = sdir.name

@@ -47,7 +47,7 @@ from typing import Any
 
 from ..errors import SessionNotFound, UsageError
 from ..linux.idns import acting_root
-from ..session import store
+from ..session import idrange, store
 from ..session.idrange import with_sandbox_ids
 from ..session.store import Session
 from ._safefs import Root, Roots, copy_to_new, link_new, rmtree_at
@@ -905,6 +905,9 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
         try:
             (adir / "backups").mkdir(parents=True, mode=0o700)
             (adir / "removed").mkdir(mode=0o700)
+            # removed/ gets the session's entries, of its sandbox's ids: so does a rollback
+            # or a recovery after the session is gone (session/idrange.py)
+            idrange.copy_mark(session.dir, adir)
             pending_dir().mkdir(parents=True, exist_ok=True, mode=0o700)
             marker.touch()
             prog = _Progress(adir / "progress")
@@ -1065,7 +1068,7 @@ def _load_plan(adir: Path) -> dict[str, Any] | None:
         return None
 
 
-@with_sandbox_ids(lambda *a, **k: _pending_sessions())
+@with_sandbox_ids(lambda *a, **k: _pending_dirs())
 def recover_pending() -> list[str]:
     """Finish or undo applies/rollbacks a crash interrupted. Cheap when nothing is pending."""
     try:
@@ -1084,24 +1087,28 @@ def recover_pending() -> list[str]:
     return messages
 
 
-def _session_dir_of_apply(apply_id: str | None) -> str | None:
-    """The session directory an apply (default: the latest finished one) came from."""
+def _apply_dirs(apply_id: str | None) -> list[str]:
+    """An apply's directory (default: the latest finished one's) and its session's: where
+    a rollback or recovery reaches entries of the session's sandbox ids."""
     if apply_id is None:
         live = [a for a in list_applies() if a.state == "done"]
         if not live:
-            return None
+            return []
         apply_id = max(live, key=lambda a: a.created_ns).id
-    plan = _load_plan(applies_dir() / apply_id) if "/" not in apply_id else None
-    return str(plan["session_dir"]) if plan and plan.get("session_dir") else None
+    if "/" in apply_id:
+        return []
+    adir = applies_dir() / apply_id
+    plan = _load_plan(adir)
+    return [str(adir), *([str(plan["session_dir"])] if plan and plan.get("session_dir") else [])]
 
 
-def _pending_sessions() -> list[str | None]:
-    """The session directories of interrupted applies (nothing pending: none, one listdir)."""
+def _pending_dirs() -> list[str]:
+    """Those of interrupted applies (nothing pending: none, one listdir)."""
     try:
         names = os.listdir(pending_dir())
     except FileNotFoundError:
         return []
-    return [_session_dir_of_apply(n) for n in names if not n.startswith(".")]
+    return [d for n in names if not n.startswith(".") for d in _apply_dirs(n)]
 
 
 def _recover_one(apply_id: str) -> str:
@@ -1260,7 +1267,7 @@ def _verify_applied(ex: _Exec, adir: Path) -> list[str]:
     return sorted(p for p, v in result.items() if now[p] != v)
 
 
-@with_sandbox_ids(lambda apply_id=None, **k: [_session_dir_of_apply(apply_id)])
+@with_sandbox_ids(lambda apply_id=None, **k: _apply_dirs(apply_id))
 def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord:
     """Undo a finished apply: restore exactly what it replaced, put the entries back in the session."""
     recover_pending()
