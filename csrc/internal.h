@@ -17,6 +17,15 @@ struct sk_clone_args {
     uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls,
         set_tid, set_tid_size, cgroup;
 };
+/* clone3, or clone(2) when clone3 fails with ENOSYS (older Docker/podman seccomp
+ * profiles refuse it that way so that glibc falls back to clone). Without
+ * CLONE_INTO_CGROUP then: *procs_fd is the cgroup's cgroup.procs, opened by the
+ * parent, and the child must call sk_join_procs() before anything of the run's;
+ * CLONE_NEWCGROUP is then dropped from the flags and the child unshares it after
+ * joining. *procs_fd is -1 otherwise. Returns the pid (0 in the child) or -1. */
+long sk_clone(struct sk_clone_args *ca, int *procs_fd);
+/* The child's half of the fallback: write itself to procs_fd; exits on failure. */
+void sk_join_procs(int procs_fd, int rep);
 
 /* Child side: every function here is async-signal-safe (no malloc, no stdio). */
 void sk_report(int fd, int kind, int step, int err, int value, const char *path);

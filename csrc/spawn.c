@@ -87,6 +87,56 @@ void sk_cgroup_join(const struct sk_plan *p, int rep)
     }
 }
 
+long sk_clone(struct sk_clone_args *ca, int *procs_fd)
+{
+    *procs_fd = -1;
+    long pid = syscall(SYS_clone3, ca, sizeof *ca);
+    if (pid >= 0 || errno != ENOSYS)
+        return pid;
+    unsigned long long flags = ca->flags;
+    if (flags & CLONE_INTO_CGROUP) {
+        /* Open-time credentials decide a cgroup move: the parent's, as with
+         * CLONE_INTO_CGROUP. The child writes "0" (itself): a task moving itself
+         * skips the RCU wait that moving another one costs. */
+        int fd = openat((int)ca->cgroup, "cgroup.procs", O_WRONLY | O_CLOEXEC);
+        if (fd < 0)
+            return -1;
+        *procs_fd = fd;
+        flags &= ~(CLONE_INTO_CGROUP | (unsigned long long)CLONE_NEWCGROUP);
+    }
+    if (flags >> 32) { /* no other clone3-only flag has a clone(2) form */
+        if (*procs_fd >= 0)
+            close(*procs_fd);
+        *procs_fd = -1;
+        errno = ENOSYS;
+        return -1;
+    }
+    /* x86_64 and arm64 agree on (flags, stack, parent_tid, ...): with
+     * CLONE_PIDFD, the pidfd is stored at parent_tid. A NULL stack: fork-like. */
+    pid = syscall(SYS_clone, (unsigned long)flags | (unsigned long)(ca->exit_signal & 0xff), NULL,
+                  (int *)(uintptr_t)ca->pidfd, NULL, 0UL);
+    if (pid < 0 && *procs_fd >= 0) {
+        int e = errno;
+        close(*procs_fd);
+        *procs_fd = -1;
+        errno = e;
+    }
+    return pid;
+}
+
+void sk_join_procs(int procs_fd, int rep)
+{
+    ssize_t n;
+    do
+        n = write(procs_fd, "0", 1);
+    while (n < 0 && errno == EINTR);
+    if (n != 1) {
+        sk_report(rep, SK_REP_ERROR, SK_STEP_CGROUP_JOIN, n < 0 ? errno : EIO, -1, "cgroup.procs");
+        _exit(125);
+    }
+    close(procs_fd);
+}
+
 static void reset_signals(void)
 {
     struct sigaction sa;
@@ -245,7 +295,8 @@ static void __attribute__((noreturn)) child_rest(const struct sk_plan *p, int sy
     char c;
     ssize_t n;
 
-    if (p->hostname && sethostname(p->hostname, sk_strlen(p->hostname)) < 0)
+    /* "": kept (--allow-degraded hostname, where sethostname is refused) */
+    if (p->hostname && p->hostname[0] && sethostname(p->hostname, sk_strlen(p->hostname)) < 0)
         FAIL(SK_STEP_HOSTNAME, p->hostname);
     if (p->lo_up)
         lo_up(rep);
@@ -345,7 +396,7 @@ static void __attribute__((noreturn)) exec_launcher(const struct sk_plan *p, int
     FAIL(SK_STEP_LAUNCHER, "execveat");
 }
 
-static void __attribute__((noreturn)) child_main(const struct sk_plan *p, int sync_fd, int rep)
+static void __attribute__((noreturn)) child_main(const struct sk_plan *p, int sync_fd, int rep, int procs_fd)
 {
     char c;
     ssize_t n;
@@ -363,9 +414,12 @@ static void __attribute__((noreturn)) child_main(const struct sk_plan *p, int sy
         _exit(125); /* the parent went away before "go" */
     if (p->launcher_exec_fd >= 0)
         exec_launcher(p, rep);
-    if (p->n_cgroup_join_fds) {
-        /* the cgroup namespace was left for now: rooted at the run's cgroups */
+    if (procs_fd >= 0)
+        sk_join_procs(procs_fd, rep); /* clone(2) fallback: no CLONE_INTO_CGROUP */
+    if (p->n_cgroup_join_fds)
         sk_cgroup_join(p, rep);
+    if (p->n_cgroup_join_fds || procs_fd >= 0) {
+        /* the cgroup namespace was left for now: rooted at the run's cgroups */
         if ((p->clone_flags & CLONE_NEWCGROUP) && unshare(CLONE_NEWCGROUP) < 0)
             FAIL(SK_STEP_UNSHARE, "cgroup");
     }
@@ -486,14 +540,17 @@ int sk_spawn(const struct sk_plan *p, struct sk_child *out, int *step)
     /* No signal handler of the caller may run in the child. */
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    long pid = syscall(SYS_clone3, &ca, sizeof ca);
+    int procs_fd;
+    long pid = sk_clone(&ca, &procs_fd);
     if (pid == 0) {
         close(syncp[1]);
         close(repp[0]);
-        child_main(p, syncp[0], repp[1]);
+        child_main(p, syncp[0], repp[1], procs_fd);
     }
     int e = errno;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (procs_fd >= 0)
+        close(procs_fd);
     close(syncp[0]);
     close(repp[1]);
     if (pid < 0) {
@@ -523,6 +580,37 @@ int sk_spawn(const struct sk_plan *p, struct sk_child *out, int *step)
     out->report_fd = repp[0];
     out->sync_fd = syncp[1];
     return 0;
+}
+
+int sk_probe(int what)
+{
+    struct sk_clone_args ca;
+    sigset_t all, old;
+    int procs_fd, status;
+    memset(&ca, 0, sizeof ca);
+    ca.flags = CLONE_NEWUSER | (what == SK_PROBE_PROC ? CLONE_NEWNS | CLONE_NEWPID : CLONE_NEWUTS);
+    ca.exit_signal = 0; /* no SIGCHLD for the caller's handlers: reaped with __WALL */
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    long pid = sk_clone(&ca, &procs_fd);
+    if (pid == 0) {
+        /* The same calls the sandbox makes: root in the new user namespace, no maps needed. */
+        int r;
+        if (what == SK_PROBE_PROC)
+            r = mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0 ||
+                mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0 ? errno : 0;
+        else
+            r = sethostname("stockade", 8) < 0 ? errno : 0;
+        _exit(r & 0xff);
+    }
+    int e = errno;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (pid < 0)
+        return -e;
+    while (waitpid((pid_t)pid, &status, __WALL) < 0)
+        if (errno != EINTR)
+            return -errno;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : EIO;
 }
 
 int sk_go(struct sk_child *c)

@@ -192,3 +192,11 @@ size_t sk_plan_pack(const struct sk_plan *plan, unsigned char *buf, size_t cap);
 
 /* Landlock ABI version of the running kernel: >= 1, or -errno. */
 int sk_landlock_abi(void);
+
+/* Can a sandbox build this wall here? In a throwaway child with a new user
+ * namespace (and mount+PID, or UTS, namespaces): mount a new procfs
+ * (SK_PROBE_PROC), or set a hostname (SK_PROBE_HOSTNAME). 0: it can; > 0: the
+ * errno the kernel (or a seccomp filter) gave; < 0: -errno of the clone itself. */
+#define SK_PROBE_PROC 1
+#define SK_PROBE_HOSTNAME 2
+int sk_probe(int what);

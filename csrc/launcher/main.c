@@ -293,13 +293,16 @@ static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int
         ca.flags |= CLONE_INTO_CGROUP;
         ca.cgroup = (uint64_t)cgfd;
     }
-    long pid = syscall(SYS_clone3, &ca, sizeof ca);
+    int procs_fd;
+    long pid = sk_clone(&ca, &procs_fd);
     if (pid == 0) {
         /* C2: the sandbox's init. */
         prctl(PR_SET_NAME, "stockade-init", 0, 0, 0);
         close(st);
         if (cgfd >= 0)
             close(cgfd);
+        if (procs_fd >= 0)
+            sk_join_procs(procs_fd, rep); /* clone(2) fallback: no CLONE_INTO_CGROUP */
         sk_cgroup_join(p, rep); /* then the cgroup namespace is rooted at them */
         if ((p->clone_flags & CLONE_NEWCGROUP) && unshare(CLONE_NEWCGROUP) < 0) {
             sk_report(rep, SK_REP_ERROR, SK_STEP_UNSHARE, errno, 0, "cgroup");
@@ -325,6 +328,8 @@ static void __attribute__((noreturn)) run_in_ns(struct sk_plan *p, int *fds, int
         sk_run_child(p, sync_fd, rep);
     }
     int e = errno;
+    if (procs_fd >= 0)
+        close(procs_fd);
     /* C1 keeps only the status socket (the pipes must see EOF when init is done)
      * and the hold. */
     for (int i = 0; i < nfds; i++)

@@ -144,7 +144,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pass-fd", type=_natural("an open file descriptor number such as 3"), action="append", default=[], metavar="N", help="pass file descriptor N through")
     p.add_argument("--seccomp", default="default", metavar="NAME|PATH", help="seccomp profile (default, strict, permissive, a JSON file, or off)")
     p.add_argument("--no-landlock", action="store_true", help="do not apply Landlock (needs --allow-degraded landlock)")
-    p.add_argument("--allow-degraded", action="append", default=[], metavar="WHAT", help="run without a layer the kernel lacks: landlock, seccomp, limits")
+    p.add_argument("--allow-degraded", action="append", default=[], metavar="WHAT", help="run without a layer the kernel or a container refuses: landlock, seccomp, limits, proc, hostname")
     p.add_argument("--no-wait", action="store_true", help="fail instead of waiting when the session is busy")
     try:
         from .cgroups.cli import add_limit_arguments

@@ -19,7 +19,8 @@ from . import plan as planmod
 from .errors import SandboxError, UsageError
 from .session import store
 
-_DEGRADABLE = frozenset({"landlock", "seccomp", "limits", "cgroups"})
+# proc, hostname: walls a container engine can refuse (linux/walls.py)
+_DEGRADABLE = frozenset({"landlock", "seccomp", "limits", "cgroups", "proc", "hostname"})
 
 
 class Prepared:
@@ -326,6 +327,10 @@ def prepare(
             tuple(pass_fds), seccomp, tuple(allow_degraded), landlock, None if policy is None else policy.key,
             None if not env else tuple(sorted(env.items())),
         )
+        if not {"proc", "hostname"}.isdisjoint(allow_degraded):
+            from .linux import walls
+
+            wkey += walls.ns_key()  # the probes' answers hold for these namespaces only
         hit = warm.load(wkey, sess, argv)
         if hit is not None:
             if os.geteuid() == 0 and not hit.plan.read_only:
@@ -337,7 +342,7 @@ def prepare(
     degraded_ok = frozenset(allow_degraded)
     unknown = degraded_ok - _DEGRADABLE
     if unknown:
-        raise UsageError(f"--allow-degraded {','.join(sorted(unknown))}: unknown; accepted: landlock, seccomp, limits")
+        raise UsageError(f"--allow-degraded {','.join(sorted(unknown))}: unknown; accepted: landlock, seccomp, limits, proc, hostname")
     if not landlock and "landlock" not in degraded_ok:
         raise UsageError("turning Landlock off needs --allow-degraded landlock")
     if seccomp == "off" and "seccomp" not in degraded_ok:
@@ -385,6 +390,10 @@ def prepare(
         bpf, seccomp_name = _seccomp(seccomp, degraded_ok, degraded)
     else:
         degraded.append("seccomp (turned off)")
+    if "proc" in degraded_ok or "hostname" in degraded_ok:
+        from .linux import walls
+
+        degraded.extend(walls.degraded(degraded_ok))  # only those this environment refuses
 
     lower_layers: list[Path] = [] if read_only else sess.layers()[::-1]
     masked_l: list[Any] = list(pol.masked(project))

@@ -77,7 +77,7 @@ def split(plan: Plan) -> tuple[tuple[MountOp, ...], tuple[MountOp, ...]] | None:
     writes into the tmpfs it shares with other runs.
     """
     ops = plan.mounts
-    first = next((i for i, m in enumerate(ops) if m.kind == "proc"), None)
+    first = next((i for i, m in enumerate(ops) if m.target == "/proc"), None)  # a procfs, or an empty tmpfs
     if first is None:
         return None
     base: list[MountOp] = []
