@@ -187,6 +187,27 @@ def test_rollback_after_the_session_is_gone(user: User, project: Path, mapped: t
 
 
 @unpriv
+@pytest.mark.parametrize("crash_after", ["3", "6"])
+def test_recover_an_apply_that_died(user: User, project: Path, mapped: tuple[Path, int], crash_after: str) -> None:
+    """An apply killed half-way in the child leaves a journal `stockade recover` finishes
+    or undoes, reaching the sandbox's entries the same way: never half of it."""
+    sdir, s = mapped
+    r = user.cli(["apply", sdir.name, "d"], env={"STOCKADE_TEST_CRASH_AFTER": crash_after})
+    assert r.returncode != 0
+    assert "id-mapped helper process" in r.stderr.decode() and "signal 9" in r.stderr.decode()
+    assert os.listdir(user.state / "applies" / "pending")
+    msg = _ok(user.cli(["recover"]))
+    assert not os.listdir(user.state / "applies" / "pending"), msg
+    in_project = (project / "d" / "f").exists()
+    in_layer = (sdir / "upper" / "d" / "f").exists()
+    assert in_project != in_layer, (in_project, in_layer)
+    if in_project:
+        assert (project / "d" / "f").read_text() == "x\n" and os.lstat(project / "d" / "f").st_uid == NOBODY
+    else:
+        assert not (project / "d").exists() and os.lstat(sdir / "upper" / "d" / "f").st_uid == s + INSIDE_OWNER
+
+
+@unpriv
 def test_snapshot_fork_export(user: User, project: Path, mapped: tuple[Path, int]) -> None:
     sdir, s = mapped
     sid = sdir.name
