@@ -734,12 +734,11 @@ def _identity(req: Request, facts: HostFacts) -> tuple[int, int, int, int, str, 
         # any unprivileged caller: it has nothing more to map
         out_uid, out_gid = facts.euid, facts.egid
         if not facts.maps_root:
-            raise SandboxError(
-                "map uid 0 into the sandbox's user namespace", errno=errno.EPERM,
-                detail="this process is root inside a user namespace without CAP_SETFCAP (bubblewrap's --uid 0 drops "
-                       "it), and only a holder of CAP_SETFCAP may map that namespace's uid 0 into a new one",
-                remedy="give it back to the outer sandbox (bwrap --cap-add CAP_SETFCAP), or start it as another uid "
-                       "(bwrap --uid 1000)")
+            from .linux import remedies
+
+            rem = remedies.map_root(remedies.detect())  # doctor's words
+            raise SandboxError("map uid 0 into the sandbox's user namespace", errno=errno.EPERM, detail=rem.cause,
+                               remedy=rem.fix)
         if req.user is not None and req.user != out_uid:
             raise UsageError("--user needs real root; an unprivileged caller always runs as itself (use --root to appear as uid 0)")
     elif req.user is not None:

@@ -132,23 +132,31 @@ def test_report_exit_status() -> None:
 
 @pytest.mark.parametrize("launcher", ["0", "1"])
 def test_id_range_line_says_what_a_sandbox_does(user: User, project: Path, launcher: str) -> None:
-    """doctor's "id range" line is the sandbox's real behaviour: as root inside, chown to
-    another id, setuid and setgroups fail the way it says (a range mapped one day must
-    change both). Errnos are read inside, the map from the host's view of the command."""
+    """doctor's "id range" line is the sandbox's real behaviour, as root inside: with a
+    range (real root: the built-in block) chown to another id, setuid and setgroups work;
+    without one (uid 65534 with no /etc/subuid entry) they fail the way it says. Errnos
+    are read inside, the map from the command's /proc."""
     code = ("import os\nopen('f','w').close()\n"
-            "for name, f in (('chown', lambda: os.chown('f', 1000, 1000)), ('setuid', lambda: os.setuid(1000)),"
-            " ('setgroups', lambda: os.setgroups([1000]))):\n"
+            "for name, f in (('chown', lambda: os.chown('f', 1000, 1000)), ('setgroups', lambda: os.setgroups([1000])),"
+            " ('setuid', lambda: os.setuid(1000))):\n"
             "    try:\n        f(); print(name, 'ok')\n    except OSError as e: print(name, e.errno)\n"
             "print(open('/proc/self/uid_map').read().split())")
     r = user.cli(["run", "--root", "--", "/usr/bin/python3", "-I", "-c", code], cwd=project,
                  env={"STOCKADE_LAUNCHER": launcher})
     assert r.returncode == 0, r.stderr.decode()
     lines = r.stdout.decode().splitlines()
-    assert lines[:3] == ["chown 22", "setuid 22", "setgroups 1"], lines
-    assert all(c == "1" for c in ast.literal_eval(lines[3])[2::3]), lines  # single ids only, no range
+    counts = [int(c) for c in ast.literal_eval(lines[3])[2::3]]
     d = user.cli(["doctor", "--json"], timeout=180)
     [p] = [p for p in json.loads(d.stdout)["probes"] if p["name"] == "id range"]
-    assert p["detail"].startswith("none — ") and "EINVAL" in p["detail"] and "setgroups EPERM" in p["detail"]
-    assert p["fix"] and "--root" in p["fix"] and p["data"]["mapped"] == "single"
     text = user.cli(["doctor"], timeout=180).stdout.decode()
-    assert any(ln.split()[:4] == ["INFO", "id", "range", "none"] for ln in text.splitlines()), text
+    if user.name == "root":
+        assert lines[:3] == ["chown ok", "setgroups ok", "setuid ok"], lines
+        assert counts == [1, 65535], lines
+        assert p["status"] == "ok" and p["data"]["mapped"] == "range" and p["data"]["uid_start"] == 1879048192
+        assert any(ln.split()[:3] == ["OK", "id", "range"] for ln in text.splitlines()), text
+    else:
+        assert lines[:3] == ["chown 22", "setgroups 1", "setuid 22"], lines
+        assert all(c == 1 for c in counts), lines  # single ids only, no range
+        assert p["detail"].startswith("none (") and "EINVAL" in p["detail"] and "setgroups EPERM" in p["detail"]
+        assert p["fix"] and "usermod --add-subuids" in p["fix"] and p["data"]["mapped"] == "single"
+        assert any(ln.split()[:4] == ["INFO", "id", "range", "none"] for ln in text.splitlines()), text

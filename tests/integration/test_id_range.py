@@ -77,6 +77,7 @@ def _maps(text: str) -> list[list[int]]:
     return [[int(x) for x in ln.split()] for ln in text.splitlines()]
 
 
+@pytest.mark.vm
 @pytest.mark.parametrize(("server", "launcher"), PATHS)
 def test_root_over_its_own_project_maps_a_range_and_keeps_a_few_capabilities(
         root: User, tree: Path, server: str, launcher: str) -> None:
@@ -120,6 +121,7 @@ def test_gnu_tar_and_tarfile_as_root_keep_owners_modes_and_times(root: User, tre
     assert ((up / "g" / "a").stat().st_uid, (up / "p" / "a" / "b").stat().st_gid) == (R0 + 123, R0 + 456)
 
 
+@pytest.mark.vm
 def test_kept_capabilities_reach_no_host_file_but_the_sandbox_users(root: User, tree: Path) -> None:
     """A file of another host user (12345, mode 0600) in the project: bare root reads
     it; root inside, with CAP_DAC_OVERRIDE, may not (its owner is not mapped), nor chmod,
@@ -157,6 +159,7 @@ def test_root_flag_over_another_users_project_keeps_nothing(root: User, tree: Pa
     assert canary.stat().st_uid == 0 and (tree / "f").stat().st_uid == NOBODY
 
 
+@pytest.mark.vm
 @pytest.mark.parametrize(("server", "launcher"), PATHS)
 def test_unprivileged_root_flag_gets_its_subordinate_range(user: User, subids: int, project: Path,
                                                            server: str, launcher: str) -> None:
@@ -184,6 +187,7 @@ def test_unprivileged_without_a_range_keeps_the_single_map(user: User, project: 
     assert "ids: only the sandbox user's id is mapped (no entry of 65536 ids for this user in /etc/subuid and /etc/subgid)" in r.stdout.decode()
 
 
+@pytest.mark.vm
 @pytest.mark.parametrize("wrap", ["unshare", "bwrap"])
 @pytest.mark.parametrize("server", ["0", "1"])
 def test_root_in_a_nested_user_namespace_runs(user: User, project: Path, wrap: str, server: str) -> None:

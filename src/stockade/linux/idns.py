@@ -180,12 +180,11 @@ def _child(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def _userns_remedy(err: int) -> str:
-    if err == _errno.ENOSPC:
-        return "user namespaces are disabled: run `sudo sysctl -w user.max_user_namespaces=15000`"
-    if err == _errno.EPERM:
-        return ("user namespaces are restricted (AppArmor's kernel.apparmor_restrict_unprivileged_userns, "
-                "a container's seccomp profile): see `stockade doctor`")
-    return "see `stockade doctor`"
+    """The same cause and fix a run's namespace step gives (remedies.userns)."""
+    from . import remedies
+
+    rem = remedies.userns(err, remedies.detect())
+    return f"{rem.cause}; {rem.fix}"
 
 
 # ---- the parent --------------------------------------------------------------------------------

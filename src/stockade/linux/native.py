@@ -322,7 +322,7 @@ def spawn(lowered: Lowered) -> Child:
         from . import idmap
 
         try:
-            for m, what in zip(lowered.maps, ("uid_map", "gid_map")):
+            for m, what in zip(lowered.maps, ("uid_map", "gid_map"), strict=True):
                 if m.helper:
                     idmap.write_with_helper(out.pid, m.helper, m.entries, what)
         except BaseException:
