@@ -153,11 +153,14 @@ def podman(request: pytest.FixtureRequest) -> Iterator[Podman]:
         p.cleanup()
 
 
-def _find(argv0: str, marker: str, timeout: float = 60) -> int:
-    """The host pid of the process whose argv is exactly [argv0, marker]."""
+def _find(argv0: str, marker: str, starter: subprocess.Popen[str], timeout: float = 60) -> int:
+    """The host pid of the process whose argv is exactly [argv0, marker], which
+    ``starter`` runs (its stderr is the failure's message when it ends first)."""
     want = f"{argv0}\0{marker}\0".encode()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if starter.poll() is not None:
+            raise AssertionError(f"exit {starter.returncode} before {argv0} {marker} ran: {starter.communicate()[1]}")
         for name in os.listdir("/proc"):
             if name.isdigit():
                 try:
@@ -235,7 +238,7 @@ def test_podman_degraded_run_keeps_the_other_walls(podman: Podman) -> None:
     proc = subprocess.Popen(podman.cmd(script, name=name), env=podman.env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        pid = _find("sleep", marker)
+        pid = _find("sleep", marker, proc)
         st = _status(pid)
         assert st["Seccomp"] == "2" and int(st["Seccomp_filters"]) >= 2, st  # the engine's and stockade's
         assert st["NoNewPrivs"] == "1" and _caps_ok(st), st
@@ -353,7 +356,7 @@ def test_clone3_enosys_falls_back_to_clone(caller: tuple[User, Path], launcher: 
     p = _filtered(u, "enosys", ["run", "--project", str(proj), "--", "sh", "-c", f"echo changed > a.txt; sleep {marker}; true"],
                   {"STOCKADE_LAUNCHER": launcher, "STOCKADE_SERVER": path})
     try:
-        pid = _find("sleep", marker)
+        pid = _find("sleep", marker, p)
         st = _status(pid)
         assert st["Seccomp"] == "2" and int(st["Seccomp_filters"]) == 2, st  # the test's and stockade's
         assert st["NoNewPrivs"] == "1" and _caps_ok(st), st
