@@ -270,13 +270,18 @@ def test_without_a_range_the_error_names_the_remedy(user: User, project: Path, s
     saved = Path("/etc/subuid").read_bytes()
     Path("/etc/subuid").write_bytes(b"")
     try:
-        r = user.cli(["status", sdir.name])
+        rs = [user.cli([*verb, sdir.name]) for verb in (["status"], ["diff"], ["clean"])]
     finally:
         Path("/etc/subuid").write_bytes(saved)
-    assert r.returncode == 2, r.stderr.decode()
-    err = r.stderr.decode()
-    assert "Traceback" not in err and "/etc/subuid" in err and "fix:" in err
-    assert len(err.strip().splitlines()) == 1
+    for r in rs:
+        assert r.returncode == 2, r.stderr.decode()
+        err = r.stderr.decode()
+        assert "Traceback" not in err and "/etc/subuid" in err and "fix:" in err
+        assert len(err.strip().splitlines()) == 1
+    # clean refused: still the session, whole, to clean once the entry is back
+    assert sorted(os.listdir(sdir.parent)) == [sdir.name]
+    _ok(user.cli(["clean", sdir.name]))
+    assert os.listdir(sdir.parent) == []
 
 
 @unpriv

@@ -368,7 +368,7 @@ def cmd_discard(args: argparse.Namespace) -> int:
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
+    from ..errors import StockadeError, UsageError
     from ..session import idrange, store
 
     if args.all and args.session_name:
@@ -379,7 +379,11 @@ def cmd_clean(args: argparse.Namespace) -> int:
         with s.lock(wait=False):
             trash = s.dir.with_name(f".clean-{s.id}-{os.getpid()}")
             os.rename(s.dir, trash)
-        idrange.remove_tree(trash)
+        try:
+            idrange.remove_tree(trash)
+        except StockadeError:  # its sandbox's ids cannot be reached now: it stays a session
+            os.rename(trash, s.dir)
+            raise
         removed.append(s.id)
     _err(f"stockade: removed {len(removed)} session(s)" + (f": {', '.join(removed)}" if removed else ""))
     return 0
