@@ -335,14 +335,7 @@ def hostname(err: int, env: Env) -> Remedy:
         return aa
     if env.seccomp == 2:
         r = seccomp_remedy(env, "sethostname")
-        try:
-            from .. import prepare
-
-            if "hostname" in getattr(prepare, "_DEGRADABLE", ()):
-                return Remedy(r.cause, r.fix + ", or pass --allow-degraded hostname to keep the container's hostname")
-        except ImportError:
-            pass
-        return r
+        return Remedy(r.cause, r.fix + ", or pass --allow-degraded hostname to keep the container's hostname")
     return Remedy(f"sethostname was refused in the sandbox's new UTS namespace ({E.errorcode.get(err, err)}): "
                   "a security module denies it",
                   "run stockade outside that security module's confinement")
