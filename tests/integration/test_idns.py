@@ -387,6 +387,30 @@ def test_real_run_chown(user: User, project: Path, subids: int, launcher: str) -
     assert _host_listing(sdir / "upper") == []
 
 
+@unpriv
+@pytest.mark.cli_paths
+def test_own_files_made_unreadable(user: User, project: Path) -> None:
+    """No range needed: a sandbox's `chmod 000 x` leaves the caller's own directory it
+    cannot read on the host. The first read that meets it records the session and goes
+    on in the child (the caller's own ids alone where it has no range); so does every
+    operation after it."""
+    r = user.cli(["run", "--", "sh", "-c", "mkdir x; echo z > x/z; chmod 000 x"], cwd=project)
+    assert "1 added, 0 modified, 0 deleted" in _ok(r) + r.stderr.decode()  # the run's summary
+    sdir = next(p for p in (user.state / "sessions").iterdir() if not p.name.startswith("."))
+    assert stat.S_IMODE(os.lstat(sdir / "upper" / "x").st_mode) == 0
+    ids = idrange.read(sdir)
+    assert ids is not None and ids.own and ids.uid_map == ()
+    assert "A x/z" in _ok(user.cli(["status", sdir.name]))
+    assert "+z" in _ok(user.cli(["diff", sdir.name]))
+    _ok(user.cli(["apply", sdir.name]))
+    assert stat.S_IMODE(os.lstat(project / "x").st_mode) == 0 and os.lstat(project / "x").st_uid == NOBODY
+    _ok(user.cli(["rollback"]))
+    _ok(user.cli(["discard", sdir.name]))
+    assert _host_listing(sdir / "upper") == []
+    _ok(user.cli(["clean", sdir.name]))
+    assert os.listdir(sdir.parent) == []
+
+
 def test_real_root_status(root: User) -> None:
     """A real root's `run --root` over its own project maps its range too (written by
     stockade): status names the owners inside, read with no child."""

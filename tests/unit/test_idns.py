@@ -152,3 +152,33 @@ def test_apply_result_counts_owners_not_kept() -> None:
 def test_call_as_real_root_or_inside_runs_here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(idns, "INSIDE", True)
     assert idns.call(os.getpid) == os.getpid()
+
+
+def test_unreadable_own_files_retry_in_the_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that meets the caller's own unreadable inode in the session records it and
+    runs again in the child; one outside the session (another user's project file) does not."""
+    sdir = tmp_path / "s"
+    sdir.mkdir()
+    calls: list[str] = []
+    monkeypatch.setattr(idns, "call", lambda fn, *a, **k: calls.append("call") or "range")
+    monkeypatch.setattr(idns, "call_own", lambda fn, *a, **k: calls.append("own") or "own")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+
+    def reader(where: str, name: str) -> str:
+        raise PermissionError(13, "Permission denied", name)
+
+    op = idrange.with_sandbox_ids(retry=True)(reader)
+    with pytest.raises(PermissionError):
+        op(str(sdir), "/etc/shadow")  # not the session's: no retry, no record
+    assert not (sdir / idrange.MARKER).exists() and calls == []
+    assert op(str(sdir), f"{sdir}/upper/x") == "own"
+    ids = idrange.read(sdir)
+    assert ids is not None and ids.own and calls == ["own"]
+    assert op(str(sdir), "x") == "own"  # recorded: straight to the child
+    assert idrange.with_sandbox_ids()(reader)(str(sdir), "x") == "own"  # every operation
+    idrange.mark(sdir, ROOT_MAP, ROOT_MAP, (1000, 1000))  # a run with a range replaces it
+    idrange.mark_own(sdir)  # and is never replaced by it
+    assert op(str(sdir), "x") == "range"
+    assert calls == ["own", "own", "own", "call"]
+    with pytest.raises(PermissionError):  # without retry: the error as it was
+        idrange.with_sandbox_ids()(reader)(str(tmp_path / "other"), "x")

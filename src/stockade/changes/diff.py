@@ -305,13 +305,13 @@ def colorize(text: bytes) -> bytes:
     return b"".join(out)
 
 
-@with_sandbox_ids()
+@with_sandbox_ids(retry=True)
 def render_diff(cs: ChangeSet, changes: Iterable[Change], *, color: bool = False) -> bytes:
     text = b"".join(d.text for d in file_diffs(cs, changes))
     return colorize(text) if color else text
 
 
-@with_sandbox_ids()
+@with_sandbox_ids(retry=True)
 def render_stat(cs: ChangeSet, changes: Iterable[Change], width: int = 80) -> str:
     """``git diff --stat`` style summary."""
     diffs = file_diffs(cs, changes)

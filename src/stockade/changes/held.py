@@ -454,7 +454,7 @@ def _groups(sides: _Sides, held: dict[str, str]) -> dict[str, str]:
 # ---- all of it ------------------------------------------------------------------------------------
 
 
-@with_sandbox_ids()
+@with_sandbox_ids(retry=True)
 def held_back(cs: ChangeSet, changes: list[Change] | tuple[Change, ...] | None = None,
               include_git: bool = False) -> dict[str, str]:
     """path -> why it is held back, for ``changes`` (default: all) of ``cs``.

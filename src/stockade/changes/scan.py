@@ -303,7 +303,7 @@ def _masked(c: Change) -> Change:
                   "masked secret path: never diffed or applied")
 
 
-@idrange.with_sandbox_ids()
+@idrange.with_sandbox_ids(retry=True)
 def scan(session: Session, *, classify: bool = True) -> ChangeSet:
     """The session's change set. ``classify=False`` skips binary detection (faster)."""
     return Scanner(session, classify=classify).run()

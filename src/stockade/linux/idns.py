@@ -221,9 +221,21 @@ def _read_exact(fd: int, n: int, pidfd: int) -> bytes:
 
 
 def _write_maps(pid: int, maps: tuple[tuple[idmap.Entry, ...], tuple[idmap.Entry, ...]],
-                urange: idmap.Range, grange: idmap.Range) -> None:
+                urange: idmap.Range | None, grange: idmap.Range | None) -> None:
     from . import idmap
 
+    if urange is None or grange is None:
+        # the caller's own ids only: any process may map its own, setgroups denied first
+        for what, data in (("setgroups", "deny"), ("uid_map", f"0 {maps[0][0][1]} 1"),
+                           ("gid_map", f"0 {maps[1][0][1]} 1")):
+            path = f"/proc/{pid}/{what}"
+            try:
+                with open(path, "w") as f:
+                    f.write(data + "\n")
+            except OSError as e:
+                raise SandboxError(f"write {what} (the caller's own ids)", path=path, errno=e.errno or 0,
+                                   remedy="see `stockade doctor`") from None
+        return
     if urange.helper and grange.helper:
         # the setuid helpers check the entries against /etc/subuid and /etc/subgid
         idmap.write_with_helper(pid, urange.helper, maps[0], "uid_map")
@@ -242,14 +254,33 @@ def _write_maps(pid: int, maps: tuple[tuple[idmap.Entry, ...], tuple[idmap.Entry
 def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` in a child with the caller's sandboxes' ids (see the module
     docstring); in this process when already inside one, or for real root, which needs none."""
+    return _call(fn, args, kwargs, True)
+
+
+def call_own(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``call``, for files of the caller's own that a sandbox made unreadable (``chmod 000
+    d``): with the caller's range where it has one, else with its own ids alone (the
+    capabilities reach its own inodes, which it owns anyway)."""
+    return _call(fn, args, kwargs, False)
+
+
+def _call(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], need_range: bool) -> T:
     if INSIDE or acting_root():
         return fn(*args, **kwargs)
     import pickle
 
     from .. import paths
 
-    urange, grange = caller_ranges()
-    maps = maps_for(os.geteuid(), os.getegid(), urange, grange)
+    urange: idmap.Range | None
+    grange: idmap.Range | None
+    try:
+        urange, grange = caller_ranges()
+        maps = maps_for(os.geteuid(), os.getegid(), urange, grange)
+    except SandboxError:
+        if need_range:
+            raise
+        urange = grange = None
+        maps = ((0, os.geteuid(), 1),), ((0, os.getegid(), 1),)
     state = paths.state_dir()
     sync_r, sync_w = os.pipe()  # CLOEXEC (PEP 446): nothing the child runs inherits them
     go_r, go_w = os.pipe()

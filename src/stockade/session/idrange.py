@@ -43,6 +43,8 @@ class Ids:
     uid_map: tuple[Entry, ...]
     gid_map: tuple[Entry, ...]
     user: tuple[int, int]  # the sandbox user's host uid and gid
+    # no range: the layers hold the caller's own inodes it cannot read (``mark_own``)
+    own: bool = False
 
     @staticmethod
     def _inside(entries: tuple[Entry, ...], host: int) -> int:
@@ -99,12 +101,24 @@ def read(session_dir: str | os.PathLike[str]) -> Ids | None:
     try:
         with open(Path(session_dir) / MARKER, encoding="utf-8") as f:
             d = json.load(f)
-        return Ids(_entries(d["uid_map"]), _entries(d["gid_map"]), (int(d["user"][0]), int(d["user"][1])))
+        return Ids(_entries(d["uid_map"]), _entries(d["gid_map"]), (int(d["user"][0]), int(d["user"][1])),
+                   bool(d.get("own")))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         # unreadable: the session still needs the child, without ownership details
         return Ids((), (), (os.geteuid(), os.getegid()))
+
+
+def mark_own(session_dir: str | os.PathLike[str]) -> None:
+    """Record that the session's layers hold inodes of the caller's own it cannot read or
+    empty (a sandbox's ``chmod 000 d``), when nothing is recorded yet: from then on its
+    operations run in the child too, mapped with the caller's own ids where it has no range."""
+    from .store import write_json_atomic
+
+    if not os.path.lexists(Path(session_dir) / MARKER):
+        write_json_atomic(Path(session_dir) / MARKER, {"uid_map": [], "gid_map": [], "own": True,
+                                                       "user": [os.geteuid(), os.getegid()]})
 
 
 def copy_mark(src_dir: str | os.PathLike[str], dst_dir: str | os.PathLike[str]) -> None:
@@ -134,19 +148,41 @@ def session_dir_of(arg: Any) -> str | None:
     return None
 
 
-def with_sandbox_ids(where: Callable[..., Iterable[str | os.PathLike[str] | None]] | None = None) -> Callable[[F], F]:
+def _within(filename: Any, session_dir: str) -> bool:
+    """Could the path an error names be in the session (layers are read through directory
+    fds: relative names count)? A project file of another user's is not the child's to read."""
+    if not isinstance(filename, (str, bytes, os.PathLike)):
+        return True
+    f = os.fsdecode(filename)
+    return not os.path.isabs(f) or f.startswith(session_dir.rstrip("/") + "/")
+
+
+def with_sandbox_ids(where: Callable[..., Iterable[str | os.PathLike[str] | None]] | None = None, *,
+                     retry: bool = False) -> Callable[[F], F]:
     """Run the decorated operation with the sandbox's ids when a session it acts on needs
     them. ``where(*args, **kwargs)`` names those sessions' directories; default: the
-    first argument's (see ``session_dir_of``)."""
+    first argument's (see ``session_dir_of``). ``retry`` (operations that only read):
+    a PermissionError here on an unrecorded session records it (``mark_own``) and runs
+    the operation again in the child."""
 
     def deco(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not idns.INSIDE and os.geteuid() != 0:
-                dirs = where(*args, **kwargs) if where else [session_dir_of(args[0]) if args else None]
-                if any(d is not None and needs_child(d) for d in dirs):
-                    return idns.call(fn, *args, **kwargs)
-            return fn(*args, **kwargs)
+            if idns.INSIDE or os.geteuid() == 0:
+                return fn(*args, **kwargs)
+            dirs = [os.fspath(d) for d in (where(*args, **kwargs) if where else
+                                           [session_dir_of(args[0]) if args else None]) if d is not None]
+            marked = [ids for d in dirs if needs_child(d) and (ids := read(d)) is not None]
+            if marked:
+                ranged = any(not ids.own for ids in marked)
+                return (idns.call if ranged else idns.call_own)(fn, *args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except PermissionError as e:
+                if not (retry and dirs and os.path.isdir(dirs[0]) and _within(e.filename, dirs[0])):
+                    raise
+            mark_own(dirs[0])
+            return idns.call_own(fn, *args, **kwargs)
 
         return cast(F, wrapper)
 
