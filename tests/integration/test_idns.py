@@ -287,7 +287,7 @@ def test_without_a_range_the_error_names_the_remedy(user: User, project: Path, s
 @unpriv
 def test_idns_call_child(user: User, subids: int) -> None:
     """The child: capabilities over a subordinate-owned 0700 directory, the caller's
-    stdout, the exception's type and message, the exit status."""
+    stdout, the exception's type and message, the exit status; no fd or child left behind."""
     base = world_tmpdir("stockade-idns-")
     try:
         secret = base / "secret"
@@ -299,6 +299,12 @@ def test_idns_call_child(user: User, subids: int) -> None:
             import os, sys
             from stockade.linux import idns
             from stockade.errors import SandboxError
+            def _none_left():
+                try:
+                    os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    return True
+                return False
             print(idns.call(os.listdir, {str(secret)!r}), flush=True)
             idns.call(lambda: print("from the child", idns.INSIDE, idns.host_ids(os.getuid(), 7)))
             try:
@@ -309,6 +315,14 @@ def test_idns_call_child(user: User, subids: int) -> None:
             signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # as in a CLI server: children reaped unseen
             print("ignored", idns.call(lambda: 5), flush=True)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            fds = sorted(os.listdir("/proc/self/fd"))
+            for _ in range(5):  # no pipe or pidfd stays open here, nor a child unreaped
+                idns.call(int)
+                try:
+                    idns.call(os.listdir, "/nonexistent")
+                except FileNotFoundError:
+                    pass
+            print("fds", sorted(os.listdir("/proc/self/fd")) == fds, _none_left(), flush=True)
             sys.exit(idns.call(lambda: sys.exit(7)))
         """), timeout=60)
         assert r.returncode == 7, r.stderr.decode()
@@ -317,6 +331,7 @@ def test_idns_call_child(user: User, subids: int) -> None:
         assert lines[1] == f"from the child True ({NOBODY}, {subids + 6})"
         assert lines[2] == "SandboxError 13 /p step failed on /p: EACCES: Permission denied (fix: r)"
         assert lines[3] == "ignored 5"
+        assert lines[4] == "fds True True"
         assert os.lstat(secret / "a").st_uid == subids + 7
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=True)
