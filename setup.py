@@ -20,7 +20,7 @@ class BuildWithLauncher(build_ext):
 
     def build_launcher(self) -> None:
         csrc = HERE / "csrc"
-        sources = [str(csrc / "launcher" / "main.c")] + [str(p) for p in sorted(csrc.glob("*.c"))]
+        sources = [str(p) for p in sorted((csrc / "launcher").glob("*.c"))] + [str(p) for p in sorted(csrc.glob("*.c"))]
         if self.inplace:
             out_dir = str(HERE / "src" / "stockade")
         else:

@@ -6,7 +6,7 @@
 #include <stdint.h>
 #include "stockade_native.h"
 
-/* clone3(2), for headers that predate it (spawn.c, launcher/main.c). */
+/* clone3(2), for headers that predate it (clone.c, spawn.c, launcher/run.c). */
 #ifndef CLONE_PIDFD
 #define CLONE_PIDFD 0x00001000
 #endif
@@ -27,15 +27,17 @@ long sk_clone(struct sk_clone_args *ca, int *procs_fd);
 /* The child's half of the fallback: write itself to procs_fd; exits on failure. */
 void sk_join_procs(int procs_fd, int rep);
 
-/* Child side: every function here is async-signal-safe (no malloc, no stdio). */
+/* report.c: the child's records (the one unit every other calls; it calls none). */
 void sk_report(int fd, int kind, int step, int err, int value, const char *path);
 void sk_report_fill(struct sk_report *r, int kind, int step, int err, int value, const char *path);
+size_t sk_strlen(const char *s);
+
+/* Child side: every function here is async-signal-safe (no malloc, no stdio). */
 int sk_mounts_child(const struct sk_plan *p, int rep);
 int sk_landlock_child(const struct sk_landlock *ll, int rep);
 int sk_seccomp_child(const unsigned char *bpf, size_t len, int rep);
 int sk_caps_child(unsigned long long keep, int rep);
 void sk_init_child(const struct sk_plan *p, int rep) __attribute__((noreturn));
-size_t sk_strlen(const char *s);
 
 /* mounts.c: the staging tree, the op loop, and the final pivot, as steps.
  * sk_overlay_hold_fd (a launcher's run child; else -1): the session's overlay
@@ -46,9 +48,11 @@ int sk_mounts_stage(const struct sk_plan *p, int rep);
 int sk_mounts_ops(const struct sk_plan *p, int rep, int *detached);
 int sk_mounts_finish(int rep, int detached);
 
-/* spawn.c: a launcher's run child (already in its own namespaces). */
+/* child.c: the ordered steps. A cold start's child (spawn.c clones it; procs_fd:
+ * see sk_clone), and a launcher's run child (already in its own namespaces). */
+void sk_child_main(const struct sk_plan *p, int sync_fd, int rep, int procs_fd) __attribute__((noreturn));
 void sk_run_child(const struct sk_plan *p, int sync_fd, int rep) __attribute__((noreturn));
-/* cgroup v1: enter the run's cgroups (plan->cgroup_join_fds); exits on failure. */
+/* clone.c: cgroup v1: enter the run's cgroups (plan->cgroup_join_fds); exits on failure. */
 void sk_cgroup_join(const struct sk_plan *p, int rep);
 
 /* wire.c (launcher side). */
