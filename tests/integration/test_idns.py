@@ -252,8 +252,14 @@ def test_layer_root_given_away(user: User, project: Path, mapped: tuple[Path, in
     sdir, s = mapped
     os.chown(sdir / "upper", s + INSIDE_OWNER, s + INSIDE_OWNER)
     os.chmod(sdir / "upper", 0o700)
-    r = user.py(f"from stockade.session import store; from stockade.changes.cli import summary_line; "
-                f"print(summary_line(store.open_session({sdir.name!r})))")
+    r = user.py(textwrap.dedent(f"""
+        try:  # where the CLI's change-set verbs live (moved from changes/cli.py to cli/changes.py)
+            from stockade.cli.changes import summary_line
+        except ImportError:
+            from stockade.changes.cli import summary_line
+        from stockade.session import store
+        print(summary_line(store.open_session({sdir.name!r})))
+    """))
     assert "2 added, 1 modified, 0 deleted" in _ok(r)
     _ok(user.cli(["snapshot", "create", "one", "-s", sdir.name]))
     assert [p.name for p in (sdir / "layers").iterdir()] == ["001-one"]
