@@ -128,8 +128,8 @@ def podman(request: pytest.FixtureRequest) -> Iterator[Podman]:
     for link in ("bin", "sbin", "lib", "lib64"):
         if os.path.islink(f"/{link}"):
             (rootfs / link).symlink_to(os.readlink(f"/{link}"))
-    for d in SHARED:
-        (rootfs / str(d).lstrip("/")).mkdir(parents=True, exist_ok=True)
+    for shared in SHARED:
+        (rootfs / str(shared).lstrip("/")).mkdir(parents=True, exist_ok=True)
     data = base / "data"
     (data / "proj").mkdir(parents=True)
     (data / "proj" / "a.txt").write_text("original\n")
@@ -142,15 +142,15 @@ def podman(request: pytest.FixtureRequest) -> Iterator[Podman]:
         (home / "run").mkdir(parents=True, mode=0o700)
         env.update(HOME=str(home), XDG_RUNTIME_DIR=str(home / "run"))
         prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-        for p in [base, *base.rglob("*")]:
-            os.lchown(p, NOBODY, NOBODY)
-    p = Podman(who, base, rootfs, data, env, prefix)
+        for f in [base, *base.rglob("*")]:
+            os.lchown(f, NOBODY, NOBODY)
+    pm = Podman(who, base, rootfs, data, env, prefix)
     try:
-        why = _probe_podman(p)
+        why = _probe_podman(pm)
         need(why is None, why or "")
-        yield p
+        yield pm
     finally:
-        p.cleanup()
+        pm.cleanup()
 
 
 def _find(argv0: str, marker: str, starter: subprocess.Popen[str], timeout: float = 60) -> int:
@@ -388,3 +388,31 @@ def test_namespaces_refused_eperm_names_the_filter(caller: tuple[User, Path], la
     assert len(lines) == 1, err
     assert "EPERM" in lines[0] and "seccomp filter" in lines[0], lines
     assert not (u.state / "sessions").exists() or not list((u.state / "sessions").iterdir())
+
+
+@pytest.mark.vm
+@pytest.mark.parametrize("caller", ["root"], indirect=True)
+@pytest.mark.parametrize("launcher", ["1", "0"])
+def test_clone3_enosys_fallback_joins_the_run_cgroup(caller: tuple[User, Path], launcher: str) -> None:
+    """Without clone3 there is no CLONE_INTO_CGROUP: the sandbox's init enters the run's
+    cgroup itself before anything of the run's (cgroup v2 under make test-vm, v1 here);
+    read from the host: the command's cgroups are the run's, in every hierarchy."""
+    u, proj = caller
+    marker = f"30.{secrets.randbelow(10**6):06d}"
+    p = _filtered(u, "enosys", ["run", "--project", str(proj), "--memory", "256M", "--pids", "64", "--",
+                                "sh", "-c", f"sleep {marker}; true"],
+                  {"STOCKADE_LAUNCHER": launcher, "STOCKADE_SERVER": "0"})
+    try:
+        pid = _find("sleep", marker, p)
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        # v1: the memory and pids hierarchies; v2 only: the unified one
+        controllers = [ln for ln in lines if ln.split(":")[1] in ("memory", "pids")] or [
+            ln for ln in lines if ln.startswith("0::")]
+        assert controllers and all("/stockade-" in ln for ln in controllers), lines
+        os.kill(pid, signal.SIGKILL)
+        _out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err
