@@ -37,7 +37,6 @@ import pytest
 import stockade
 from tests.conftest import (
     NOBODY,
-    ROOT,
     User,
     end_servers,
     need,
@@ -49,7 +48,7 @@ from tests.conftest import (
 # the tree under test (PYTHONPATH may point at another checkout than this test file's)
 STOCKADE_SRC = Path(stockade.__file__).resolve().parent.parent
 CHECKOUT = STOCKADE_SRC.parent  # src/stockade/seccomp_profiles leads up to it
-VENV = ROOT / ".venv"
+VENV = Path(sys.prefix)  # the venv running the tests (.venv)
 SHARED = [CHECKOUT, *([] if VENV.is_relative_to(CHECKOUT) else [VENV])]
 PY = str(VENV / "bin" / "python")
 
@@ -225,17 +224,21 @@ def test_default_podman_refuses_naming_each_wall_and_its_fix(podman: Podman) -> 
     assert podman.sessions() == [], "a refused run left a session"
 
 
-def test_podman_degraded_run_keeps_the_other_walls(podman: Podman) -> None:
+@pytest.mark.parametrize("launcher", ["1", "0"])
+@pytest.mark.parametrize("path", ["0", "require"])
+def test_podman_degraded_run_keeps_the_other_walls(podman: Podman, launcher: str, path: str) -> None:
     """--allow-degraded proc,hostname in a default container: /proc is an empty tmpfs
     (never the container's), the container's hostname is kept, the summary, run.json
-    and the audit log name both; the rest holds, read from the host."""
+    and the audit log name both; the rest holds, read from the host. In-process and
+    served (a CLI server started in the container), launcher and cold."""
     marker = f"30.{secrets.randbelow(10**6):06d}"
     cmd = ("ls -A /proc > proc-listing.txt; hostname > host.txt; echo changed > a.txt; "
            "echo pwned > /proc/1/root/data/outside/canary; echo pwned > /data/outside/canary; "
            f"sleep {marker}; true")
     name = f"stockade-test-{secrets.token_hex(4)}"
     script = f"cd /data/proj && exec {PY} -m stockade run --allow-degraded proc,hostname -- sh -c '{cmd}'"
-    proc = subprocess.Popen(podman.cmd(script, name=name), env=podman.env, stdout=subprocess.PIPE,
+    extra = ("-e", f"STOCKADE_LAUNCHER={launcher}", "-e", f"STOCKADE_SERVER={path}")
+    proc = subprocess.Popen(podman.cmd(script, extra, name=name), env=podman.env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         pid = _find("sleep", marker, proc)
