@@ -124,12 +124,10 @@ def _check_like_with_like(proj: Path) -> None:
     """The sandboxed modes' plans differ in Landlock and seccomp only."""
     import dataclasses
 
-    try:
-        from stockade.api import plan_for
-    except ImportError:
-        print("  (plan comparison skipped: stockade.api.plan_for is gone)")
-        return
-    plans = [plan_for(["true"], project=proj, **opts).plan for _, opts in MODES if opts is not None]
+    from stockade.core.execute import explain_plan
+    from stockade.core.request import RunRequest
+
+    plans = [explain_plan(RunRequest(["true"], project=proj, **opts)).plan for _, opts in MODES if opts is not None]
     ignore = {"landlock", "seccomp_name", "seccomp_bpf", "degraded"}
     for p in plans[1:]:
         for f in dataclasses.fields(p):
@@ -250,11 +248,9 @@ def _unit_costs(proj: Path, sandboxes: dict[str, Any], allow_all: Any) -> None:
 
 
 def _forget_prepared_profiles() -> None:
-    """Run preparation keeps compiled profiles in memory too (stockade.prepare)."""
-    try:
-        from stockade import prepare
-    except ImportError:
-        return
+    """Run preparation keeps compiled profiles in memory too (stockade.core.prepare)."""
+    from stockade.core import prepare
+
     cache = getattr(prepare, "_SECCOMP", None)
     if isinstance(cache, dict):
         cache.clear()

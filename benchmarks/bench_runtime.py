@@ -150,8 +150,8 @@ def _python_share(sb: object, proj: Path, n: int) -> None:
     import functools
 
     import stockade
-    from stockade import api
     from stockade.cgroups import v1
+    from stockade.core import supervise
     from stockade.linux import native
 
     spent: dict[str, float] = {}
@@ -175,7 +175,7 @@ def _python_share(sb: object, proj: Path, n: int) -> None:
 
     for name in ("start", "spawn", "go", "Lowered"):
         wrap(native, name, "start")
-    wrap(api._Supervisor, "loop", "supervise")
+    wrap(supervise.Supervisor, "loop", "supervise")
     wrap(v1.V1RunCgroup, "attach", "attach")
     try:
         fns: dict[str, Callable[[], object]] = {

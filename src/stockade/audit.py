@@ -23,12 +23,9 @@ import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from . import _tokens
-
-if TYPE_CHECKING:
-    from .policy import Effective, Masked
 
 SCHEMA_VERSION = 1
 MAX_FIELD = 2048
@@ -44,6 +41,44 @@ _SECRET_NAME_GLOBS = (
 _ASSIGN = re.compile(r"^(-{0,2})([A-Za-z_][A-Za-z0-9_.-]*)([=:])(.+)$", re.S)
 _FLAG = re.compile(r"^-{1,2}([A-Za-z][A-Za-z0-9_-]*)$")
 _HEADER = re.compile(r"(?i)\b(authorization|proxy-authorization|x-api-key|cookie)\s*:\s*\S.*")
+
+
+class PolicyFacts(Protocol):
+    """What the run records say of the policy (``policy.Effective``, or a cached copy)."""
+
+    @property
+    def digest(self) -> str: ...
+
+    @property
+    def files(self) -> Iterable[tuple[str, str]]: ...
+
+    @property
+    def read_only(self) -> bool: ...
+
+    @property
+    def warnings(self) -> Iterable[str]: ...
+
+
+class MaskedFact(Protocol):
+    """One masked path, as the run records name it (``policy.Masked``, or a cached copy)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def is_dir(self) -> bool: ...
+
+    @property
+    def is_symlink(self) -> bool: ...
+
+    @property
+    def rule(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
+
+    @property
+    def origin(self) -> str: ...
 
 
 class _SessionLike(Protocol):
@@ -272,15 +307,15 @@ class AuditLog:
         write_file(str(self.path), data, os.O_APPEND, 0o600)
 
     # ---- the standard policy events -------------------------------------------------
-    def session_start(self, eff: Effective, *, project: str) -> None:
+    def session_start(self, eff: PolicyFacts, *, project: str) -> None:
         self.event("session-start", project, "ok", policy=eff.digest, reason="policy digest",
                    files=[f"{n}:{f}" for n, f in eff.files])
 
-    def run_start(self, run: int, argv: list[str], cwd: str, eff: Effective) -> None:
+    def run_start(self, run: int, argv: list[str], cwd: str, eff: PolicyFacts) -> None:
         self.event("run", cwd, "started", run=run, policy=eff.digest, argv=argv,
                    read_only=eff.read_only)
 
-    def masked(self, run: int | None, masked: Iterable[Masked], *, relative_to: str | None = None) -> None:
+    def masked(self, run: int | None, masked: Iterable[MaskedFact], *, relative_to: str | None = None) -> None:
         for m in masked:
             target = str(m.path)
             if relative_to and (target == relative_to or target.startswith(relative_to.rstrip("/") + "/")):

@@ -6,9 +6,11 @@ from typing import Any
 
 
 def explain(**kw: Any) -> str:
-    from . import api
+    """``kw``: a run's keywords (``RunRequest``'s fields)."""
+    from .core.execute import explain_plan
+    from .core.request import RunRequest
 
-    prep = api.plan_for(**kw)
+    prep = explain_plan(RunRequest(**kw))
     out = [prep.plan.describe()]
     mgr, lim = prep.cg_manager, prep.limits
     out.append(f"limits:      cgroup backend {mgr.kind}")

@@ -1,6 +1,6 @@
 """Prepared runs kept on disk, for the CLI.
 
-Every ``stockade run`` is a new process, so the caches of ``stockade.prepare`` start
+Every ``stockade run`` is a new process, so the caches of ``stockade.core.prepare`` start
 empty and each command would load the policy, filter the environment, compile the
 seccomp profile, detect the cgroup backend and build the plan again (and import
 everything that takes). Instead, after preparing a run the CLI stores, under
@@ -41,22 +41,18 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from .prepare import Prepared
+    from .core.prepare import CacheKey, Resolved
     from .session.store import Session
 
 VERSION = 1
 # Entries decoded ahead by a CLI server (``preload``), for the supervisors it forks:
-# path -> (the file's signature, its data, the decoded plan, limits and manager).
+# path -> (the file's signature, its data, a plan of its base (``core.prepare.base_plan``),
+# limits and manager).
 _preloaded: dict[str, tuple[Any, dict[str, Any], Any, Any, Any]] = {}
+_resolved: dict[str, Resolved] = {}  # path -> its decoded Resolved (as _preloaded)
 last_path: str | None = None  # the entry this process last loaded or stored
 RACY_NS = 2_000_000_000
 _PKG = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = (
-    "plan.py", "prepare.py", "warm.py", "policy/__init__.py", "policy/config.py", "policy/env.py",
-    "policy/rules.py", "policy/secrets.py", "cgroups/base.py", "cgroups/detect.py", "cgroups/rlimit.py",
-    "cgroups/v1.py", "cgroups/v2.py", "cgroups/hybrid.py", "cgroups/none.py", "linux/seccomp.py",
-    "session/masklayer.py",
-)
 
 
 def _digest(data: bytes) -> str:
@@ -76,7 +72,9 @@ def _env_digest() -> str:
 def _code() -> tuple[Any, ...]:
     import sys
 
-    return (sys.hexversion, marshal.version, _libseccomp(), *(_sig(os.path.join(_PKG, f)) for f in _SOURCES))
+    from .core.prepare import CODE_FILES
+
+    return (sys.hexversion, marshal.version, _libseccomp(), *(_sig(os.path.join(_PKG, f)) for f in ("warm.py", *CODE_FILES)))
 
 
 def _libseccomp() -> tuple[Any, ...] | None:
@@ -180,46 +178,16 @@ def _manager(desc: Any) -> Any:
 # --------------------------------------------------------------------------- save
 
 
-def save(key: tuple[Any, ...], prep: Prepared, *, seccomp: str, masked_items: list[tuple[str, bool, bool]], mask_mode: str, read_only: bool) -> bool:
+def save(key: CacheKey, resolved: Resolved) -> bool:
     """Write the entry for ``key`` after a full preparation; False when it cannot be
     revalidated later (nothing is written then)."""
-    from . import plan as planmod
-    from . import prepare as prepmod
-
-    pol = prep.audit["policy"]
-    entry = pol.cached_by
-    if entry is None or pol.command_entries or any(c is not None for _f, _s, c in entry.files):
+    dep = resolved.deps
+    manager = _manager_desc(resolved.cg_manager)
+    if dep is None or manager is None:
         return False
-    scans: dict[str, Any] = {}
-    for root, (scan, deny_facts, errors) in pol.scan_deps.items():
-        if errors:
-            return False
-        racy_before = int(scan.get("scanned_ns", 0)) - RACY_NS
-        dirs = []
-        for rel, ent in scan.get("dirs", {}).items():
-            if ent[4] or ent[0] >= racy_before:  # conditional files, or a directory changed too recently
-                return False
-            dirs.append((rel, ent[0], ent[1]))
-        scans[root] = (tuple(dirs), tuple(deny_facts))
-    facts = planmod._facts_memo.get(tuple(pol.etc_extra))
-    if facts is None:
-        return False
-    sc = None
-    if seccomp != "off":
-        hit = prepmod._SECCOMP.get(seccomp)
-        if hit is None:
-            return False
-        sc = (hit[1], hit[2])
-    manager = _manager_desc(prep.cg_manager)
-    limits_hit = prepmod._LIMITS.get((prep.limits, id(prep.cg_manager), frozenset(), False))
-    if manager is None or limits_hit is None:
-        return False
-    plan = prep.plan
-    owner = None
-    if os.geteuid() == 0:
-        st = os.stat(plan.project)
-        owner = (st.st_uid, st.st_gid)
-    m = prep.audit.get("masked") or []
+    i = resolved.inputs
+    a = resolved.audit
+    pol = a.policy
     data = {
         "version": VERSION,
         "deps": {
@@ -227,40 +195,37 @@ def save(key: tuple[Any, ...], prep: Prepared, *, seccomp: str, masked_items: li
             "env": _env_digest(),
             "cwd": os.getcwd(),
             "ids": (os.geteuid(), os.getegid()),
-            "policy_files": tuple((f, s) for f, s, _c in entry.files),
-            # the session tier: a run in another session reuses this only if that one
-            # has no policy file either (or is this session, with this file)
-            "session_policy": (str(pol.session_dir), _sig(os.path.join(pol.session_dir, "policy.json"))) if pol.session_dir else None,
-            "policy_dirs": {k: (v[0], tuple(v[1])) for k, v in entry.dirs.items()},
-            "policy_resolved": tuple(entry.resolved),
-            "policy_exists": tuple(entry.exists),
-            "scans": scans,
-            "etc": (facts[0], tuple(facts[1])),
-            "passwd": prepmod._passwd_sig(),
-            "owner": owner,
-            "seccomp": sc,
             "cgroup": _proc_cgroup(),
-            "rlimits": tuple(limits_hit[3]),
-            "landlock": planmod.landlock_abi(),
+            "policy_files": dep.policy_files,
+            "session_policy": dep.session_policy,
+            "policy_dirs": dict(dep.policy_dirs),
+            "policy_resolved": dep.policy_resolved,
+            "policy_exists": dep.policy_exists,
+            "scans": dict(dep.scans),
+            "etc": dep.etc,
+            "passwd": dep.passwd,
+            "owner": dep.owner,
+            "seccomp": dep.seccomp,
+            "rlimits": dep.rlimits,
+            "landlock": dep.landlock,
         },
-        # not the command: load() puts each run's own in, and a cache is no record to keep secrets in
-        "plan": ("\0dc", "Plan", {**_enc(plan)[2], "argv": ()}),
+        # the command is no part of it: a cache is no record to keep secrets in
+        "inputs": {**{f: getattr(i, f) for f in _INPUT_FIELDS}, "project": str(i.project), "cwd": str(i.cwd),
+                   "env": tuple(i.env.items())},
         "manager": manager,
-        "limits": _enc(prep.limits),
-        "timeout": prep.timeout,
+        "limits": _enc(resolved.limits),
+        "timeout": resolved.timeout,
         "audit": {
             "digest": pol.digest,
-            "files": tuple(pol.files),
+            "files": tuple(tuple(f) for f in pol.files),
             "read_only": bool(pol.read_only),
             "warnings": tuple(pol.warnings),
-            "masked": tuple((str(x.path), bool(x.is_dir), x.rule, x.source, x.origin, bool(x.is_symlink)) for x in m),
-            "removed": tuple(prep.audit.get("removed") or ()),
-            "run_read_only": bool(prep.audit.get("read_only")),
-            "project": prep.audit.get("project", ""),
-            "unenforced": tuple(prep.audit.get("unenforced") or ()),
+            "masked": tuple((str(x.path), bool(x.is_dir), x.rule, x.source, x.origin, bool(x.is_symlink)) for x in a.masked),
+            "removed": a.removed,
+            "run_read_only": a.read_only,
+            "project": a.project,
+            "unenforced": a.unenforced,
         },
-        "masks": (tuple(masked_items), mask_mode),
-        "read_only": read_only,
     }
     path = path_for(key)
     try:
@@ -277,6 +242,13 @@ def save(key: tuple[Any, ...], prep: Prepared, *, seccomp: str, masked_items: li
     global last_path
     last_path = path
     return True
+
+
+# PlanInputs' fields kept as they are (marshal-able); project, cwd and env are converted
+_INPUT_FIELDS = (
+    "root", "user", "read_only", "network", "keep_fds", "masked", "grants", "exec_allow", "etc_extra", "landlock",
+    "seccomp_name", "seccomp_bpf", "rlimits", "degraded", "mask_items", "mask_mode",
+)
 
 
 # --------------------------------------------------------------------------- load
@@ -324,7 +296,7 @@ def _deps_hold(d: dict[str, Any]) -> bool:
             return False
         if (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != tuple(sig):
             return False
-    from .prepare import _passwd_sig
+    from .core.prepare import _passwd_sig
 
     if d["passwd"] != _passwd_sig():
         return False
@@ -367,39 +339,43 @@ def _read(path: str) -> dict[str, Any] | None:
     return data
 
 
-def _decoded(data: dict[str, Any]) -> tuple[Any, Any, Any]:
-    from . import plan as planmod
-    from .cgroups import base as cgbase
+def _decoded(data: dict[str, Any]) -> Resolved:
+    from pathlib import Path
 
-    return _dec(data["plan"], planmod), _dec(data["limits"], cgbase), _manager(data["manager"])
+    from .cgroups import base as cgbase
+    from .core.prepare import AuditFacts, PlanInputs, Resolved
+
+    i = data["inputs"]
+    inputs = PlanInputs(project=Path(i["project"]), cwd=Path(i["cwd"]), env=dict(i["env"]),
+                        **{f: i[f] for f in _INPUT_FIELDS})
+    a = data["audit"]
+    audit = AuditFacts(policy=_Policy(a), masked=tuple(_Masked(*m) for m in a["masked"]), removed=tuple(a["removed"]),
+                       read_only=a["run_read_only"], project=a["project"], unenforced=tuple(a["unenforced"]))
+    return Resolved(inputs, _manager(data["manager"]), _dec(data["limits"], cgbase), data["timeout"], audit)
 
 
 def preload(path: str) -> Any:
     """Decode the entry at ``path`` now (its checks still run at every load);
-    returns its plan, or None."""
+    returns a plan of its base (for a launcher), or None."""
     sig = _sig(path)
     data = _read(path) if sig is not None else None
     if data is None:
         _preloaded.pop(path, None)
+        _resolved.pop(path, None)
         return None
-    _preloaded[path] = (sig, data, *_decoded(data))
+    from .core.prepare import base_plan
+
+    resolved = _decoded(data)
+    _preloaded[path] = (sig, data, base_plan(resolved), resolved.limits, resolved.cg_manager)
+    _resolved[path] = resolved
     while len(_preloaded) > 8:
+        _resolved.pop(next(iter(_preloaded)), None)
         del _preloaded[next(iter(_preloaded))]
     return _preloaded[path][2]
 
 
-def _mentions(ops: Any, d: str) -> bool:
-    """Whether any mount op names ``d`` or a path below it."""
-    below = d.rstrip("/") + "/"
-    for m in ops:
-        for p in (m.source, m.target, m.upper, m.work, *m.lower):
-            if p and (p == d or p.startswith(below)):
-                return True
-    return False
-
-
-def load(key: tuple[Any, ...], sess: Session, argv: tuple[str, ...]) -> Prepared | None:
-    """The stored preparation for ``key``, for ``argv`` in ``sess``, if it still holds."""
+def load(key: CacheKey, sess: Session) -> Resolved | None:
+    """The stored preparation for ``key``, for a run in ``sess``, if it still holds."""
     global last_path
     path = last_path = path_for(key)
     pre = _preloaded.get(path)
@@ -423,7 +399,6 @@ def load(key: tuple[Any, ...], sess: Session, argv: tuple[str, ...]) -> Prepared
     if not _deps_hold(d):
         return None
     from . import plan as planmod
-    from .prepare import Prepared, _relayered, _with
 
     if d["owner"] is not None:
         st = os.stat(data["audit"]["project"])
@@ -431,26 +406,18 @@ def load(key: tuple[Any, ...], sess: Session, argv: tuple[str, ...]) -> Prepared
             return None
     if planmod.landlock_abi() != d["landlock"]:
         return None
-    plan, limits, manager = pre[2:] if pre is not None else _decoded(data)
-    a = data["audit"]
-    items, mode = data["masks"]
-    lower: list[Any] = [] if data["read_only"] else sess.layers()[::-1]
-    if items:
-        from .session.masklayer import ensure_mask_layer
+    hit = _resolved.get(path) if pre is not None else None
+    return hit if hit is not None else _decoded(data)
 
-        lower.append(ensure_mask_layer(sess, [tuple(i) for i in items], plan.project, mode))
-    upper, work = (None, None) if data["read_only"] else (sess.upper, sess.work)
-    plan = _with(plan, mounts=_relayered(plan, tuple(lower), upper, work), argv=tuple(argv))
-    if sp[0] != str(sess.dir) and _mentions(plan.mounts, sp[0]):
-        # saved by a run in another session: only the project overlay's layers were
-        # swapped above, so anything else of that session's would reach this run
-        return None
-    info = {
-        "policy": _Policy(a),
-        "masked": [_Masked(*m) for m in a["masked"]],
-        "removed": list(a["removed"]),
-        "read_only": a["run_read_only"],
-        "project": a["project"],
-        "unenforced": tuple(a["unenforced"]),
-    }
-    return Prepared(plan, manager, limits, data["timeout"], info)
+
+class _Cache:
+    """``core.prepare.PreparedCache`` over this module's entries."""
+
+    def load(self, key: CacheKey, sess: Session) -> Resolved | None:
+        return load(key, sess)
+
+    def save(self, key: CacheKey, resolved: Resolved) -> None:
+        save(key, resolved)
+
+
+CACHE = _Cache()

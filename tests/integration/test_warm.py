@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from stockade import plan as planmod
-from stockade import prepare, warm
+from stockade import warm
+from stockade.core import prepare
+from stockade.core.request import CliSpec, RunRequest
 from stockade.session import store
 from tests.conftest import world_tmpdir
 
@@ -33,19 +35,23 @@ def proj(state_dir: Path) -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def spec() -> prepare.CliSpec:
-    return prepare.CliSpec(read_only=None, env={}, cwd=os.getcwd())
+def spec() -> CliSpec:
+    return CliSpec(read_only=None, env={}, cwd=os.getcwd())
 
 
 def prep(proj: Path, session: str = "w", argv: tuple[str, ...] = ("true",)) -> prepare.Prepared:
     """As a new CLI process would: every in-memory cache forgotten first."""
     prepare.clear_caches()
     sess = store.open_or_create(proj, session)
-    return prepare.prepare(sess, proj, list(argv), policy=spec(), persist=True)
+    prepare.set_cache(warm.CACHE)
+    try:
+        return prepare.prepare(sess, proj, RunRequest(list(argv), policy=spec()))
+    finally:
+        prepare.set_cache(None)
 
 
 def hit(p: prepare.Prepared) -> bool:
-    return isinstance(p.audit["policy"], warm._Policy)
+    return isinstance(p.audit.policy, warm._Policy)
 
 
 def test_reused_and_equal_to_a_full_preparation(proj: Path) -> None:
@@ -56,7 +62,7 @@ def test_reused_and_equal_to_a_full_preparation(proj: Path) -> None:
     assert again.plan == planmod.build(_req_like(full, ("sh", "-c", "echo hi")))
     assert again.limits == full.limits and again.timeout == full.timeout
     assert type(again.cg_manager) is type(full.cg_manager)
-    assert again.audit["policy"].digest == full.audit["policy"].digest
+    assert again.audit.policy.digest == full.audit.policy.digest
     # another session: its own overlay layers
     other = prep(proj, session="w2")
     assert hit(other)
@@ -91,7 +97,7 @@ def test_secret_added_is_seen(proj: Path) -> None:
     (proj / "src" / ".env").write_text("TOKEN=1\n")
     p = prep(proj)
     assert not hit(p)
-    assert [str(m.path) for m in p.audit["masked"]] == [str(proj / "src" / ".env")]
+    assert [str(m.path) for m in p.audit.masked] == [str(proj / "src" / ".env")]
 
 
 def test_environment_change_is_seen(proj: Path, monkeypatch: pytest.MonkeyPatch) -> None:

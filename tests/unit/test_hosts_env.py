@@ -13,7 +13,8 @@ import pytest
 
 from stockade import audit
 from stockade import plan as P
-from stockade.net import for_stdin, inet_socket
+from stockade.core import prepare
+from stockade.core.request import RunIO, inet_socket
 from stockade.policy.env import hidden_refs, hidden_warning, path_refs
 from tests.unit.test_plan import facts, req
 
@@ -111,14 +112,15 @@ def test_an_inet_socket_as_stdin_raises_the_wall(tmp_path: Path) -> None:
     r, w = os.pipe()
     try:
         assert inet_socket(inet.fileno()) and not inet_socket(a.fileno()) and not inet_socket(r)
-        walled = for_stdin(plan, inet.fileno(), piped=False)
+        assert RunIO(stdin=inet.fileno()).inet_stdin()
+        assert not RunIO(stdin=a.fileno()).inet_stdin() and not RunIO(stdin=r).inet_stdin()
+        assert RunIO(input=b"x").piped_stdin and RunIO(pty=True).piped_stdin  # stockade's own pipe or pty
+        walled = prepare._stdin_wall(plan, True)
         assert walled.landlock is not None and walled.landlock.handled_net == P.LL_NET_BIND_TCP | P.LL_NET_CONNECT_TCP
         assert any("denied by Landlock" in n for n in walled.notes)
-        assert for_stdin(plan, a.fileno(), piped=False) is plan
-        assert for_stdin(plan, r, piped=False) is plan
-        assert for_stdin(plan, inet.fileno(), piped=True) is plan  # stockade's own pipe
+        assert prepare._stdin_wall(plan, False) is plan
         host = P.build(req(tmp_path, network="host"), facts())
-        assert for_stdin(host, inet.fileno(), piped=False) is host
+        assert prepare._stdin_wall(host, True) is host
     finally:
         for s in (inet, a, b):
             s.close()

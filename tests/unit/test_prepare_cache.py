@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from stockade import plan as P
-from stockade import prepare
+from stockade.core import prepare
 
 
 @pytest.fixture(autouse=True)
@@ -96,27 +96,25 @@ def test_host_facts_revalidate_copied_files(tmp_path: Path, monkeypatch: pytest.
     assert b is not a and ("hosts.allow", "file", b"two\n") in b.etc
 
 
-def test_packed_plans_made_from_their_origins_equal_fresh_ones(tmp_path: Path) -> None:
-    """A plan prepare made from a cached one (other layers, another command) is packed
-    for the launcher by swapping bytes in the cached one's packed form: the result
-    is byte for byte what lowering and packing it afresh gives."""
-    from stockade.linux import launcher
+def test_plans_are_built_never_edited(tmp_path: Path) -> None:
+    """Another command or other session layers: another plan, made by ``plan.build``
+    (no copy of a cached plan with fields swapped); the same request: the same plan."""
+    built: list[P.Request] = []
+    real = P.build
 
-    launcher._packed.clear()
-    rest = ((3, 4, 5), -1, -1, False, False, (6, 7))  # v1: init joins through two tasks files
-    derived = 0
-    for r in variants(tmp_path):
-        plan = prepare._build(r)
-        origin = plan.__dict__.get("_origin")
-        fresh = launcher._pack(plan, rest)
-        assert fresh is not None
-        if origin is None:
-            continue
-        got = launcher._derived(plan, origin, launcher._packed_plan(origin, rest) or launcher._pack(origin, rest))
-        if got is None:  # something else differs: packed afresh, as it must be
-            continue
-        derived += 1
-        assert got[4] == fresh[4]
-        assert got[3] == fresh[3] and got[2] == fresh[2] and got[1] == fresh[1]
-    assert derived >= 3
-    launcher._packed.clear()
+    def counting(r: P.Request, facts: P.HostFacts | None = None) -> P.Plan:
+        built.append(r)
+        return real(r, facts)
+
+    import pytest as _pytest
+
+    with _pytest.MonkeyPatch.context() as mp:
+        mp.setattr(P, "build", counting)
+        reqs = variants(tmp_path)
+        plans = [prepare._build(r) for r in reqs]
+        n = len(built)
+        assert n == len({id(p) for p in plans}) >= len(reqs) - 1  # one build per distinct request
+        again = [prepare._build(r) for r in reqs]
+        assert len(built) == n and all(a is b for a, b in zip(again, plans, strict=True))  # memoised by value
+    for plan in plans:
+        assert "_origin" not in vars(plan)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from stockade import plan as P
-from stockade import prepare
+from stockade.core import prepare
+from stockade.core.request import RunRequest
 from stockade.errors import UsageError
 from stockade.linux import launcher, walls
 from tests.unit.test_plan import facts, req
@@ -97,4 +98,4 @@ def test_unknown_degradation_names_the_accepted_ones(tmp_path: Path) -> None:
 
     sess = store.Session.__new__(store.Session)
     with pytest.raises(UsageError, match="accepted: landlock, seccomp, limits, proc, hostname"):
-        prepare.prepare(sess, tmp_path, ["true"], allow_degraded=("pid",))
+        prepare.prepare(sess, tmp_path, RunRequest(["true"], allow_degraded=("pid",)))
