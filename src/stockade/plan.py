@@ -22,6 +22,15 @@ from pathlib import Path
 from .errors import SandboxError, UsageError
 from .linux import idmap
 from .linux.idmap import Range
+from .pathsig import RACY_NS
+from .sandbox_fs import (
+    DEVICES,
+    ETC_ALLOW,
+    PROC_MASKED,
+    PROC_MASKED_DIRS,
+    PROC_READONLY,
+    system_layout,
+)
 
 # ---------------------------------------------------------------------------
 # data
@@ -143,7 +152,7 @@ class Plan:
 
     def describe(self) -> str:
         out: list[str] = []
-        from .audit import record_argv
+        from .redact import record_argv
 
         out.append(f"command:     {' '.join(record_argv(self.argv))}")
         out.append(f"project:     {self.project}" + (" (read-only)" if self.read_only else " (copy-on-write overlay)"))
@@ -196,29 +205,7 @@ class Plan:
 # ---------------------------------------------------------------------------
 # host facts (cached per process: the run path must stay lean)
 
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-
-# /etc is hidden except these. Files are copied into the sandbox's /etc (cheaper
-# than a bind each), symlinks reproduced, directories bound read-only.
-ETC_ALLOW = (
-    "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "host.conf", "gai.conf",
-    "os-release", "debian_version", "lsb-release", "localtime", "timezone", "mime.types",
-    "protocols", "services", "shells", "inputrc", "bash.bashrc", "profile", "profile.d",
-    "ssl", "ca-certificates", "ca-certificates.conf", "alternatives", "gitconfig",
-    "python3", "python3.11", "python3.12", "perl", "xdg", "magic", "mailcap",
-    "hosts",  # read for its localhost lines only (hosts_file); never copied whole
-)
 ETC_MAX_COPY = 1 << 20
-
-PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
-PROC_MASKED = (
-    "kcore", "keys", "key-users", "latency_stats", "timer_list", "timer_stats",
-    "sched_debug", "kallsyms", "kmsg", "kpagecount", "kpageflags", "kpagecgroup",
-    "config.gz", "vmallocinfo", "slabinfo", "pagetypeinfo",
-)
-PROC_MASKED_DIRS = ("acpi", "scsi", "asound", "driver", "dynamic_debug")
-
-DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
 # The pieces of /sys the sandbox sees, read-only; the rest of /sys is absent. Each is
 # read by common programs and shows nothing of the host but its hardware's shape and
@@ -247,21 +234,6 @@ class HostFacts:
     uid_range: Range | None = None
     gid_range: Range | None = None
     range_why: str = ""
-
-
-@functools.lru_cache(maxsize=1)
-def system_layout() -> tuple[tuple[str, str | None], ...]:
-    out: list[tuple[str, str | None]] = []
-    for d in SYSTEM_DIRS:
-        try:
-            st = os.lstat(d)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISLNK(st.st_mode):
-            out.append((d, os.readlink(d)))
-        elif stat.S_ISDIR(st.st_mode):
-            out.append((d, None))
-    return tuple(out)
 
 
 _etc_cache: dict[str, tuple[tuple[int, int], tuple[str, str, str | bytes] | None]] = {}
@@ -298,7 +270,6 @@ def _etc_entry(name: str, extra: bool = False) -> tuple[str, str, str | bytes] |
 
 # etc_extra -> (/etc's identity, [(path, identity) of the regular files copied], facts)
 _facts_memo: dict[tuple[str, ...], tuple[tuple[int, int, int], list[tuple[str, tuple[int, int, int, int]]], HostFacts]] = {}
-_RACY_NS = 2_000_000_000
 
 
 def _dir_sig(path: str) -> tuple[int, int, int] | None:
@@ -365,7 +336,7 @@ def host_facts(etc_extra: Sequence[str] = ()) -> HostFacts:
         range_why=range_why,
     )
     # a directory changed within the timestamp granularity may change again unseen
-    if etc_sig is not None and etc_sig[1] < started - _RACY_NS and _dir_sig("/etc") == etc_sig:
+    if etc_sig is not None and etc_sig[1] < started - RACY_NS and _dir_sig("/etc") == etc_sig:
         if len(_facts_memo) > 16:
             _facts_memo.clear()
         _facts_memo[key] = (etc_sig, files, facts)

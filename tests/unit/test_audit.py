@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stockade import _tokens, audit
+from stockade import _tokens, audit, redact
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def test_needles_cover_every_token_pattern(label: str, src: str, data: st.DataOb
 @settings(max_examples=200, deadline=None)
 def test_needles_cover_secret_headers(s: str) -> None:
     assert _tokens.may_hold_secret(s)
-    assert audit.redact_text(s) != s
+    assert redact.redact_text(s) != s
 
 
 # ---- one redaction for every record (issue #12 item 4) and non-UTF-8 argv (item 18) ----------
@@ -176,7 +176,7 @@ SECRET_ARGVS: list[tuple[list[str], tuple[str, ...]]] = [
 
 @pytest.mark.parametrize("argv,secrets", SECRET_ARGVS)
 def test_record_argv_redacts_every_form(argv: list[str], secrets: tuple[str, ...]) -> None:
-    out = audit.record_argv(argv)
+    out = redact.record_argv(argv)
     assert len(out) == len(argv) and out[0] == argv[0]
     for s in secrets:
         assert s not in " ".join(out), out
@@ -185,15 +185,15 @@ def test_record_argv_redacts_every_form(argv: list[str], secrets: tuple[str, ...
 
 def test_record_argv_keeps_what_is_no_secret() -> None:
     argv = ["sh", "-c", "make -j4 KEYMAP=us --key file.pem && echo done", "--keyboard", "x=1"]
-    assert audit.record_argv(argv) == argv
+    assert redact.record_argv(argv) == argv
 
 
 def test_non_utf8_argv_is_recorded_as_escapes(log: audit.AuditLog) -> None:
     import os
 
     arg = os.fsdecode(b"\x9b|caf\xc3\xa9")  # a stray byte, then valid UTF-8
-    assert audit.record_argv(["echo", arg]) == ["echo", "\\x9b|café"]
-    assert audit.printable("\ud800x") == "\\ud800x"  # a lone surrogate an API caller passed
+    assert redact.record_argv(["echo", arg]) == ["echo", "\\x9b|café"]
+    assert redact.printable("\ud800x") == "\\ud800x"  # a lone surrogate an API caller passed
     # every field of an event: argv, target (a path), reason, extras and their keys
     log.event("run", "/p/" + arg, "started", argv=["echo", arg], reason=arg, extra={arg: [arg]})
     (rec,) = _events(log)

@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 from stockade import policy
 from stockade.policy import CliPolicy
 from stockade.policy.config import Origin
-from stockade.policy.secrets import DEFAULT_ALLOW, DEFAULT_PATTERNS, Matcher, PatternRule, Scanner
+from stockade.policy.secrets import (
+    DEFAULT_ALLOW,
+    DEFAULT_PATTERNS,
+    Matcher,
+    PatternRule,
+    SecretScanner,
+)
 
 
 @pytest.fixture()
@@ -254,7 +260,7 @@ def test_scan_and_cached_rescan_match_brute_force(tmp_path: Path, first: list[st
     root.mkdir()
     _build(root, first)
     m = _default_matcher()
-    hits, cache = Scanner(m).scan(root)
+    hits, cache = SecretScanner(m).scan(root)
     assert {h.rel for h in hits} == _brute_force(root, m)
     # mutate: remove some, add others; the cached rescan must equal a fresh brute force
     for rel in first[::2]:
@@ -264,5 +270,5 @@ def test_scan_and_cached_rescan_match_brute_force(tmp_path: Path, first: list[st
         elif target.is_dir():
             shutil.rmtree(target)
     _build(root, second)
-    hits2, _ = Scanner(m).scan(root, cache)
+    hits2, _ = SecretScanner(m).scan(root, cache)
     assert {h.rel for h in hits2} == _brute_force(root, m)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PolicyError
+from ..pathsig import RACY_NS
 from .config import Origin
 
 DEFAULT_PATTERNS: tuple[str, ...] = (
@@ -59,7 +60,6 @@ CONDITIONAL: dict[str, re.Pattern[str]] = {
 }
 _CONDITIONAL_READ = 65536
 
-RACY_NS = 2_000_000_000
 _UNANCHORED = "^(?:.+/)?"
 CACHE_VERSION = 2
 
@@ -83,9 +83,9 @@ _REGEX_CACHE_VERSION = 1
 
 
 def _regex_cache_path() -> Path:
-    from ..session.store import state_dir
+    from ..paths import state_dir
 
-    return state_dir() / "cache" / f"gitignore-regex-v{_REGEX_CACHE_VERSION}.json"
+    return Path(state_dir()) / "cache" / f"gitignore-regex-v{_REGEX_CACHE_VERSION}.json"
 
 
 def _regex_cache() -> dict[str, str | None]:
@@ -274,7 +274,7 @@ class Hit:
     rule: int  # index into Matcher.deny
 
 
-class Scanner:
+class SecretScanner:
     """Walks a tree and returns the entries to mask; incremental with a cache dict."""
 
     def __init__(self, matcher: Matcher, *, skip_dirs: Iterable[str] = ()) -> None:
@@ -414,7 +414,7 @@ def save_cache(path: Path | str, data: dict[str, Any]) -> None:
 
 def cache_path(root: str, fingerprint: str, skip: tuple[str, ...]) -> str:
     """The on-disk scan cache of one tree under one set of rules (shared by sessions)."""
-    from ..session.store import state_dir
+    from ..paths import state_dir
 
     h = hashlib.sha256("\0".join((root, fingerprint, *skip)).encode("utf-8", "surrogateescape")).hexdigest()[:20]
     return os.path.join(state_dir(), "cache", f"secrets-{h}.json")
@@ -428,7 +428,7 @@ def _same_scan(a: dict[str, Any], b: dict[str, Any]) -> bool:
 _SCANS: dict[tuple[str, str, tuple[str, ...]], tuple[dict[str, Any], bool]] = {}
 
 
-def scan_cached(scanner: Scanner, root: str, *, persist: bool) -> tuple[list[Hit], str | None, dict[str, Any]]:
+def scan_cached(scanner: SecretScanner, root: str, *, persist: bool) -> tuple[list[Hit], str | None, dict[str, Any]]:
     """``scanner.scan(root)`` against the latest cache of this process (else the disk's).
 
     The newest scan stays in memory (so its racy window moves on); the disk copy is
