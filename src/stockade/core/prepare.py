@@ -177,12 +177,12 @@ def prepare(sess: store.Session, project: Path, req: RunRequest, *, foreign_stdi
     ``foreign_stdin``: stdin is an inet socket of the caller's (``RunIO.inet_stdin``)."""
     argv = argv_of(req.args, req.shell)
     key = _key(req, project) if _cache and argv and not explain_only else None
-    resolved = _cache[0].load(key, sess) if key is not None else None
-    if resolved is None:
-        resolved = resolve(sess, project, req, argv, explain_only=explain_only)
-        if key is not None and resolved.deps is not None:
-            _cache[0].save(key, resolved)
-    return finish(resolved, sess, argv, foreign_stdin=foreign_stdin, explain_only=explain_only)
+    hit = _cache[0].load(key, sess) if key is not None else None
+    resolved = hit if hit is not None else resolve(sess, project, req, argv, explain_only=explain_only)
+    prep = finish(resolved, sess, argv, foreign_stdin=foreign_stdin, explain_only=explain_only)
+    if hit is None and key is not None and resolved.deps is not None:
+        _cache[0].save(key, resolved)  # once its plan was built: bad input leaves nothing behind
+    return prep
 
 
 # --------------------------------------------------------------------------- finish: the run's own parts, the plan
@@ -364,6 +364,7 @@ def _limits(limits: Limits | None, requested: set[str] | None, allow: bool) -> t
 
     from ..cgroups import base as cgbase
     from ..cgroups import detect as cgdetect
+    from ..cgroups import rlimit as cgrlimit
 
     if limits is not None and requested is None:
         requested = {n for n in ("memory", "cpus", "pids") if getattr(limits, n) is not None}
@@ -379,8 +380,8 @@ def _limits(limits: Limits | None, requested: set[str] | None, allow: bool) -> t
     if hit is None or any(resource.getrlimit(r)[1] != h for r, h in hit[3]):
         checked = cgbase.check_enforceable(limits, manager, requested=set(req), allow_degraded=allow)
         unenforced = cgbase.degraded_limits(limits, manager)
-        hard = tuple((r, resource.getrlimit(r)[1]) for r, _s, _h in cgbase.rlimits_for(limits, manager))
-        rl = tuple(cgbase.rlimits_for(limits, manager))
+        hard = tuple((r, resource.getrlimit(r)[1]) for r, _s, _h in cgrlimit.rlimits_for(limits, manager))
+        rl = tuple(cgrlimit.rlimits_for(limits, manager))
         hit = (checked, unenforced, rl, hard)
         if len(_LIMITS) > 64:
             _LIMITS.clear()
