@@ -21,9 +21,10 @@ from collections.abc import Iterator
 import pytest
 
 from stockade.cgroups import detect as det
-from stockade.cgroups.base import Limits, Manager, MiB, RunCgroup, classify, rlimits_for
+from stockade.cgroups.base import Limits, Manager, MiB, RunCgroup, classify
 from stockade.cgroups.hybrid import HybridRunCgroup
 from stockade.cgroups.none import NoneManager
+from stockade.cgroups.rlimit import rlimits_for
 from stockade.cgroups.v1 import V1RunCgroup
 from stockade.cgroups.v2 import V2RunCgroup
 from tests.conftest import need

@@ -11,10 +11,10 @@ from stockade.cgroups import detect as det
 from stockade.cgroups.base import Limits, MiB
 from stockade.cgroups.hybrid import HybridManager
 from stockade.cgroups.none import NoneManager
-from stockade.cgroups.testing import FakeCgroupFS, mountinfo_line
 from stockade.cgroups.v1 import V1Manager
 from stockade.cgroups.v2 import V2Manager
 from stockade.errors import SandboxError, UsageError
+from tests.unit.fake_cgroupfs import FakeCgroupFS, mountinfo_line
 
 PID = 4321
 

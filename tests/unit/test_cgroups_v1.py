@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from stockade.cgroups.base import Limits, MiB, RunCgroup
-from stockade.cgroups.testing import FakeCgroupFS
 from stockade.cgroups.v1 import Hierarchy, V1Manager
 from stockade.errors import SandboxError
+from tests.unit.fake_cgroupfs import FakeCgroupFS
 
 
 def build(tmp_path: Path, comount_cpu: bool = False, own: str = "/svc") -> tuple[FakeCgroupFS, V1Manager, dict[str, str]]:

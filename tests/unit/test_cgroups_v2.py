@@ -13,9 +13,9 @@ import pytest
 
 from stockade.cgroups import fs as cgfs
 from stockade.cgroups.base import Limits, MiB, RunCgroup, classify
-from stockade.cgroups.testing import FakeCgroupFS
 from stockade.cgroups.v2 import V2Manager, cpu_max, run_dir_name
 from stockade.errors import SandboxError
+from tests.unit.fake_cgroupfs import FakeCgroupFS
 
 
 @pytest.fixture

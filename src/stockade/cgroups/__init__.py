@@ -1,6 +1,6 @@
 """Resource limits: cgroup v2 / v1 / hybrid / none backends, rlimits, outcomes.
 
-Public surface (see ``base.py``): ``Limits``, ``CgroupStats``, ``Outcome``,
+Public surface (``base.py``; ``rlimits_for`` from ``rlimit.py``): ``Limits``, ``CgroupStats``, ``Outcome``,
 ``classify``, ``rlimits_for``, ``Manager``, ``RunCgroup``; the backend is chosen by
 ``stockade.cgroups.detect.detect()`` (imported on demand: backends stay off the
 import path of code that only needs the data types).
@@ -17,8 +17,8 @@ from stockade.cgroups.base import (
     check_enforceable,
     classify,
     degraded_limits,
-    rlimits_for,
 )
+from stockade.cgroups.rlimit import rlimits_for
 
 __all__ = [
     "CgroupStats",

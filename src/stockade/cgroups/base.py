@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import signal as _signal
-from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -156,28 +155,6 @@ class Limits:
         """JSON-ready form (numbers in bytes / seconds), for run records and ``explain``."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    @classmethod
-    def from_mapping(
-        cls, data: Mapping[str, object], *, base: Limits | None = None, source: str = "config"
-    ) -> Limits:
-        """Build limits from a config mapping (values as numbers or CLI-style strings).
-
-        Unknown keys and malformed values raise ``UsageError`` naming ``source`` and key.
-        """
-        from stockade.cgroups import parse  # local: keeps base import-light
-
-        out = base if base is not None else cls()
-        changes: dict[str, Any] = {}
-        for key, raw in data.items():
-            name = key.replace("-", "_")
-            if name not in LIMIT_NAMES:
-                raise UsageError(
-                    f"{source}: unknown limit {key!r}: expected one of "
-                    + ", ".join(n.replace("_", "-") for n in LIMIT_NAMES)
-                )
-            changes[name] = parse.parse_limit(name, raw, source=source)
-        return out.replace(**changes)
-
 
 @lru_cache(maxsize=1)
 def physical_memory() -> int | None:
@@ -229,18 +206,6 @@ class CgroupStats:
     oom_kills: int = 0
     pids_max_events: int = 0
     source: str = "none"  # "v2", "v1", "hybrid", "rusage", "psutil", "none"
-
-    def merged(self, other: CgroupStats) -> CgroupStats:
-        """Fill what this one lacks from ``other`` (e.g. rusage when no cgroup)."""
-        return CgroupStats(
-            oom_killed=self.oom_killed or other.oom_killed,
-            pids_limit_hit=self.pids_limit_hit or other.pids_limit_hit,
-            peak_memory=self.peak_memory if self.peak_memory is not None else other.peak_memory,
-            cpu_time=self.cpu_time if self.cpu_time is not None else other.cpu_time,
-            oom_kills=max(self.oom_kills, other.oom_kills),
-            pids_max_events=max(self.pids_max_events, other.pids_max_events),
-            source=self.source if self.source != "none" else other.source,
-        )
 
 
 # --------------------------------------------------------------------------- protocols
@@ -306,26 +271,6 @@ class Manager(Protocol):
         ...
 
 
-def enforcement_common(limits: Limits, controller_for: Mapping[str, str]) -> dict[str, str]:
-    """Per-limit enforcement text, shared by every backend.
-
-    ``controller_for`` maps "memory", "cpus", "pids" to a description of the cgroup
-    file that enforces it; a missing key means no cgroup enforces that limit, and the
-    rlimit fallback (or "not enforced") is reported.
-    """
-    from stockade.cgroups.rlimit import fallback_enforcement
-
-    out: dict[str, str] = {}
-    for name in LIMIT_NAMES:
-        if getattr(limits, name) is None:
-            out[name] = "no limit"
-        elif name in controller_for:
-            out[name] = controller_for[name]
-        else:
-            out[name] = fallback_enforcement(name)
-    return out
-
-
 #: Words in an enforcement text that mean the limit is weaker than asked.
 _DEGRADED_MARKERS = ("not enforced", "per process")
 
@@ -366,17 +311,6 @@ def check_enforceable(
             f"{manager.kind!r} (would be: {enf[name]}); pass --allow-degraded limits to run anyway{how}"
         )
     return bad
-
-
-def rlimits_for(
-    limits: Limits, manager: Manager, *, nproc_safe: bool | None = None
-) -> list[tuple[int, int, int]]:
-    """(resource.RLIMIT_*, soft, hard) for the child to set; RLIMIT_CORE=0 always.
-
-    See ``stockade.cgroups.rlimit.rlimits_for``."""
-    from stockade.cgroups import rlimit
-
-    return rlimit.rlimits_for(limits, manager, nproc_safe=nproc_safe)
 
 
 def flush_deferred() -> None:

@@ -1,16 +1,18 @@
 """The "none" backend: no cgroups (unprivileged without delegation, or forced).
 
 Limits come from rlimits (``rlimit.py``); the whole tree dies with the sandbox's
-PID namespace when its init exits; outcome accounting comes from ``wait4``'s
-rusage (``accounting.py``). ``enforcement`` says plainly what is not enforced.
+PID namespace when its init exits. No peak memory or CPU time is reported: the
+sandbox's init is the launcher's child, not the supervisor's, so there is no
+``wait4`` rusage to read (a cold start's alone would make the two launch paths
+report differently). ``enforcement`` says plainly what is not enforced.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stockade.cgroups.base import CgroupStats, Limits, Placement, enforcement_common
-from stockade.cgroups.rlimit import fallback_enforcement
+from stockade.cgroups.base import CgroupStats, Limits, Placement
+from stockade.cgroups.rlimit import enforcement_common, fallback_enforcement
 
 
 @dataclass

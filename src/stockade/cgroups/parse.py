@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from stockade.cgroups.base import (
     ACCEPTED_FORM,
@@ -18,6 +20,7 @@ from stockade.cgroups.base import (
     MIN_CPUS,
     MIN_NOFILE,
     MIN_PIDS,
+    Limits,
     MiB,
 )
 from stockade.errors import UsageError
@@ -121,3 +124,21 @@ def parse_limit(name: str, raw: object, *, source: str = "flag") -> int | float 
     if value < minimum or value > 2**31 - 1:
         raise _error(name, raw, source)
     return value
+
+
+def limits_from_mapping(data: Mapping[str, object], *, base: Limits | None = None, source: str = "config") -> Limits:
+    """Build limits from a config mapping (values as numbers or CLI-style strings).
+
+    Unknown keys and malformed values raise ``UsageError`` naming ``source`` and key.
+    """
+    out = base if base is not None else Limits()
+    changes: dict[str, Any] = {}
+    for key, raw in data.items():
+        name = key.replace("-", "_")
+        if name not in LIMIT_NAMES:
+            raise UsageError(
+                f"{source}: unknown limit {key!r}: expected one of "
+                + ", ".join(n.replace("_", "-") for n in LIMIT_NAMES)
+            )
+        changes[name] = parse_limit(name, raw, source=source)
+    return out.replace(**changes)

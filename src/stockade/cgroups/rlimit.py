@@ -16,10 +16,9 @@ from __future__ import annotations
 import math
 import os
 import resource
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
-if TYPE_CHECKING:  # pragma: no cover
-    from stockade.cgroups.base import Limits, Manager
+from stockade.cgroups.base import LIMIT_NAMES, Limits, Manager
 
 #: Extra seconds between SIGXCPU (soft) and SIGKILL (hard) for ``cpu_time``.
 CPU_HARD_GRACE = 1
@@ -54,6 +53,24 @@ def fallback_enforcement(name: str, *, nproc_safe: bool = False) -> str:
     if name == "pids" and nproc_safe:
         return _NPROC_TEXT
     return _FALLBACK[name]
+
+
+def enforcement_common(limits: Limits, controller_for: Mapping[str, str]) -> dict[str, str]:
+    """Per-limit enforcement text, shared by every backend.
+
+    ``controller_for`` maps "memory", "cpus", "pids" to a description of the cgroup
+    file that enforces it; a missing key means no cgroup enforces that limit, and the
+    rlimit fallback (or "not enforced") is reported.
+    """
+    out: dict[str, str] = {}
+    for name in LIMIT_NAMES:
+        if getattr(limits, name) is None:
+            out[name] = "no limit"
+        elif name in controller_for:
+            out[name] = controller_for[name]
+        else:
+            out[name] = fallback_enforcement(name)
+    return out
 
 
 def _cgroup_enforced(manager: Manager, limits: Limits, name: str) -> bool:

@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from stockade.cgroups.base import CPU_PERIOD_US, CgroupStats, Limits, Placement, enforcement_common
+from stockade.cgroups.base import CPU_PERIOD_US, CgroupStats, Limits, Placement
 from stockade.cgroups.fs import (
     CgroupFS,
     cgroup_error,
@@ -46,6 +46,7 @@ from stockade.cgroups.fs import (
     remove_tree,
     run_dir_name,
 )
+from stockade.cgroups.rlimit import enforcement_common
 from stockade.errors import SandboxError
 
 #: Controllers stockade uses in v1, in creation order.

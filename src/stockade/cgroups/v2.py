@@ -18,7 +18,6 @@ from stockade.cgroups.base import (
     CgroupStats,
     Limits,
     Placement,
-    enforcement_common,
 )
 from stockade.cgroups.fs import (
     CgroupFS,
@@ -31,6 +30,7 @@ from stockade.cgroups.fs import (
     remove_tree,
     run_dir_name,
 )
+from stockade.cgroups.rlimit import enforcement_common
 from stockade.errors import SandboxError
 
 __all__ = ["V2_CONTROLLERS", "V2Manager", "V2RunCgroup", "cpu_max", "run_dir_name"]

@@ -35,14 +35,28 @@ if TYPE_CHECKING:
 # proc, hostname: walls a container engine can refuse (linux/walls.py)
 _DEGRADABLE = frozenset({"landlock", "seccomp", "limits", "cgroups", "proc", "hostname"})
 
-# The source files (package-relative) whose code decides what ``resolve`` gives: a
-# cache kept across processes must compare them (the cache adds its own).
-CODE_FILES = (
-    "plan.py", "core/prepare.py", "core/request.py", "policy/__init__.py", "policy/config.py", "policy/env.py",
-    "policy/rules.py", "policy/secrets.py", "cgroups/base.py", "cgroups/detect.py", "cgroups/rlimit.py",
-    "cgroups/v1.py", "cgroups/v2.py", "cgroups/hybrid.py", "cgroups/none.py", "linux/seccomp.py",
-    "session/masklayer.py",
-)
+# The code that decides what ``resolve`` gives (package-relative): a cache kept across
+# processes must compare it (and its own). Whole packages are listed by directory, so a
+# module split out of one cannot be missed.
+_CODE = ("plan.py", "sandbox_fs.py", "pathsig.py", "redact.py", "core/prepare.py", "core/request.py",
+         "session/masklayer.py")
+_CODE_DIRS = ("policy", "cgroups", "linux/seccomp")
+_code_files: list[tuple[str, ...]] = []
+
+
+def code_files() -> tuple[str, ...]:
+    """Every source file (package-relative) whose code decides what ``resolve`` gives."""
+    if not _code_files:
+        pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        found = list(_CODE)
+        for d in _CODE_DIRS:
+            try:
+                found += sorted(f"{d}/{n}" for n in os.listdir(os.path.join(pkg, d)) if n.endswith(".py"))
+            except FileNotFoundError:  # a module, not (yet) a package
+                found.append(f"{d}.py")
+        _code_files.append(tuple(found))
+    return _code_files[0]
+
 
 Sig = tuple[int, ...]
 MaskItem = tuple[str, bool, bool]  # (host path, is_dir, is_symlink) for session.masklayer
@@ -538,8 +552,7 @@ def _deps(pol: Effective, project: Path, seccomp: str, hard: tuple[tuple[int, in
     checked later by signatures (a file changed within the timestamp granularity, a
     directory changed so recently that a scan would list it again, conditional secret
     files, command rules, a seccomp profile given as a path)."""
-    from ..pathsig import file_sig
-    from ..policy.secrets import RACY_NS
+    from ..pathsig import RACY_NS, file_sig
 
     entry = pol.cached_by
     if entry is None or pol.command_entries or any(c is not None for _f, _s, c in entry.files):
