@@ -51,7 +51,6 @@ VERSION = 1
 _preloaded: dict[str, tuple[Any, dict[str, Any], Any, Any, Any]] = {}
 _resolved: dict[str, Resolved] = {}  # path -> its decoded Resolved (as _preloaded)
 last_path: str | None = None  # the entry this process last loaded or stored
-RACY_NS = 2_000_000_000
 _PKG = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -72,9 +71,9 @@ def _env_digest() -> str:
 def _code() -> tuple[Any, ...]:
     import sys
 
-    from .core.prepare import CODE_FILES
+    from .core.prepare import code_files
 
-    return (sys.hexversion, marshal.version, _libseccomp(), *(_sig(os.path.join(_PKG, f)) for f in ("warm.py", *CODE_FILES)))
+    return (sys.hexversion, marshal.version, _libseccomp(), *(_sig(os.path.join(_PKG, f)) for f in ("warm.py", *code_files())))
 
 
 def _libseccomp() -> tuple[Any, ...] | None:
@@ -98,7 +97,7 @@ def _proc_cgroup() -> bytes:
 
 
 def path_for(key: tuple[Any, ...]) -> str:
-    from .session.store import state_dir
+    from .paths import state_dir
 
     return os.path.join(state_dir(), "cache", f"warm-{_digest(marshal.dumps(key))}.bin")
 

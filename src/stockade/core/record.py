@@ -7,8 +7,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..audit import AuditLog, record_argv
+from ..audit import AuditLog
 from ..linux import native
+from ..redact import record_argv
 from ..session import store
 from .result import RunResult
 
