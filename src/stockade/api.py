@@ -77,31 +77,11 @@ def run(
     *,
     project: str | os.PathLike[str] = ".",
     session: str | None = None,
-    persist: bool = False,
-    plain_result: bool = False,
     **kwargs: Any,
 ) -> RunResult:
-    """Run ``args`` sandboxed, like ``subprocess.run``; the result also has ``.session``.
-
-    ``persist`` and ``plain_result``: the CLI's, until it calls the core itself
-    (/work/notes/15-interfaces.md, "Transition")."""
+    """Run ``args`` sandboxed, like ``subprocess.run``; the result also has ``.session``."""
     from .core.execute import execute
 
-    if plain_result:  # the CLI
-        _cli_cache(persist)
-    # a new session each call: the next one's directories are made while this sandbox
-    # starts (not in a CLI process: it makes one run)
-    req, io = _split(args, project, session, {**kwargs, "session_ahead": session is None and not plain_result})
+    # a new session each call: the next one's directories are made while this sandbox starts
+    req, io = _split(args, project, session, {**kwargs, "session_ahead": session is None})
     return execute(req, io)
-
-
-def _cli_cache(persist: bool) -> None:
-    """Transitional: the CLI's prepared-run cache, until the CLI installs it itself."""
-    from .core import prepare
-
-    if not persist:
-        prepare.set_cache(None)
-        return
-    from . import warm
-
-    prepare.set_cache(warm.CACHE)

@@ -295,9 +295,9 @@ def _deps_hold(d: dict[str, Any]) -> bool:
             return False
         if (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != tuple(sig):
             return False
-    from .core.prepare import _passwd_sig
+    from .core.prepare import passwd_sig
 
-    if d["passwd"] != _passwd_sig():
+    if d["passwd"] != passwd_sig():
         return False
     if d["seccomp"] is not None and _sig(d["seccomp"][0]) != tuple(d["seccomp"][1]):
         return False

@@ -248,7 +248,8 @@ def _request(i: PlanInputs, argv: tuple[str, ...], lower: tuple[Path, ...], uppe
 _PLANS: dict[tuple[Any, ...], tuple[planmod.HostFacts, planmod.Plan]] = {}
 
 
-def _passwd_sig() -> tuple[Any, ...]:
+def passwd_sig() -> tuple[Any, ...]:
+    """/etc/passwd's and /etc/group's signatures (``Deps.passwd``; the plan's user names come from them)."""
     out: list[Any] = []
     for f in ("/etc/passwd", "/etc/group"):
         try:
@@ -271,7 +272,7 @@ def _build(req: planmod.Request, foreign_stdin: bool = False) -> planmod.Plan:
         req.argv, str(req.project), str(req.cwd), tuple(req.env.items()), req.lower_layers, req.upper, req.work,
         req.root, req.user, req.read_only, req.network, req.hostname, req.keep_fds, req.masked, req.grants,
         req.exec_allow, req.etc_extra, req.landlock, req.seccomp_name, req.seccomp_bpf, req.rlimits,
-        req.degraded, req.stage_dir, foreign_stdin, owner, _passwd_sig(),
+        req.degraded, req.stage_dir, foreign_stdin, owner, passwd_sig(),
     )
     hit = _PLANS.get(key)
     if hit is not None and hit[0] == facts:
@@ -593,7 +594,7 @@ def _deps(pol: Effective, project: Path, seccomp: str, hard: tuple[tuple[int, in
         policy_exists=tuple(entry.exists),
         scans=scans,
         etc=(facts[0], tuple(facts[1])),
-        passwd=_passwd_sig(),
+        passwd=passwd_sig(),
         owner=owner,
         seccomp=sc,
         rlimits=hard,
