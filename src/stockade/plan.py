@@ -553,25 +553,35 @@ def sees(mounts: Sequence[MountOp], path: str, depth: int = 0) -> bool:
     resolved on the host) at the same place: the deepest mount covering it must be a
     bind of that tree (or the project's overlay), not a tmpfs, a synthesized file or a
     mask; nothing covering it means the empty root."""
-    best: MountOp | None = None
-    for m in mounts:
-        t = m.target.rstrip("/") or "/"
-        if m.kind in ("detach-host", "remount-ro") or not (path == t or path.startswith(t.rstrip("/") + "/")):
-            continue
-        if best is None or len(t) >= len(best.target.rstrip("/") or "/"):
-            best = m
-    if best is None:
-        return False
-    t = best.target.rstrip("/") or "/"
-    if best.kind == "symlink" and depth < 8:
-        link = str(best.data)
-        base = link if link.startswith("/") else os.path.normpath(os.path.join(os.path.dirname(t), link))
-        return sees(mounts, base + path[len(t):], depth + 1)
-    if best.kind == "overlay":
-        return True
-    if best.kind == "bind":
-        return not best.source_in_sandbox and not best.source_in_stage and best.source == best.target
-    return path == t and best.kind in ("tmpfs", "file")
+    return _Covering(mounts).sees(path, depth)
+
+
+class _Covering:
+    """The mounts by target (the last of a target wins, as it is mounted last): which
+    one covers a path is then a lookup per parent, not a walk over every mount."""
+
+    def __init__(self, mounts: Sequence[MountOp]) -> None:
+        self.by_target: dict[str, MountOp] = {}
+        for m in mounts:
+            if m.kind not in ("detach-host", "remount-ro"):
+                self.by_target[m.target.rstrip("/") or "/"] = m
+
+    def sees(self, path: str, depth: int = 0) -> bool:
+        t, best = path, self.by_target.get(path)
+        while best is None and t != "/":
+            t = os.path.dirname(t) or "/"
+            best = self.by_target.get(t)
+        if best is None:
+            return False
+        if best.kind == "symlink" and depth < 8:
+            link = str(best.data)
+            base = link if link.startswith("/") else os.path.normpath(os.path.join(os.path.dirname(t), link))
+            return self.sees(base + path[len(t):], depth + 1)
+        if best.kind == "overlay":
+            return True
+        if best.kind == "bind":
+            return not best.source_in_sandbox and not best.source_in_stage and best.source == best.target
+        return path == t and best.kind in ("tmpfs", "file")
 
 
 # ---------------------------------------------------------------------------
@@ -999,7 +1009,7 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     from .policy.env import hidden_refs, hidden_warning
 
-    env_warnings = tuple(hidden_warning(n, p) for n, p in hidden_refs(env, lambda q: sees(ops, q)))
+    env_warnings = tuple(hidden_warning(n, p) for n, p in hidden_refs(env, _Covering(ops).sees))
     return Plan(
         argv=tuple(req.argv),
         env=tuple(sorted(env.items())),
