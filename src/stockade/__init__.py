@@ -34,7 +34,7 @@ def __getattr__(name: str) -> "Any":  # quoted: no __future__ import (the CLI cl
 
         return Limits
     if name == "ChangeSet":
-        from .changes.model import ChangeSet
+        from .changes.scan import ChangeSet
 
         return ChangeSet
     raise AttributeError(f"module 'stockade' has no attribute {name!r}")

@@ -17,7 +17,7 @@ from .core.result import RunResult
 from .session import store
 
 if TYPE_CHECKING:
-    from .changes.model import ChangeSet
+    from .changes.scan import ChangeSet
 
 __all__ = ["DEVNULL", "PIPE", "STDOUT", "RunResult", "Sandbox", "run"]
 

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from stockade.changes import apply as apply_mod
-from stockade.changes.apply import list_applies, recover_pending, rollback
+from stockade.changes import journal, planner
+from stockade.changes.journal import list_applies
+from stockade.changes.recovery import recover_pending
+from stockade.changes.rollback import rollback
 from stockade.changes.scan import scan
 from stockade.errors import UsageError
 from tests.conftest import ROOT
@@ -310,7 +312,7 @@ def test_sigkill_at_every_step_recovers_to_wholly_old_or_wholly_new(tmp_path: Pa
 
 _ROLLBACK_CHILD = """
 import sys
-from stockade.changes.apply import rollback
+from stockade.changes.rollback import rollback
 rollback(sys.argv[1])
 """
 
@@ -338,7 +340,7 @@ def test_sigkill_during_rollback_recovers_to_the_state_before_the_apply(tmp_path
 
 def test_recover_pending_is_cheap_and_empty_when_nothing_pending(state_dir: Path) -> None:
     assert recover_pending() == []
-    assert not (apply_mod.pending_dir()).exists() or not os.listdir(apply_mod.pending_dir())
+    assert not (journal.pending_dir()).exists() or not os.listdir(journal.pending_dir())
 
 
 def test_rollback_refuses_when_applied_file_changed_since(tmp_path: Path, state_dir: Path) -> None:
@@ -429,14 +431,14 @@ def test_added_file_that_appears_on_the_host_meanwhile_is_not_replaced(
     b.up("a", "a\n")
     b.up("n", "sandbox\n")
     b.up("z", "z\n")
-    build = apply_mod._Planner.build
+    build = planner._Planner.build
 
-    def build_then_host_writes(self: apply_mod._Planner) -> list[dict[str, object]]:
+    def build_then_host_writes(self: planner._Planner) -> list[dict[str, object]]:
         ops = build(self)
         (b.project / "n").write_text("host\n")
         return ops
 
-    monkeypatch.setattr(apply_mod._Planner, "build", build_then_host_writes)
+    monkeypatch.setattr(planner._Planner, "build", build_then_host_writes)
     with pytest.raises(UsageError, match="appeared on the host"):
         scan(b.session).apply()
     assert (b.project / "n").read_text() == "host\n"

@@ -93,13 +93,13 @@ def test_seam_decides_with_one_marker(tmp_path: Path, state_dir: Path, monkeypat
     cs = scan(b.session)
     cs.diff()
     cs.held_back()
-    assert calls == ["scan", "render_diff", "held_back"]
+    assert calls == ["walk", "render_diff", "held_back"]  # the scan's walk of the layers
     monkeypatch.setattr(idns, "INSIDE", True)  # the child itself: never again
     scan(b.session)
     monkeypatch.setattr(idns, "INSIDE", False)
     monkeypatch.setattr(os, "geteuid", lambda: 0)  # real root reads every inode
     scan(b.session)
-    assert calls == ["scan", "render_diff", "held_back"]
+    assert calls == ["walk", "render_diff", "held_back"]  # the scan's walk of the layers
 
 
 def test_scan_reports_other_owners(tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..session.idrange import with_sandbox_ids
 from ._safefs import Roots
-from .model import Change, ChangeSet, Kind
+from .model import Change, Changes, Kind
 
 NULL_SHA = "0" * 40
 
@@ -182,7 +182,7 @@ class FileDiff:
 
 
 class _Reader(Roots):
-    def __init__(self, cs: ChangeSet) -> None:
+    def __init__(self, cs: Changes) -> None:
         super().__init__(cs.project, cs.session.lower_stack())
         self.cs = cs
 
@@ -248,7 +248,7 @@ def _body(
     return FileDiff(name, b"".join(out), ins, dels, binary, len(old or b""), len(new or b""))
 
 
-def file_diffs(cs: ChangeSet, changes: Iterable[Change]) -> list[FileDiff]:
+def file_diffs(cs: Changes, changes: Iterable[Change]) -> list[FileDiff]:
     """Per-path diffs for the blob changes among ``changes`` (directories have none)."""
     rd = _Reader(cs)
     out: list[FileDiff] = []
@@ -306,13 +306,13 @@ def colorize(text: bytes) -> bytes:
 
 
 @with_sandbox_ids(retry=True)
-def render_diff(cs: ChangeSet, changes: Iterable[Change], *, color: bool = False) -> bytes:
+def render_diff(cs: Changes, changes: Iterable[Change], *, color: bool = False) -> bytes:
     text = b"".join(d.text for d in file_diffs(cs, changes))
     return colorize(text) if color else text
 
 
 @with_sandbox_ids(retry=True)
-def render_stat(cs: ChangeSet, changes: Iterable[Change], width: int = 80) -> str:
+def render_stat(cs: Changes, changes: Iterable[Change], width: int = 80) -> str:
     """``git diff --stat`` style summary."""
     diffs = file_diffs(cs, changes)
     if not diffs:

@@ -21,7 +21,8 @@ from typing import Any
 from ..errors import UsageError
 from ..session.idrange import with_sandbox_ids
 from ._safefs import Root, copy_to_new
-from .model import ChangeSet, Kind
+from .model import Kind
+from .scan import ChangeSet
 
 
 def _copy_logs(cs: ChangeSet, out: Path) -> None:

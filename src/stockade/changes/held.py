@@ -23,7 +23,7 @@ from ..session.idrange import with_sandbox_ids
 from ._safefs import Root
 
 if TYPE_CHECKING:
-    from .model import Change, ChangeSet
+    from .model import Change, Changes
 
 # ---- by path: host-code-execution vectors ---------------------------------------------------
 
@@ -115,7 +115,7 @@ def _table(data: bytes, table: tuple[str, ...]) -> Any:
 class _Sides:
     """Reads a change's old (project) and new (layer) content, never through a symlink."""
 
-    def __init__(self, cs: ChangeSet) -> None:
+    def __init__(self, cs: Changes) -> None:
         self.cs = cs
         self.stack = cs.session.lower_stack()
         self._host: Root | None = None
@@ -375,7 +375,7 @@ def _gitdir_target(sides: _Sides, c: Change) -> str | None:
     return full[len(proj) + 1:]
 
 
-def _needed_under(cs: ChangeSet, target: str) -> list[Change]:
+def _needed_under(cs: Changes, target: str) -> list[Change]:
     """The changes at or under ``target`` a git command needs there (not hooks/config)."""
     from .model import Kind
 
@@ -406,7 +406,7 @@ def _pointer_why(ptr: str, target: str | None, missing: list[str]) -> str:
             f"are held back; applied as a whole by `stockade apply --include-git`")
 
 
-def dangling_gitdirs(cs: ChangeSet, applying: set[str]) -> dict[str, str]:
+def dangling_gitdirs(cs: Changes, applying: set[str]) -> dict[str, str]:
     """The ``.git`` files in ``applying`` that would point at a git dir the apply leaves
     incomplete (some needed path there not applied, or the target absent): path -> why.
     Apply runs it on its final choice, after pathspecs released what they name."""
@@ -455,7 +455,7 @@ def _groups(sides: _Sides, held: dict[str, str]) -> dict[str, str]:
 
 
 @with_sandbox_ids(retry=True)
-def held_back(cs: ChangeSet, changes: list[Change] | tuple[Change, ...] | None = None,
+def held_back(cs: Changes, changes: list[Change] | tuple[Change, ...] | None = None,
               include_git: bool = False) -> dict[str, str]:
     """path -> why it is held back, for ``changes`` (default: all) of ``cs``.
 

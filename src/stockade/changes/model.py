@@ -13,7 +13,6 @@ from ..errors import UsageError
 
 if TYPE_CHECKING:
     from ..session.store import Session
-    from .apply import ApplyResult
 
 
 class Kind(enum.StrEnum):
@@ -192,8 +191,9 @@ def count(changes: tuple[Change, ...] | list[Change]) -> Counts:
 
 
 @dataclass(frozen=True)
-class ChangeSet:
-    """Every change of a session: all its layers merged, compared with the project."""
+class Changes:
+    """Every change of a session: all its layers merged, compared with the project.
+    Plain data; :class:`stockade.changes.scan.ChangeSet` adds the operations."""
 
     session: Session
     project: Path
@@ -245,60 +245,3 @@ class ChangeSet:
                 continue
             out.append(c)
         return tuple(out)
-
-    # ---- operations (implemented in sibling modules) ----------------------------
-    def diff_bytes(self, paths: list[str] | None = None, *, color: bool = False) -> bytes:
-        from .diff import render_diff
-
-        return render_diff(self, self.select(paths), color=color)
-
-    def diff(self, paths: list[str] | None = None) -> str:
-        """A git-style unified diff (``git apply`` accepts it)."""
-        return self.diff_bytes(paths).decode("utf-8", "surrogateescape")
-
-    def stat(self, paths: list[str] | None = None) -> str:
-        from .diff import render_stat
-
-        return render_stat(self, self.select(paths))
-
-    def apply(
-        self,
-        paths: list[str] | None = None,
-        exclude: list[str] | None = None,
-        force: bool = False,
-        dry_run: bool = False,
-        include_git: bool = False,
-    ) -> ApplyResult:
-        from .apply import apply_changes
-
-        return apply_changes(self, paths=paths, exclude=exclude, force=force, dry_run=dry_run,
-                             include_git=include_git)
-
-    def discard(self, paths: list[str] | None = None) -> list[str]:
-        from .apply import discard_changes
-
-        return discard_changes(self, paths=paths)
-
-    def held_back(self, changes: tuple[Change, ...] | list[Change] | None = None,
-                  include_git: bool = False) -> dict[str, str]:
-        """path -> why ``apply`` (with ``include_git``) holds it back unless a pathspec names
-        it literally (host-code-execution vectors, git metadata and the worktrees that need
-        it, stockade policy files, symlinks leading out)."""
-        from .held import held_back
-
-        return held_back(self, changes, include_git=include_git)
-
-    def changes_json(self, changes: tuple[Change, ...] | list[Change] | None = None) -> list[dict[str, object]]:
-        """``changes`` (default: all) as JSON, each held-back one with ``held_back``: why."""
-        todo = self.changes if changes is None else changes
-        held = self.held_back(todo)
-        return [{**c.to_json(), **({"held_back": held[c.path]} if c.path in held else {})} for c in todo]
-
-    def to_json(self) -> dict[str, object]:
-        c = self.counts()
-        return {
-            "session": self.session.id,
-            "project": str(self.project),
-            "counts": {"added": c.added, "modified": c.modified, "deleted": c.deleted, "refused": c.refused},
-            "changes": self.changes_json(),
-        }

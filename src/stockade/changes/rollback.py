@@ -1,0 +1,100 @@
+"""``rollback``: restore exactly what an apply replaced (the original inodes when backups
+are hard links: bytes and modes identical)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from ..errors import UsageError
+from ..session import store
+from ..session.idrange import with_sandbox_ids
+from ..session.store import Session
+from .executor import _Exec, _rollback_ops
+from .journal import (
+    ApplyRecord,
+    _global_lock,
+    _load_plan,
+    _Progress,
+    _target_states,
+    _tick,
+    applies_dir,
+    list_applies,
+    pending_dir,
+)
+from .recovery import _apply_dirs, recover_pending
+
+
+def _verify_applied(ex: _Exec, adir: Path) -> list[str]:
+    """Targets that no longer hold what the apply left there (changed on the host since)."""
+    try:
+        result: dict[str, list[int] | None] = json.loads((adir / "result.json").read_text())
+    except (OSError, ValueError):
+        return []
+    now = _target_states(ex.host, list(result))
+    return sorted(p for p, v in result.items() if now[p] != v)
+
+
+@with_sandbox_ids(lambda apply_id=None, **k: _apply_dirs(apply_id))
+def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord:
+    """Undo a finished apply: restore exactly what it replaced, put the entries back in the session."""
+    recover_pending()
+    applies = list_applies()
+    if apply_id is None:
+        live = [a for a in applies if a.state == "done"]
+        if not live:
+            raise UsageError("no apply to roll back; list them with `stockade status`")
+        rec = max(live, key=lambda a: a.created_ns)
+    else:
+        found = [a for a in applies if a.id == apply_id]
+        if not found:
+            raise UsageError(f"no apply named {apply_id!r}; list them with `stockade status`")
+        rec = found[0]
+    if rec.state == "rolled-back":
+        raise UsageError(f"apply {rec.id} was already rolled back")
+    if rec.state != "done":
+        raise UsageError(f"apply {rec.id} did not complete ({rec.state}); nothing to roll back")
+    adir = applies_dir() / rec.id
+    plan = _load_plan(adir)
+    assert plan is not None
+    stack = [Path(p) for p in plan["stack"]]
+    sdir = Path(plan["session_dir"])
+    lock_cm: contextlib.AbstractContextManager[int | None]
+    if sdir.is_dir():
+        lock_cm = Session(plan["session"], sdir).lock(wait=False)
+    else:
+        lock_cm = contextlib.nullcontext()
+    with lock_cm, _global_lock():
+        ex = _Exec(rec.id, adir, Path(plan["project"]), stack)
+        try:
+            bad = _verify_applied(ex, adir)
+            if bad and not force:
+                shown = ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
+                raise UsageError(
+                    f"cannot roll back apply {rec.id}: {len(bad)} path(s) changed since it: {shown}; "
+                    "pass --force to overwrite them"
+                )
+            newer = [a for a in applies if a.project == rec.project and a.created_ns > rec.created_ns
+                     and a.state == "done" and set(a.paths) & set(rec.paths)]
+            if newer and not force:
+                raise UsageError(
+                    f"cannot roll back apply {rec.id}: later apply {newer[0].id} changed the same "
+                    f"paths; roll that back first, or pass --force"
+                )
+            (pending_dir()).mkdir(parents=True, exist_ok=True)
+            (pending_dir() / rec.id).touch()
+            prog = _Progress(adir / "progress")
+            try:
+                with store.disk_space(f"roll back apply {rec.id}", Path(plan["project"]), (
+                        f"free space on {store.mount_point(plan['project'])}, then run `stockade recover`: "
+                        "it finishes the rollback (its journal keeps every original)")):
+                    prog.note("s rolling-back", sync=True)
+                    _tick()
+                    _rollback_ops(ex, plan, adir, prog)
+            finally:
+                prog.close()
+            (pending_dir() / rec.id).unlink(missing_ok=True)
+        finally:
+            ex.close()
+    return ApplyRecord(rec.id, rec.session, rec.project, rec.created_ns, "rolled-back", rec.paths)
