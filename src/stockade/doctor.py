@@ -12,11 +12,9 @@ threads are started, and the child only makes syscalls before ``os._exit``).
 
 from __future__ import annotations
 
-import ctypes
 import ctypes.util
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -25,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .linux import libc
+
 CACHE_VERSION = 4
 REQUIRED = ("userns", "proc", "hostname", "overlay", "landlock", "seccomp", "self-test")
 
@@ -32,16 +32,11 @@ CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWPID = 0x20000000
-SYS_CLONE3 = 435  # same number on every architecture
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_RDONLY = 1
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
-LANDLOCK_CREATE_RULESET_VERSION = 1
-SYS_LANDLOCK_CREATE_RULESET = 444  # same number on every architecture
-SYS_SECCOMP = {"x86_64": 317, "aarch64": 277, "riscv64": 277, "ppc64le": 358, "s390x": 348}
 PR_GET_SECCOMP = 21
-SECCOMP_GET_ACTION_AVAIL = 2
 SECCOMP_RET_KILL_PROCESS = 0x80000000
 SECCOMP_RET_ERRNO = 0x00050000
 
@@ -106,10 +101,6 @@ class Report:
 # --------------------------------------------------------------------------- helpers
 
 
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
 def _read(path: Path) -> str | None:
     try:
         return path.read_text().strip()
@@ -166,7 +157,7 @@ class _StepError(OSError):
 
 def _check(rc: int, step: str) -> None:
     if rc != 0:
-        e = ctypes.get_errno()
+        e = libc.errno()
         err = _StepError(e, os.strerror(e))
         err.step = step
         raise err
@@ -174,7 +165,6 @@ def _check(rc: int, step: str) -> None:
 
 def _enter_userns() -> None:
     """unshare(NEWUSER|NEWNS), map the caller's ids to themselves... as root inside."""
-    libc = _libc()
     uid, gid = os.getuid(), os.getgid()
     _check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
     try:
@@ -242,8 +232,8 @@ def probe_userns(proc: Path = Path("/proc")) -> list[Probe]:
         _enter_userns()
         d = tempfile.mkdtemp(prefix="stockade-doctor-")
         try:
-            _check(_libc().mount(b"tmpfs", d.encode(), b"tmpfs", 0, b"size=16k"), f"mount tmpfs on {d}")
-            _libc().umount2(d.encode(), 0)
+            _check(libc.mount(b"tmpfs", d.encode(), b"tmpfs", 0, b"size=16k"), f"mount tmpfs on {d}")
+            libc.umount2(d.encode(), 0)
         finally:
             os.rmdir(d)
         return {"ok": True}
@@ -306,11 +296,7 @@ def probe_clone3(env: Any = None) -> Probe:
     env = env or remedies.detect()
 
     def child() -> dict[str, Any]:
-        libc = _libc()
-        libc.syscall.restype = ctypes.c_long
-        # struct clone_args, CLONE_ARGS_SIZE_VER0: flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls
-        args = (ctypes.c_uint64 * 8)(CLONE_NEWUSER, 0, 0, 0, 17, 0, 0, 0)
-        pid = libc.syscall(ctypes.c_long(SYS_CLONE3), ctypes.byref(args), ctypes.c_size_t(64))
+        pid = libc.clone3(CLONE_NEWUSER, 17)  # exit signal SIGCHLD
         if pid == 0:
             os._exit(0)
         _check(-1 if pid < 0 else 0, "clone3(CLONE_NEWUSER)")
@@ -354,14 +340,13 @@ def probe_proc(env: Any = None) -> Probe:
     env = env or remedies.detect()
 
     def fn() -> dict[str, Any]:
-        libc = _libc()
         _check(libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
         d = tempfile.mkdtemp(prefix="stockade-doctor-proc-")
         try:
             pid = os.fork()
             if pid == 0:  # the new PID namespace's first process
                 rc = libc.mount(b"proc", d.encode(), b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-                err = ctypes.get_errno()
+                err = libc.errno()
                 if rc == 0:
                     libc.umount2(d.encode(), 2)  # MNT_DETACH: the dir is removed next
                 os._exit(0 if rc == 0 else min(err, 255))
@@ -383,9 +368,8 @@ def probe_hostname(env: Any = None) -> Probe:
     env = env or remedies.detect()
 
     def fn() -> dict[str, Any]:
-        libc = _libc()
         _check(libc.unshare(CLONE_NEWUTS), "unshare(CLONE_NEWUTS)")
-        _check(libc.sethostname(b"stockade-doctor", 15), "sethostname")
+        _check(libc.sethostname(b"stockade-doctor"), "sethostname")
         return {"ok": True, "detail": "sethostname works in a new UTS namespace"}
 
     return _step_probe("hostname", "sethostname", _in_userns_child(fn), remedies.hostname, env)
@@ -436,7 +420,6 @@ def probe_overlay(state: Path) -> Probe:
 
         def child() -> dict[str, Any]:
             _enter_userns()
-            libc = _libc()
             opts = f"lowerdir={base}/lower,upperdir={base}/upper,workdir={base}/work"
             used = ""
             for extra in (",userxattr", ""):
@@ -498,11 +481,8 @@ def _fstype(path: Path) -> str:
 
 def landlock_abi() -> tuple[int, int]:
     """(ABI version or -1, errno)."""
-    libc = _libc()
-    libc.syscall.restype = ctypes.c_long
-    rc = libc.syscall(ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0),
-                      ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
-    return (int(rc), 0) if rc >= 0 else (-1, ctypes.get_errno())
+    rc = libc.landlock_abi_version()
+    return (rc, 0) if rc >= 0 else (-1, libc.errno())
 
 
 def analyze_landlock(abi: int, err: int, lsm: str | None) -> Probe:
@@ -536,16 +516,11 @@ def probe_landlock() -> Probe:
 
 
 def probe_seccomp() -> Probe:
-    libc = _libc()
     mode = libc.prctl(PR_GET_SECCOMP, 0, 0, 0, 0)
     data: dict[str, Any] = {"mode": mode}
-    nr = SYS_SECCOMP.get(platform.machine())
-    avail = None
-    if nr is not None:
-        action = ctypes.c_uint32(SECCOMP_RET_KILL_PROCESS)
-        libc.syscall.restype = ctypes.c_long
-        avail = libc.syscall(ctypes.c_long(nr), ctypes.c_uint(SECCOMP_GET_ACTION_AVAIL), ctypes.c_uint(0),
-                             ctypes.byref(action)) == 0
+    rc = libc.seccomp_action_avail(SECCOMP_RET_KILL_PROCESS)
+    avail = None if rc is None else rc == 0
+    if avail is not None:
         data["kill_process"] = avail
     lib = ctypes.util.find_library("seccomp")
     data["libseccomp"] = lib

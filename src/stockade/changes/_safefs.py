@@ -11,14 +11,14 @@ written by untrusted code can never make us act outside the root.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-_SYS_OPENAT2 = 437  # same number on every architecture with the generic table
+from ..linux.libc import openat2
+
 RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_NO_SYMLINKS = 0x04
@@ -27,41 +27,7 @@ RESOLVE_BENEATH = 0x08
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
-class _OpenHow(ctypes.Structure):
-    _fields_ = [
-        ("flags", ctypes.c_uint64),
-        ("mode", ctypes.c_uint64),
-        ("resolve", ctypes.c_uint64),
-    ]
-
-
-_libc: ctypes.CDLL | None = None
 _have_openat2: bool | None = None
-
-
-def _libc_handle() -> ctypes.CDLL:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc
-
-
-def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
-    """The raw openat2(2) syscall; raises OSError (ENOSYS when the kernel lacks it)."""
-    libc = _libc_handle()
-    how = _OpenHow(flags, mode, resolve)
-    libc.syscall.restype = ctypes.c_long
-    fd = libc.syscall(
-        ctypes.c_long(_SYS_OPENAT2),
-        ctypes.c_int(dirfd),
-        ctypes.c_char_p(os.fsencode(path)),
-        ctypes.byref(how),
-        ctypes.c_size_t(ctypes.sizeof(how)),
-    )
-    if fd < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e), path)
-    return int(fd)
 
 
 def has_openat2() -> bool:

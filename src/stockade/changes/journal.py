@@ -86,11 +86,10 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _syncfs(fd: int) -> None:
-    import ctypes
+    from ..linux import libc
 
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.syncfs(ctypes.c_int(fd))  # ctypes releases the GIL for the call
+        libc.syncfs(fd)
     except (OSError, AttributeError):  # pragma: no cover
         os.sync()
 

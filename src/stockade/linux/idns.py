@@ -147,11 +147,10 @@ def _child(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     status = 0
     try:
         try:
-            import ctypes
+            from . import libc
 
-            libc = ctypes.CDLL(None, use_errno=True)
             if libc.unshare(CLONE_NEWUSER) != 0:
-                err = ctypes.get_errno()
+                err = libc.errno()
                 raise SandboxError("unshare (new user namespace, to reach a session's subordinate ids)",
                                    errno=err, remedy=_userns_remedy(err))
             os.write(sync_w, b"u")
