@@ -775,9 +775,9 @@ def cached_probes(state: Path, *, refresh: bool = False) -> tuple[list[Probe], b
 
 def run(*, refresh: bool = False, self_test: bool = True) -> Report:
     """Every probe (cached unless ``refresh``) plus the live self-test."""
-    from .session.store import state_dir
+    from .paths import state_dir
 
-    probes, cached = cached_probes(state_dir(), refresh=refresh)
+    probes, cached = cached_probes(Path(state_dir()), refresh=refresh)
     probes.append(probe_interpreter())
     probes.append(probe_id_range())
     if self_test:

@@ -593,7 +593,7 @@ def _shared(plan: Plan, base: tuple[MountOp, ...], create: bool = True) -> Launc
     """Connect to the shared launcher for this base, or make it."""
     import hashlib  # only here: the CLI's import time counts
 
-    from ..session import store
+    from ..paths import state_dir
 
     st = os.stat(PATH)
     h = hashlib.sha256()
@@ -601,7 +601,7 @@ def _shared(plan: Plan, base: tuple[MountOp, ...], create: bool = True) -> Launc
         h.update(repr((m.kind, m.target, m.source, m.data, sorted(m.flags), m.mode, m.lower,
                        m.source_in_sandbox, m.source_in_stage)).encode())
     h.update(repr((plan.uid_map, plan.gid_map, plan.deny_setgroups, st.st_ino, st.st_mtime_ns, st.st_size, userns())).encode())
-    d = store.state_dir() / "launchers"
+    d = Path(state_dir()) / "launchers"
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     name = h.hexdigest()[:24] + ".sock"
     # a socket path is at most 107 bytes: reach the directory through an fd

@@ -37,12 +37,8 @@ from ..errors import SandboxError, SessionBusy, SessionNotFound, UsageError
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-def state_dir() -> Path:
-    return Path(paths.state_dir())
-
-
 def sessions_dir() -> Path:
-    return state_dir() / "sessions"
+    return Path(paths.state_dir()) / "sessions"
 
 
 def validate_name(name: str) -> str:
@@ -93,7 +89,7 @@ def no_space(e: OSError, step: str, path: str | os.PathLike[str] | None = None,
              remedy: str | None = None) -> SandboxError:
     """The error for ENOSPC/EDQUOT: the operation, the path, the filesystem (mount point)
     and what is free on it now, and a remedy."""
-    where = os.fspath(path if path is not None else e.filename or state_dir())
+    where = os.fspath(path if path is not None else e.filename or paths.state_dir())
     mnt = mount_point(where)
     try:
         vfs = os.statvfs(mnt)
