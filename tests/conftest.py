@@ -86,7 +86,7 @@ class User:
     state: Path
     python: str
     # How `stockade run` starts (the `cli_paths` marker runs a test through both):
-    # "inproc" (STOCKADE_SERVER=0), "served" (STOCKADE_SERVER=require: served, or a
+    # "inproc" (STOCKADE_SERVER=0 STOCKADE_WARM=0), "served" (STOCKADE_SERVER=require: served, or a
     # one-line error, never silently in-process); None: the default (served when a
     # server is up, so a test's first run is in-process).
     path: str | None = None
@@ -106,8 +106,12 @@ class User:
         }
         if MUST_WORK:
             env["STOCKADE_MUST_WORK"] = "1"
-        if self.path == "inproc":
+        for k in ("STOCKADE_SERVER", "STOCKADE_WARM"):  # e.g. the whole suite with the speed layer off
+            if k in os.environ:
+                env[k] = os.environ[k]
+        if self.path == "inproc":  # the core alone: neither the server nor the prepared-run cache
             env["STOCKADE_SERVER"] = "0"
+            env["STOCKADE_WARM"] = "0"
         elif self.path == "served":
             env["STOCKADE_SERVER"] = "require"
             env["STOCKADE_SERVER_IDLE"] = "10"  # ended with the test (end_servers)
@@ -172,7 +176,7 @@ def cli_path(request: pytest.FixtureRequest) -> str | None:
 
 
 def server_pids(state: Path) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"stockade.server import main; main\\(\\) {state}/servers"],
+    out = subprocess.run(["pgrep", "-f", f"stockade.cli import serve; serve\\(\\) {state}/servers"],
                          capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
 

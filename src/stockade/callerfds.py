@@ -4,7 +4,7 @@
 CLI's own fds (a session directory, a lock, a socket) would be host fds inside
 the sandbox. In-process, the CLI notes which fds it was started with
 (``snapshot``) before it opens any. A CLI server's supervisor runs a client's
-CLI: it holds the client's fds as received (SCM_RIGHTS, ``stockade.server``)
+CLI: it holds the client's fds as received (SCM_RIGHTS, ``stockade.fast.server``)
 under other numbers, while its own fds may sit on the numbers the client names.
 So prepare checks each number here and the launch layer asks ``sources`` where
 each one is; a number is never used as an fd of this process directly. The

@@ -21,7 +21,7 @@ def state_dir() -> str:
 
 
 # The process whose cgroup runs are placed under: this one, or the client a CLI
-# server's supervisor serves (set in the forked supervisor, see stockade.server).
+# server's supervisor serves (set in the forked supervisor, see stockade.fast.server).
 CGROUP_OWNER: int | None = None
 
 

@@ -46,7 +46,7 @@ def verb_table() -> dict[str, tuple[list[str], list[tuple[str, bool]]]]:
     so that new options are fuzzed as they come."""
     import argparse
 
-    from stockade import cli
+    from stockade.cli import table as cli_table
 
     def subs(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
         for a in p._actions:
@@ -55,7 +55,7 @@ def verb_table() -> dict[str, tuple[list[str], list[tuple[str, bool]]]]:
         return {}
 
     table = {}
-    for name, vp in subs(cli.build_parser(["list"])).items():
+    for name, vp in subs(cli_table.build_parser()).items():
         if name in SKIP_VERBS:
             continue
         opts = [(o, a.nargs != 0) for a in vp._actions for o in a.option_strings if o not in SKIP_OPTIONS]

@@ -36,7 +36,7 @@ def _end_servers(user: User) -> Iterator[None]:
 
 
 def _server_pids(user: User) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"stockade.server import main; main\\(\\) {user.state}/servers"],
+    out = subprocess.run(["pgrep", "-f", f"stockade.cli import serve; serve\\(\\) {user.state}/servers"],
                          capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
 
@@ -249,7 +249,7 @@ def test_a_served_request_needs_the_same_uid(user: User, project: Path) -> None:
 
 
 def test_the_stockade_command_is_served(user: User, project: Path) -> None:
-    """The installed entry point (``stockade._client:main``), not only ``python -m stockade``."""
+    """The installed entry point (``stockade.cli:main``), not only ``python -m stockade``."""
     exe = Path(sys.executable).parent / "stockade"
     if user.name != "root" or not exe.exists():
         pytest.skip("the venv's console script, run as its owner")

@@ -215,7 +215,7 @@ def test_a_server_socket_made_in_a_nested_namespace_gets_nothing(nobody: tuple[U
     assert u.cli(["run", "--project", str(proj), "--", "true"], cwd=proj, env={"STOCKADE_SERVER": "0"}).returncode == 0
     src = str(Path(__file__).resolve().parents[2] / "src")
     key = subprocess.run([*u.prefix(), u.python, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                          "from stockade import _client; print(_client.key())", src],
+                          "from stockade.fast import client; print(client.key())", src],
                          env=u.env(), capture_output=True, text=True, check=True).stdout.strip()
     servers = u.state / "servers"
     servers.mkdir(mode=0o700)
@@ -241,7 +241,7 @@ def test_keys_name_the_user_namespace() -> None:
     state dir), so a nested process never even finds the host's."""
     need(shutil.which("unshare") is not None, "unshare(1) (util-linux)")
     src = str(Path(__file__).resolve().parents[2] / "src")
-    code = "import sys; sys.path.insert(0, sys.argv[1]); from stockade import _client; print(_client.key())"
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from stockade.fast import client; print(client.key())"
     here = subprocess.run([sys.executable, "-c", code, src], capture_output=True, text=True, check=True).stdout
     r = subprocess.run(["unshare", "-U", "--map-root-user", sys.executable, "-c", code, src], capture_output=True, text=True)
     need(r.returncode == 0, f"user namespaces: {r.stderr.strip()}")

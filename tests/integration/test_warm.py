@@ -137,3 +137,19 @@ def test_cli_end_to_end(proj: Path, state_dir: Path) -> None:
     (proj / "src" / ".env").write_text("TOKEN=1\n")
     r = subprocess.run(cmd, cwd=proj, env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout == "none\n", r.stderr
+
+
+@pytest.mark.parametrize("extra,options", [({"STOCKADE_WARM": "0"}, []), ({}, ["--memory", "1G"]), ({}, ["--allow", "/opt"])])
+def test_cli_keeps_nothing_when_off_or_not_keepable(proj: Path, state_dir: Path, extra: dict[str, str],
+                                                   options: list[str]) -> None:
+    """STOCKADE_WARM=0 turns the on-disk prepared runs off; so does an option a stored
+    preparation may not stand for (``Arg.keep`` in the CLI's table): none is written."""
+    env = {**os.environ, "STOCKADE_STATE_DIR": str(state_dir), "STOCKADE_SERVER": "0", **extra}
+    cmd = [sys.executable, "-m", "stockade", "run", *options, "--", "true"]
+    for _ in range(2):
+        r = subprocess.run(cmd, cwd=proj, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    assert not list((state_dir / "cache").glob("warm-*.bin"))
+    r = subprocess.run([*cmd[:4], "--", "true"], cwd=proj, env={**env, "STOCKADE_WARM": "1"}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert list((state_dir / "cache").glob("warm-*.bin"))  # the same run, kept

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import signal
@@ -21,11 +20,12 @@ from stockade.cgroups.base import (
     classify,
     degraded_limits,
 )
-from stockade.cgroups.cli import add_limit_arguments, limits_from_args, requested_limits
 from stockade.cgroups.none import NoneManager
 from stockade.cgroups.parse import limits_from_mapping, parse_duration, parse_limit, parse_size
 from stockade.cgroups.rlimit import kernel_version, nproc_is_safe, rlimits_for
 from stockade.cgroups.v1 import Hierarchy, V1Manager
+from stockade.cli.limits import limits_from_args, requested_limits
+from stockade.cli.table import Args, parse
 from stockade.errors import UsageError
 
 # ----------------------------------------------------------------- parsing
@@ -61,6 +61,11 @@ def test_parse_duration_rejects(text: str) -> None:
     assert parse_duration(text) is None
 
 
+def _run_args(*flags: str) -> Args:
+    """The options of `stockade run FLAGS -- x`, parsed by the CLI's own parser."""
+    return parse(["run", *flags, "--", "x"])
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "form"),
     [
@@ -79,9 +84,7 @@ def test_parse_duration_rejects(text: str) -> None:
     ],
 )
 def test_cli_bad_values_name_the_flag_and_form(flag: str, value: str, form: str) -> None:
-    p = argparse.ArgumentParser()
-    add_limit_arguments(p)
-    args = p.parse_args([flag, value])
+    args = _run_args(flag, value)
     with pytest.raises(UsageError) as ei:
         limits_from_args(args)
     msg = str(ei.value)
@@ -90,18 +93,16 @@ def test_cli_bad_values_name_the_flag_and_form(flag: str, value: str, form: str)
 
 
 def test_cli_good_values_over_defaults() -> None:
-    p = argparse.ArgumentParser()
-    add_limit_arguments(p)
-    args = p.parse_args(
-        ["--memory", "512M", "--cpus", "1.5", "--pids", "256", "--timeout", "30s", "--cpu-time", "60s", "--max-file-size", "1G", "--nofile", "1024"]
+    args = _run_args(
+        *["--memory", "512M", "--cpus", "1.5", "--pids", "256", "--timeout", "30s", "--cpu-time", "60s", "--max-file-size", "1G", "--nofile", "1024"]
     )
     lim = limits_from_args(args)
     assert lim == Limits(memory=512 * MiB, cpus=1.5, pids=256, timeout=30.0, cpu_time=60.0,
                          max_file_size=GiB, nofile=1024)
     assert requested_limits(args) == {"memory", "cpus", "pids", "timeout", "cpu_time", "max_file_size", "nofile"}
-    none = limits_from_args(p.parse_args([]))
-    assert none == Limits.defaults() and requested_limits(p.parse_args([])) == set()
-    lifted = limits_from_args(p.parse_args(["--pids", "none", "--memory", "unlimited"]))
+    none = limits_from_args(_run_args())
+    assert none == Limits.defaults() and requested_limits(_run_args()) == set()
+    lifted = limits_from_args(_run_args("--pids", "none", "--memory", "unlimited"))
     assert lifted.pids is None and lifted.memory is None and lifted.nofile == Limits.defaults().nofile
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from stockade.changes.cli import summary_line
 from stockade.changes.model import Kind
 from stockade.changes.scan import scan
+from stockade.cli.changes import summary_line
 from stockade.errors import UsageError
 from tests.unit.test_changes_support import Builder, builder, overlay_shell
 

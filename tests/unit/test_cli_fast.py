@@ -1,16 +1,18 @@
-"""The argparse-free parse of `stockade run` gives what the argparse path gives."""
+"""The argparse-free parse of `stockade run` gives what the argparse path gives: both
+are derived from one table (``stockade.cli.table``) and feed one conversion."""
 
 from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
 
 import pytest
 
 from stockade import cli
-from stockade.cgroups.base import Limits
-
-
-def slow(argv: list[str]) -> dict[str, object]:
-    args = cli.build_parser(argv).parse_args(argv)
-    return cli._run_kwargs(args)
+from stockade.cgroups.base import FLAG_FOR, LIMIT_NAMES
+from stockade.cli import table
+from stockade.cli.run import run_kwargs
 
 
 @pytest.mark.parametrize(
@@ -25,17 +27,30 @@ def slow(argv: list[str]) -> dict[str, object]:
         ["run", "--env", "A=1", "--env=B=2=3", "--read-only", "--", "env"],
         ["run", "--read-only", "--no-read-only", "--seccomp", "strict", "--", "x"],
         ["run", "--", "--", "x"],
+        # the options the old hand-written parser left to argparse
+        ["run", "--memory", "1G", "--pids=none", "--timeout", "30s", "--", "x"],
+        ["run", "--user", "1000", "--pass-fd", "3", "--pass-fd=4", "--", "x"],
+        ["run", "--allow", "/opt:rw", "--deny", "/opt/x", "--mask", "*.pem", "--mask-mode", "empty", "--", "x"],
+        ["run", "--exec-allow", "/usr", "--env-allow", "CI*", "--env-block", "AWS*", "--deny-command", "git push", "x"],
+        ["run", "--no-landlock", "--allow-degraded", "landlock,seccomp", "--seccomp", "off", "--", "x"],
+        ["run", "--env", "NOEQUALS", "--", "x"],  # read alike; refused by the one conversion
     ],
 )
 def test_fast_parse_matches_argparse(argv: list[str]) -> None:
-    fast = cli._fast_run(argv)
+    fast = table.fast_parse(argv)
     assert fast is not None
-    want = slow(argv)
-    # the argparse path passes the default limits explicitly; the fast one leaves them
-    # to prepare(), which uses the same defaults
-    assert want.pop("limits") == Limits.defaults() and want.pop("requested_limits") == set()
-    assert fast.pop("policy").build() == want.pop("policy")  # type: ignore[attr-defined]
-    assert fast == want
+    assert fast == table.parse(argv)  # every option's value, the verb and its handler
+
+
+def test_one_conversion_whichever_parser() -> None:
+    argv = ["run", "--env", "A=1", "--read-only", "--memory", "1G", "--", "x"]
+    fast, slow = table.fast_parse(argv), table.parse(argv)
+    assert fast is not None
+    a, b = run_kwargs(fast), run_kwargs(slow)
+    assert a.pop("policy").key == b.pop("policy").key and a == b
+    # no limit flag: no limits passed, so the run takes the defaults (and the config's
+    # limits table) as an API run does
+    assert "limits" not in run_kwargs(table.parse(["run", "--", "x"]))
 
 
 @pytest.mark.parametrize(
@@ -44,19 +59,58 @@ def test_fast_parse_matches_argparse(argv: list[str]) -> None:
         ["run"],
         ["run", "--"],
         ["run", "--help"],
-        ["run", "--memory", "1G", "--", "x"],
         ["run", "--proj", "/tmp", "--", "x"],  # an abbreviation: argparse decides
         ["run", "-p/tmp", "--", "x"],
-        ["run", "--env", "NOEQUALS", "--", "x"],
         ["run", "--net", "bogus", "--", "x"],
+        ["run", "--mask-mode", "bogus", "--", "x"],
+        ["run", "--user", "-5", "--", "x"],
+        ["run", "--pass-fd", "x", "--", "x"],
         ["run", "--session", "--", "x"],
+        ["run", "--memory", "-5M", "--", "x"],  # a value that starts with '-'
         ["run", "--root=1", "--", "x"],
         ["explain", "--", "x"],
         ["--version"],
     ],
 )
 def test_anything_else_goes_to_argparse(argv: list[str]) -> None:
-    assert cli._fast_run(argv) is None
+    assert table.fast_parse(argv) is None
+
+
+def test_the_limit_options_are_cgroups_limits() -> None:
+    assert table.LIMIT_NAMES == LIMIT_NAMES
+    assert {a.dest: a.flags[0] for a in table.LIMITS.args} == FLAG_FOR
+
+
+def test_every_handler_exists() -> None:
+    def verbs(vs: tuple[table.Verb, ...]) -> list[table.Verb]:
+        return [x for v in vs for x in (v, *verbs(v.sub))]
+
+    for v in verbs(table.VERBS):
+        if v.handler is not None:
+            assert callable(getattr(importlib.import_module(f"stockade.cli.{v.handler.module}"), v.handler.name)), v.name
+
+
+@pytest.mark.parametrize(
+    "argv,keep",
+    [
+        (["run", "-p", "/tmp", "-s", "n", "--cwd", "a", "--root", "--net", "host", "--no-wait", "--", "x"], True),
+        (["run", "--env", "A=1", "--read-only", "--no-read-only", "--seccomp", "strict", "--", "x"], True),
+        (["run", "--memory", "1G", "--", "x"], False),
+        (["run", "--pass-fd", "0", "--", "x"], False),
+        (["run", "--allow", "/opt", "--", "x"], False),
+        (["run", "--allow-degraded", "proc", "--", "x"], False),
+    ],
+)
+def test_which_runs_keep_their_preparation(argv: list[str], keep: bool) -> None:
+    assert table.keepable(table.parse(argv)) is keep
+
+
+def test_the_fast_path_imports_no_argparse() -> None:
+    code = ("import sys; from stockade.cli import table; "
+            "assert table.fast_parse(['run', '--memory', '1G', '--', 'x']) is not None; "
+            "print(sorted(m for m in sys.modules if m == 'argparse' or m.startswith('stockade.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert eval(out) == ["stockade.cli", "stockade.cli.table"]
 
 
 # ---- values that start with '-' (issue #12 item 10) -----------------------------------------
@@ -89,5 +143,5 @@ def test_negative_values_are_values_then_refused(argv: list[str], message: str, 
 
 def test_a_command_may_start_with_a_dash_digit() -> None:
     # as before for "-5": a word like "-5M" where the command starts is the command
-    args = cli.build_parser(["run", "-5M", "x"]).parse_args(["run", "-5M", "x"])
-    assert cli._run_kwargs(args)["args"] == ["-5M", "x"]
+    assert table.fast_parse(["run", "-5M", "x"]) is None
+    assert run_kwargs(table.parse(["run", "-5M", "x"]))["args"] == ["-5M", "x"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import os
@@ -459,10 +458,9 @@ def test_evaluate_rejects_out_of_range_jump() -> None:
 
 # ---- CLI ----------------------------------------------------------------------------------
 def _cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="stockade")
-    sub = parser.add_subparsers()
-    seccomp.register(sub)
-    args = parser.parse_args(argv)
+    from stockade.cli.table import parse
+
+    args = parse(argv)
     return int(args.func(args))
 
 

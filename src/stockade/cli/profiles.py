@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .table import Args
 
 
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "profiles",
-        help="list the seccomp profiles (--seccomp NAME|PATH)",
-        description="List the built-in seccomp profiles with a one-line description, "
-        "or compile and check a profile (a name or a path to an OCI-style JSON file).",
-    )
-    p.add_argument(
-        "--check", metavar="NAME|PATH", help="compile and validate a profile, print its digest"
-    )
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_profiles)
-
-
-def _profiles(args: argparse.Namespace) -> int:
-    from . import seccomp
+def cmd_profiles(args: Args) -> int:
+    from ..linux import seccomp
 
     if args.check:
         f = seccomp.compile_profile(args.check)

@@ -1,10 +1,11 @@
 """The CLI's warm server: every module imported once, a forked supervisor per run.
 
 A `stockade run` spends most of its time importing stockade. The first CLI run
-of a user starts this server (``_client.spawn``); later ones hand it their
-arguments, environment, working directory and stdio (``_client.run``). For each,
-the server forks; the child takes on the client's whole context and runs the same
-CLI code as the client would have in-process, then reports the exit status.
+of a user starts this server (``client.spawn``, with the CLI's entry: ``main(handler)``);
+later ones hand it their arguments, environment, working directory and stdio
+(``client.run``). For each, the server forks; the child takes on the client's whole
+context and runs the same CLI code as the client would have in-process (``handler``),
+then reports the exit status.
 
 Serving is exact or declined. The server declines, before anything runs, a client
 that differs from it in anything a fork would not carry over: uid/gids,
@@ -35,7 +36,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _client, paths
+from .. import paths
+from . import client as _client
+
+# The CLI a supervisor runs: (the client's arguments, housekeeping to run once the
+# client has its status) -> exit status. The CLI gives it (``stockade.cli.serve``).
+Handler = Callable[[list[str], list[Callable[[], None]]], int]
 
 _SO_PEERPIDFD = 77  # Linux 6.5
 _STATUS_KEYS = (b"Uid:", b"Gid:", b"Groups:", b"CapInh:", b"CapPrm:", b"CapEff:", b"CapBnd:", b"CapAmb:",
@@ -138,7 +144,7 @@ def _warm() -> None:
 
     import stockade
 
-    skip = {"stockade.server", "stockade.__main__", "stockade.demo"}
+    skip = {"stockade.fast.server", "stockade.__main__", "stockade.demo"}
     for m in pkgutil.walk_packages(stockade.__path__, "stockade."):
         if m.name not in skip:
             try:
@@ -193,8 +199,8 @@ class Request:
 class Server:
     lock = -1
 
-    def __init__(self, pkg: str) -> None:
-        self.pkg = pkg
+    def __init__(self, pkg: str, handler: Handler) -> None:
+        self.pkg, self.handler = pkg, handler
         self.code = CodeWatch(pkg)
         self.me = _identity("self")
         self.interp = _client.interp_env()
@@ -366,9 +372,9 @@ class Server:
         """Decode the prepared run a supervisor used and join its shared launcher, so
         the next spares inherit both (every check still runs per run). True when that
         is new to this server."""
-        from . import warm
-        from .linux import launcher
-        from .pathsig import file_sig
+        from .. import warm
+        from ..linux import launcher
+        from ..pathsig import file_sig
 
         if not path.startswith(self.cache_dir):
             return False
@@ -395,7 +401,7 @@ class Server:
         """Make the cgroups the likeliest next run (the last one's prepared entry)
         will use, while no client waits (cgroup v1: three mkdirs and their limits).
         Held by its manager until a run takes them or ``flush_deferred``."""
-        from . import warm
+        from .. import warm
 
         if not warm._preloaded:
             return
@@ -411,7 +417,7 @@ class Server:
 
     def spare(self, lst: socket.socket, ctl: int, status: int) -> None:
         """Wait for a client (or retirement); serve it: decline, or become its supervisor."""
-        from .cgroups.base import flush_deferred
+        from ..cgroups.base import flush_deferred
 
         self._cgroups_ahead()
         conn = None
@@ -454,7 +460,7 @@ class Server:
         else:
             if self.code.fd >= 0:
                 os.close(self.code.fd)
-            supervise(req, status)
+            supervise(req, status, self.handler)
             return
         flush_deferred()
 
@@ -476,7 +482,7 @@ def _adopt(req: Request) -> None:
             with open("/proc/self/oom_score_adj", "wb") as g:
                 g.write(oom)
     paths.CGROUP_OWNER = req.pid
-    from .cgroups import detect
+    from ..cgroups import detect
 
     detect.reset()  # chosen for the client's cgroup, not the server's
     os.umask(req.umask)
@@ -489,7 +495,7 @@ def _adopt(req: Request) -> None:
         os.dup2(req.fds[i], i)
     # the client's other fds stay where they arrived: `--pass-fd N` passes the
     # client's N (callerfds), never this process's own fd N
-    from . import callerfds
+    from .. import callerfds
 
     callerfds.RECEIVED = dict(zip(req.numbers, req.fds[4:], strict=True))
     for fd in req.fds[:4]:
@@ -498,7 +504,7 @@ def _adopt(req: Request) -> None:
     req.fds = []
 
 
-def supervise(req: Request, note: int) -> None:
+def supervise(req: Request, note: int, handler: Handler) -> None:
     """In the forked child: become the client's CLI for this one run."""
     gc.disable()  # a short-lived process: collections would only copy shared pages
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -519,12 +525,10 @@ def supervise(req: Request, note: int) -> None:
     os.close(me)
     # the client gone (killed) ends this run as a killed CLI would end it
     threading.Thread(target=_watch, args=(req.conn.fileno(), req.pidfd), daemon=True).start()
-    from . import cli
-
-    cli.after_reply = []
+    after_reply: list[Callable[[], None]] = []
     rc: int
     try:
-        rc = cli.main(req.argv)
+        rc = handler(req.argv, after_reply)
     except SystemExit as e:
         if e.code is None:
             rc = 0
@@ -551,7 +555,7 @@ def supervise(req: Request, note: int) -> None:
         pass
     # the client's fds are not ours to keep through the housekeeping below: a reader
     # waiting for their end (`out=$(stockade run ...)`) would wait for it too
-    from . import callerfds
+    from .. import callerfds
 
     for fd in (callerfds.RECEIVED or {}).values():
         try:
@@ -563,18 +567,18 @@ def supervise(req: Request, note: int) -> None:
     for i in range(3):
         os.dup2(null, i)
     os.close(null)
-    for fn in cli.after_reply:
+    for fn in after_reply:
         try:
             fn()
         except Exception:  # housekeeping only
             pass
     try:
-        from .cgroups.base import flush_deferred
+        from ..cgroups.base import flush_deferred
 
         flush_deferred()  # what atexit would do (os._exit below skips it): the run's, and any unused
     except Exception:
         pass
-    from . import warm
+    from .. import warm
 
     if warm.last_path:
         try:
@@ -601,7 +605,8 @@ def _terminate(_sig: int, _frame: Any) -> None:
     raise SystemExit(0)
 
 
-def main() -> None:
+def main(handler: Handler) -> None:
+    """The server process: ``python -P -c ENTRY dir name`` (``client.spawn``)."""
     d, name = sys.argv[1], sys.argv[2]
     os.chdir("/")
     os.closerange(3, 1 << 20)  # inherited fds (a pipe the caller's caller waits on) must not live on here
@@ -630,7 +635,7 @@ def main() -> None:
     if name != _client.key() + ".sock":  # started with another environment than its key says: serve nobody
         sys.stderr.write(f"stockade-server: {name} is not this environment's key ({_client.key()})\n")
         return
-    srv = Server(pkg)
+    srv = Server(pkg, handler)
     srv.lock = lock
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
     signal.signal(signal.SIGTERM, _terminate)  # leave as on idle: socket removed, spares told (EOF)

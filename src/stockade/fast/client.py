@@ -1,7 +1,7 @@
-"""The CLI's fast path: hand `stockade run` to the user's warm server.
+"""The CLI's served path: hand `stockade run` to the user's warm server.
 
 Most of what a CLI run costs is the interpreter importing stockade. A server
-(``stockade.server``) keeps every module imported and forks a supervisor per run
+(``stockade.fast.server``) keeps every module imported and forks a supervisor per run
 that takes on this process's whole context (arguments, environment, working
 directory, stdio, umask, rlimits, cgroup) and runs the same CLI code. This side
 imports builtins only. Whenever the server cannot serve this process exactly as
@@ -28,7 +28,8 @@ def interp_env(environb: dict[bytes, bytes] | None = None) -> list[bytes]:
 
 
 def package_dir() -> str:
-    return os.path.dirname(os.path.abspath(__file__))
+    """The stockade package's directory (this module is in its ``fast`` subpackage)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def userns() -> bytes:
@@ -53,7 +54,7 @@ def key() -> str:
 
 
 def servers_dir() -> str:
-    from .paths import state_dir
+    from ..paths import state_dir
 
     return os.path.join(state_dir(), "servers")
 
@@ -65,8 +66,9 @@ def encode_request(argv: list[str], umask: int, numbers: list[int] | tuple[int, 
     return b"\0".join(fields)
 
 
-def run(argv: list[str]) -> int | None:
-    """Serve ``stockade <argv>`` through the server; None: run it in-process.
+def run(argv: list[str], entry: str) -> int | None:
+    """Serve ``stockade <argv>`` through the server; None: run it in-process. ``entry``:
+    the Python code that starts a server (``python -P -c ENTRY dir name``), the CLI's.
 
     ``STOCKADE_SERVER=require`` (tests, benchmarks): the run is served or not run
     at all; a missing or stale server is started and waited for (nothing ran in a
@@ -77,7 +79,7 @@ def run(argv: list[str]) -> int | None:
     d = servers_dir()
     name = key() + ".sock"
     if mode != "require":
-        got = _connect_and_serve(argv, d, name)
+        got = _connect_and_serve(argv, d, name, entry)
         return got if isinstance(got, int) else None
     import time
 
@@ -89,7 +91,7 @@ def run(argv: list[str]) -> int | None:
         return 2
     deadline = time.monotonic() + 30
     while True:
-        got = _connect_and_serve(argv, d, name)
+        got = _connect_and_serve(argv, d, name, entry)
         if isinstance(got, int):
             return got
         if got or time.monotonic() > deadline:
@@ -100,14 +102,14 @@ def run(argv: list[str]) -> int | None:
         time.sleep(0.05)
 
 
-def _connect_and_serve(argv: list[str], d: str, name: str) -> int | str:
+def _connect_and_serve(argv: list[str], d: str, name: str, entry: str) -> int | str:
     """The run's status, or why the server did not take it ("": none serves yet)."""
     import _socket
 
     try:
         dfd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
-        spawn(d, name)
+        spawn(d, name, entry)
         return ""
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
     try:
@@ -115,13 +117,13 @@ def _connect_and_serve(argv: list[str], d: str, name: str) -> int | str:
             # through the directory's fd: a socket path is at most 107 bytes
             s.connect(f"/proc/self/fd/{dfd}/{name}")
         except OSError:
-            spawn(d, name)
+            spawn(d, name, entry)
             return ""
         finally:
             os.close(dfd)
         if not _same_userns(s):  # whoever made that socket, it is not our server: send it nothing
             return f"the process listening on {name} is in another user namespace"
-        return _serve(s, argv, d, name)
+        return _serve(s, argv, d, name, entry)
     finally:
         s.close()
 
@@ -161,7 +163,7 @@ def _same_userns(s: object) -> bool:
     return b"%d:%d" % (st.st_dev, st.st_ino) == userns()
 
 
-def _serve(s: object, argv: list[str], d: str, name: str) -> int | str:
+def _serve(s: object, argv: list[str], d: str, name: str, entry: str) -> int | str:
     import _signal
     import _socket
 
@@ -226,7 +228,7 @@ def _serve(s: object, argv: list[str], d: str, name: str) -> int | str:
             msg, anc = b"", []
         if msg[:1] != b"A":
             if msg[:1] == b"S" or not msg:  # stale code, or gone before taking the run: a new one
-                spawn(d, name)
+                spawn(d, name, entry)
                 return ""
             why = f"server declined: {msg[1:].decode(errors='replace')}"
             if os.environ.get("STOCKADE_SERVER") == "debug":
@@ -264,7 +266,7 @@ def _serve(s: object, argv: list[str], d: str, name: str) -> int | str:
 _spawned_at = [-1e9]
 
 
-def spawn(d: str, name: str) -> None:
+def spawn(d: str, name: str, entry: str) -> None:
     """Start a server for the next runs (this one goes on in-process)."""
     if os.environ.get("STOCKADE_SERVER", "1") in ("0", "once"):
         return
@@ -287,7 +289,7 @@ def spawn(d: str, name: str) -> None:
     try:
         # not our child (a supervisor reaps and kills its own stragglers); -P: never
         # import from the caller's directory (it may be the untrusted project)
-        os.posix_spawn(sys.executable, [sys.executable, "-P", "-c", "from stockade.server import main; main()", d, name],
+        os.posix_spawn(sys.executable, [sys.executable, "-P", "-c", entry, d, name],
                        os.environ, setsid=True,
                        file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDWR, 0), (os.POSIX_SPAWN_DUP2, 0, 1),
                                      # why a server could not start (every run is in-process then)
@@ -297,21 +299,10 @@ def spawn(d: str, name: str) -> None:
         os._exit(0)
 
 
-def serve_and_exit(argv: list[str]) -> None:
+def serve_and_exit(argv: list[str], entry: str) -> None:
     """Exit with the status of ``stockade <argv>`` run by the server, if it took it."""
-    rc = run(argv)
+    rc = run(argv, entry)
     if rc is not None:
         # the run happened in the server's supervisor: nothing here to finalize
         sys.stderr.flush()
         os._exit(rc & 0xFF)
-
-
-def main() -> int:
-    """The ``stockade`` command: a run through the server when it can take it, else
-    the CLI in-process (imported only then)."""
-    argv = sys.argv[1:]
-    if argv[:1] == ["run"]:
-        serve_and_exit(argv)
-    from .cli import main as cli_main
-
-    return cli_main(serve=False)

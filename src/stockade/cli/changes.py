@@ -1,18 +1,17 @@
-"""CLI verbs for change sets: list status diff apply rollback discard clean export snapshot fork recover."""
+"""`stockade list status diff apply rollback discard clean export snapshot fork recover`: change sets."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ..changes.scan import ChangeSet
     from ..session.store import Session
-    from .model import ChangeSet
+    from .table import Args
 
 
 # ---- the line printed after every run ----------------------------------------------------
@@ -20,7 +19,7 @@ if TYPE_CHECKING:
 
 def summary_line(session: Session) -> str | None:
     """``stockade: session S — 3 added, 1 modified, 2 deleted; review: stockade diff S``."""
-    from .scan import layer_has_entries, scan
+    from ..changes.scan import layer_has_entries, scan
 
     if not layer_has_entries(session):
         return None
@@ -52,7 +51,7 @@ def _use_color(mode: str) -> bool:
     return sys.stdout.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
 
 
-def _session_and_rest(args: argparse.Namespace, positional: list[str]) -> tuple[Session, list[str]]:
+def _session_and_rest(args: Args, positional: list[str]) -> tuple[Session, list[str]]:
     """``[S] [REST...]``: the first word is a session when one has that name."""
     from ..errors import SessionNotFound, UsageError
     from ..session import store
@@ -91,13 +90,13 @@ def _names_a_path(session: Session, word: str) -> bool:
 
 
 def _changes(session: Session, classify: bool = True) -> ChangeSet:
-    from .scan import scan
+    from ..changes.scan import scan
 
     return scan(session, classify=classify)
 
 
 def _quote(path: str) -> str:
-    from .diff import quote_path
+    from ..changes.diff import quote_path
 
     return quote_path(b"", os.fsencode(path)).decode("utf-8", "backslashreplace")
 
@@ -141,7 +140,7 @@ def _du(path: str) -> int:
 # ---- handlers ----------------------------------------------------------------------------------
 
 
-def cmd_list(args: argparse.Namespace) -> int:
+def cmd_list(args: Args) -> int:
     from ..errors import StockadeError
     from ..session import store
     from ..session.idrange import with_sandbox_ids
@@ -181,8 +180,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from .apply import list_applies
+def cmd_status(args: Args) -> int:
+    from ..changes.journal import list_applies
 
     session, rest = _session_and_rest(args, args.args)
     cs = _changes(session)
@@ -234,7 +233,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_diff(args: argparse.Namespace) -> int:
+def cmd_diff(args: Args) -> int:
     session, rest = _session_and_rest(args, args.args)
     cs = _changes(session)
     sel = cs.select(rest or None)
@@ -242,11 +241,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
         _out(json.dumps({"session": session.id, "changes": cs.changes_json(sel)}, indent=1) + "\n")
         return 0
     if args.stat:
-        from .diff import render_stat
+        from ..changes.diff import render_stat
 
         _out(render_stat(cs, sel))
     else:
-        from .diff import render_diff
+        from ..changes.diff import render_diff
 
         _out(render_diff(cs, sel, color=_use_color(args.color)))
     # on stderr: the patch on stdout stays one `git apply` accepts
@@ -277,7 +276,7 @@ def _say_held(sid: str, held: dict[str, str], lead: str) -> None:
 
 
 def _interactive(cs: ChangeSet, paths: list[str] | None, exclude: list[str] | None) -> list[Any] | None:
-    from .diff import render_diff
+    from ..changes.diff import render_diff
 
     chosen = []
     todo = [c for c in cs.select(paths, exclude) if c.kind.value != "refused"]
@@ -313,9 +312,9 @@ def _interactive(cs: ChangeSet, paths: list[str] | None, exclude: list[str] | No
     return chosen
 
 
-def cmd_apply(args: argparse.Namespace) -> int:
+def cmd_apply(args: Args) -> int:
+    from ..changes.apply import apply_changes
     from ..errors import UsageError
-    from .apply import apply_changes
 
     session, rest = _session_and_rest(args, args.args)
     cs = _changes(session)
@@ -346,8 +345,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_rollback(args: argparse.Namespace) -> int:
-    from .apply import rollback
+def cmd_rollback(args: Args) -> int:
+    from ..changes.rollback import rollback
 
     rec = rollback(args.apply_id, force=args.force)
     _err(f"stockade: rolled back apply {rec.id} ({len(rec.paths)} path(s)); "
@@ -355,7 +354,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_discard(args: argparse.Namespace) -> int:
+def cmd_discard(args: Args) -> int:
     session, rest = _session_and_rest(args, args.args)
     cs = _changes(session, classify=False)
     if not cs.changes:
@@ -367,7 +366,7 @@ def cmd_discard(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_clean(args: argparse.Namespace) -> int:
+def cmd_clean(args: Args) -> int:
     from ..errors import StockadeError, UsageError
     from ..session import idrange, store
 
@@ -389,7 +388,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
-def _session_and_one(args: argparse.Namespace, usage: str) -> tuple[Any, str]:
+def _session_and_one(args: Args, usage: str) -> tuple[Any, str]:
     """`[SESSION] ARG`: the session (named, or the latest) and the one argument."""
     from ..errors import UsageError
 
@@ -404,9 +403,9 @@ def _session_and_one(args: argparse.Namespace, usage: str) -> tuple[Any, str]:
     raise UsageError(f"usage: {usage}")
 
 
-def cmd_export(args: argparse.Namespace) -> int:
+def cmd_export(args: Args) -> int:
+    from ..changes.export import export
     from ..session import store
-    from .export import export
 
     session, dest = _session_and_one(args, "stockade export [SESSION] DIR")
     with store.disk_space(f"export session {session.id}", dest,
@@ -416,10 +415,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_snapshot(args: argparse.Namespace) -> int:
+def cmd_snapshot(args: Args) -> int:
+    from ..changes import snapshot
     from ..errors import UsageError
     from ..session import store
-    from . import snapshot
 
     session = store.resolve(args.session)
     if args.action == "list":
@@ -450,8 +449,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_fork(args: argparse.Namespace) -> int:
-    from . import snapshot
+def cmd_fork(args: Args) -> int:
+    from ..changes import snapshot
 
     session, new = _session_and_one(args, "stockade fork [SESSION] NEW")
     s = snapshot.fork(session, new)
@@ -459,8 +458,8 @@ def cmd_fork(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_recover(args: argparse.Namespace) -> int:
-    from .apply import recover_pending
+def cmd_recover(args: Args) -> int:
+    from ..changes.recovery import recover_pending
 
     msgs = recover_pending()
     for m in msgs:
@@ -468,72 +467,3 @@ def cmd_recover(args: argparse.Namespace) -> int:
     if not msgs:
         _err("stockade: nothing to recover")
     return 0
-
-
-# ---- registration -----------------------------------------------------------------------------------
-
-
-def register(subparsers: Any) -> None:
-    def add(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
-        p: argparse.ArgumentParser = subparsers.add_parser(name, help=help, description=help)
-        p.set_defaults(func=func)
-        return p
-
-    def session_opt(p: argparse.ArgumentParser) -> None:
-        p.add_argument("-s", "--session", help="the session (default: the latest)")
-
-    p = add("list", "sessions with project, age, runs, change counts, disk use", cmd_list)
-    p.add_argument("--json", action="store_true")
-
-    p = add("status", "a session's changes and runs", cmd_status)
-    session_opt(p)
-    p.add_argument("args", nargs="*", metavar="[SESSION] [PATHSPEC]")
-    p.add_argument("--name-status", action="store_true", help="one 'X<TAB>path' line per change")
-    p.add_argument("--json", action="store_true")
-
-    p = add("diff", "git-style diff of a session's changes (git apply accepts it)", cmd_diff)
-    session_opt(p)
-    p.add_argument("args", nargs="*", metavar="[SESSION] [PATHSPEC]")
-    p.add_argument("--stat", action="store_true", help="a diffstat instead of the patch")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
-
-    p = add("apply", "apply a session's changes (all or part) to the project", cmd_apply)
-    session_opt(p)
-    p.add_argument("args", nargs="*", metavar="[SESSION] [PATHSPEC]")
-    p.add_argument("--exclude", action="append", metavar="PATHSPEC", default=[])
-    p.add_argument("--dry-run", "-n", action="store_true", help="show what would be done")
-    p.add_argument("--interactive", "-i", action="store_true", help="ask per path (y/n/d/a/q)")
-    p.add_argument("--force", action="store_true", help="overwrite paths changed on the host since the session started")
-    p.add_argument("--include-git", action="store_true",
-                   help="also apply git metadata (objects, refs, index, logs, HEAD, worktree admin dirs) as one "
-                        "group; hooks and config still only when named")
-    p.add_argument("--json", action="store_true")
-
-    p = add("rollback", "undo an apply, restoring exactly what it replaced", cmd_rollback)
-    p.add_argument("apply_id", nargs="?", metavar="APPLY-ID", help="default: the latest apply")
-    p.add_argument("--force", action="store_true", help="even if the applied paths changed since")
-
-    p = add("discard", "drop changes from a session (the project is untouched)", cmd_discard)
-    session_opt(p)
-    p.add_argument("args", nargs="*", metavar="[SESSION] [PATHSPEC]")
-
-    p = add("clean", "remove a session (or --all) and its state", cmd_clean)
-    p.add_argument("session_name", nargs="?", metavar="SESSION")
-    p.add_argument("--all", action="store_true")
-
-    p = add("export", "write a CI artifact bundle (status.json, logs, changes.patch, files/)", cmd_export)
-    session_opt(p)
-    p.add_argument("args", nargs="+", metavar="[SESSION] DIR")
-
-    p = add("snapshot", "freeze, list, restore or delete snapshots of a session", cmd_snapshot)
-    p.add_argument("action", choices=("create", "list", "restore", "delete"))
-    p.add_argument("name", nargs="?", metavar="NAME")
-    session_opt(p)
-    p.add_argument("--json", action="store_true")
-
-    p = add("fork", "start a new session on the same frozen layers", cmd_fork)
-    session_opt(p)
-    p.add_argument("args", nargs="+", metavar="[SESSION] NEW")
-
-    add("recover", "finish or undo applies a crash interrupted", cmd_recover)

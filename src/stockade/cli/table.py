@@ -1,0 +1,409 @@
+"""The command line as one table: every verb, its options and its handler.
+
+argparse's parser is built from it (``build_parser``), and so is the fast path of
+`stockade run` (``fast_parse``): it reads the options the table declares plainly
+(flags, values, choices, appends, a ``type``) exactly as argparse would, and returns
+None for anything else (help, abbreviations, ``-p/tmp``, a value that starts with
+``-``, a bad value), which argparse then handles, errors included. Both give the same
+``Args``, turned into a run by one function (``cli.run.run_kwargs``).
+
+Importing this module imports nothing (argparse only when a parser is built), so a
+`stockade run` in-process does not pay for argparse or for the other verbs' modules.
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable, Iterator
+    from typing import Any
+
+VERSION = "stockade 0.1.0"
+SUPPRESS = "==SUPPRESS=="  # argparse.SUPPRESS: no default, the name is absent unless given
+REMAINDER = "..."  # argparse.REMAINDER
+
+
+class Args:
+    """Parsed arguments: argparse fills one (``parse_args(namespace=Args())``), the
+    fast path makes one; equal when they read the command line alike."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+    def __getattr__(self, name: str) -> Any:  # typed access for the handlers; absent: AttributeError
+        raise AttributeError(name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Args) and vars(self) == vars(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Args({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
+class Handler:
+    """A verb's function, imported from its module of ``stockade.cli`` when it runs."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, args: Args) -> int:
+        import importlib
+
+        fn: Callable[[Args], int] = getattr(importlib.import_module(f"stockade.cli.{self.module}"), self.name)
+        return int(fn(args))
+
+    def __repr__(self) -> str:
+        return f"stockade.cli.{self.module}.{self.name}"
+
+
+class Arg:
+    """One ``add_argument`` call. ``keep``: a `stockade run` given this option may reuse
+    and store its prepared run on disk (``stockade.fast.warm``)."""
+
+    __slots__ = ("flags", "keep", "kw")
+
+    def __init__(self, *flags: str, keep: bool = False, **kw: Any) -> None:
+        self.flags, self.keep, self.kw = flags, keep, kw
+
+    @property
+    def dest(self) -> str:
+        if "dest" in self.kw:
+            return str(self.kw["dest"])
+        long = next((f for f in self.flags if f.startswith("--")), self.flags[0])
+        return long.lstrip("-").replace("-", "_")
+
+    @property
+    def default(self) -> Any:
+        action = self.kw.get("action", "store")
+        if "default" in self.kw:
+            return self.kw["default"]
+        return {"store_true": False, "store_false": True}.get(action)
+
+
+class Group:
+    """Options shown under a title in the help."""
+
+    __slots__ = ("args", "title")
+
+    def __init__(self, title: str, *args: Arg) -> None:
+        self.title, self.args = title, args
+
+
+class Verb:
+    __slots__ = ("args", "description", "handler", "help", "name", "sub", "sub_dest")
+
+    def __init__(self, name: str, help: str, handler: Handler | None, *args: Arg | Group,
+                 description: str | None = None, sub: tuple[Verb, ...] = (), sub_dest: str = "") -> None:
+        self.name, self.help, self.handler, self.args = name, help, handler, args
+        self.description, self.sub, self.sub_dest = description, sub, sub_dest
+
+    def all_args(self) -> Iterator[Arg]:
+        for a in self.args:
+            if isinstance(a, Group):
+                yield from a.args
+            else:
+                yield a
+
+
+def _natural(what: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= 0, else "invalid value '-5': expected <what>"."""
+
+    def parse(raw: str) -> int:
+        try:
+            n = int(raw, 10)
+        except ValueError:
+            n = -1
+        if n < 0 or n > 0x7FFFFFFF:
+            import argparse
+
+            raise argparse.ArgumentTypeError(f"invalid value {raw!r}: expected {what}")
+        return n
+
+    return parse
+
+
+# --------------------------------------------------------------------------- the table
+
+# cgroups.base.LIMIT_NAMES and FLAG_FOR, spelled out: importing cgroups costs a run
+# ~20 ms (tests/unit/test_cli_fast.py holds the two in step)
+LIMITS = Group(
+    "resource limits ('none' lifts a limit)",
+    Arg("--memory", dest="memory", metavar="MEMORY", default=None,
+        help="memory limit, e.g. 512M or 2G (swap is disabled); default: half the RAM"),
+    Arg("--cpus", dest="cpus", metavar="CPUS", default=None, help="CPU bandwidth in CPUs, e.g. 0.5 or 1.5; default: no limit"),
+    Arg("--pids", dest="pids", metavar="PIDS", default=None, help="maximum number of tasks in the sandbox; default: 1024"),
+    Arg("--timeout", dest="timeout", metavar="TIMEOUT", default=None,
+        help="wall-clock limit, e.g. 30s, 5m; on expiry SIGTERM, a grace period, SIGKILL (exit 124)"),
+    Arg("--cpu-time", dest="cpu_time", metavar="TIME", default=None, help="CPU time limit per process, e.g. 60s (SIGXCPU, then SIGKILL)"),
+    Arg("--max-file-size", dest="max_file_size", metavar="SIZE", default=None, help="largest file the command may write, e.g. 1G"),
+    Arg("--nofile", dest="nofile", metavar="NOFILE", default=None, help="open files per process; default: 4096"),
+)
+LIMIT_NAMES = tuple(a.dest for a in LIMITS.args)
+
+POLICY = Group(
+    "policy",
+    Arg("--env", action="append", default=[], metavar="K=V", keep=True, help="set a variable inside (always passes the filter)"),
+    Arg("--read-only", dest="read_only", action="store_const", const=True, default=None, keep=True,
+        help="mount the project read-only: every write fails with EROFS"),
+    Arg("--no-read-only", dest="read_only", action="store_const", const=False, keep=True,
+        help="override a configured read_only = true"),
+    Arg("--allow", dest="allow_paths", action="append", default=[], metavar="PATH[:rw]",
+        help="make a host path visible (read-only, or read-write with :rw)"),
+    Arg("--deny", dest="deny_paths", action="append", default=[], metavar="PATH",
+        help="hide a path (deny wins over allows from earlier layers)"),
+    Arg("--mask", dest="mask_patterns", action="append", default=[], metavar="PATTERN",
+        help="extra sensitive pattern (gitignore syntax) to mask"),
+    Arg("--unmask", dest="unmask_patterns", action="append", default=[], metavar="PATTERN",
+        help="exempt paths matching PATTERN from the sensitive patterns"),
+    Arg("--mask-mode", choices=("absent", "empty"), default=None, help="masked files read as absent (default) or empty"),
+    Arg("--env-allow", action="append", default=[], metavar="NAME", help="pass variables matching NAME (glob) despite the block list"),
+    Arg("--env-block", action="append", default=[], metavar="NAME", help="remove variables matching NAME (glob)"),
+    Arg("--exec-allow", action="append", default=None, metavar="DIR",
+        help="only binaries under DIR may run (Landlock execute right; repeatable)"),
+    Arg("--deny-command", action="append", default=[], metavar="'CMD ARGS'",
+        help="refuse a top-level command by argv prefix, e.g. 'git push' (advisory)"),
+)
+
+RUN_ARGS: tuple[Arg | Group, ...] = (
+    Arg("--project", "-p", default=".", metavar="DIR", keep=True, help="project directory (default: .)"),
+    Arg("--session", "-s", metavar="NAME", keep=True, help="reuse or create the named session"),
+    Arg("--cwd", metavar="DIR", keep=True, help="working directory inside the project"),
+    Arg("--root", action="store_true", keep=True, help="appear as uid 0 inside (no capabilities)"),
+    Arg("--user", type=_natural("a uid such as 1000"), metavar="UID", help="(real root only) run as this uid instead of the project's owner"),
+    Arg("--net", default="none", choices=("none", "host"), keep=True, help="network: none (own netns, lo only) or host"),
+    Arg("--pass-fd", type=_natural("an open file descriptor number such as 3"), action="append", default=[], metavar="N",
+        help="pass file descriptor N through"),
+    Arg("--seccomp", default="default", metavar="NAME|PATH", keep=True, help="seccomp profile (default, strict, permissive, a JSON file, or off)"),
+    Arg("--no-landlock", action="store_true", help="do not apply Landlock (needs --allow-degraded landlock)"),
+    Arg("--allow-degraded", action="append", default=[], metavar="WHAT",
+        help="run without a layer the kernel or a container refuses: landlock, seccomp, limits, proc, hostname"),
+    Arg("--no-wait", action="store_true", keep=True, help="fail instead of waiting when the session is busy"),
+    LIMITS,
+    POLICY,
+    Arg("command", nargs=REMAINDER, help="-- CMD [ARGS...]"),
+)
+
+_JSON = Arg("--json", action="store_true")
+_SESSION = Arg("-s", "--session", help="the session (default: the latest)")
+_CHANGES = Arg("args", nargs="*", metavar="[SESSION] [PATHSPEC]")
+# SUPPRESS: never clobber a --project the top-level parser may define
+_PROJECT = Arg("--project", default=SUPPRESS, metavar="DIR", help="the project directory (default: the current directory)")
+_POLICY_SESSION = Arg("--session", "-s", default=None, metavar="S",
+                      help="session whose policy.json to use (default: the project's latest, if any)")
+
+
+def _changes(name: str, help: str, fn: str, *args: Arg | Group) -> Verb:
+    return Verb(name, help, Handler("changes", fn), *args, description=help)
+
+
+VERBS: tuple[Verb, ...] = (
+    # run, explain, shell
+    Verb("run", "run a command in a sandbox over the project", Handler("run", "cmd_run"), *RUN_ARGS),
+    Verb("explain", "print the plan a run would execute", Handler("run", "cmd_explain"), *RUN_ARGS),
+    Verb("shell", "an interactive shell in the sandbox (a pty relayed to your terminal)", Handler("run", "cmd_shell"), *RUN_ARGS),
+    # change sets
+    _changes("list", "sessions with project, age, runs, change counts, disk use", "cmd_list", _JSON),
+    _changes("status", "a session's changes and runs", "cmd_status", _SESSION, _CHANGES,
+             Arg("--name-status", action="store_true", help="one 'X<TAB>path' line per change"), _JSON),
+    _changes("diff", "git-style diff of a session's changes (git apply accepts it)", "cmd_diff", _SESSION, _CHANGES,
+             Arg("--stat", action="store_true", help="a diffstat instead of the patch"), _JSON,
+             Arg("--color", choices=("auto", "always", "never"), default="auto")),
+    _changes("apply", "apply a session's changes (all or part) to the project", "cmd_apply", _SESSION, _CHANGES,
+             Arg("--exclude", action="append", metavar="PATHSPEC", default=[]),
+             Arg("--dry-run", "-n", action="store_true", help="show what would be done"),
+             Arg("--interactive", "-i", action="store_true", help="ask per path (y/n/d/a/q)"),
+             Arg("--force", action="store_true", help="overwrite paths changed on the host since the session started"),
+             Arg("--include-git", action="store_true",
+                 help="also apply git metadata (objects, refs, index, logs, HEAD, worktree admin dirs) as one "
+                      "group; hooks and config still only when named"),
+             _JSON),
+    _changes("rollback", "undo an apply, restoring exactly what it replaced", "cmd_rollback",
+             Arg("apply_id", nargs="?", metavar="APPLY-ID", help="default: the latest apply"),
+             Arg("--force", action="store_true", help="even if the applied paths changed since")),
+    _changes("discard", "drop changes from a session (the project is untouched)", "cmd_discard", _SESSION, _CHANGES),
+    _changes("clean", "remove a session (or --all) and its state", "cmd_clean",
+             Arg("session_name", nargs="?", metavar="SESSION"), Arg("--all", action="store_true")),
+    _changes("export", "write a CI artifact bundle (status.json, logs, changes.patch, files/)", "cmd_export",
+             _SESSION, Arg("args", nargs="+", metavar="[SESSION] DIR")),
+    _changes("snapshot", "freeze, list, restore or delete snapshots of a session", "cmd_snapshot",
+             Arg("action", choices=("create", "list", "restore", "delete")), Arg("name", nargs="?", metavar="NAME"),
+             _SESSION, _JSON),
+    _changes("fork", "start a new session on the same frozen layers", "cmd_fork", _SESSION,
+             Arg("args", nargs="+", metavar="[SESSION] NEW")),
+    _changes("recover", "finish or undo applies a crash interrupted", "cmd_recover"),
+    # policy
+    Verb("policy", "show the effective policy and why a path is visible", None, sub_dest="policy_cmd", sub=(
+        Verb("show", "effective rules with their source layer", Handler("policy", "cmd_policy_show"),
+             _JSON, _PROJECT, _POLICY_SESSION, POLICY),
+        Verb("why", "which rule decides a path, from which layer", Handler("policy", "cmd_policy_why"),
+             Arg("path", metavar="PATH"), _JSON, _PROJECT, _POLICY_SESSION, POLICY),
+        Verb("env", "which of your environment variables would pass", Handler("policy", "cmd_policy_env"),
+             _JSON, _PROJECT, _POLICY_SESSION, POLICY),
+    )),
+    Verb("allow", "session-level: make a path visible (next run)", Handler("policy", "cmd_allow"),
+         Arg("path", metavar="PATH"), Arg("--rw", action="store_true", help="read-write (default read-only)"),
+         Arg("--remove", action="store_true", help="remove the session's rule for PATH"), _PROJECT, _POLICY_SESSION),
+    Verb("deny", "session-level: hide a path (beats earlier allows)", Handler("policy", "cmd_deny"),
+         Arg("path", metavar="PATH"), _PROJECT, _POLICY_SESSION),
+    # the audit log
+    Verb("log", "a session's audit log", Handler("log", "cmd_log"),
+         Arg("session_name", nargs="?", default=None, metavar="S"), Arg("--blocked-only", action="store_true"),
+         Arg("--json", action="store_true", help="raw JSON lines"),
+         Arg("--follow", "-f", action="store_true", help="keep printing new events"),
+         Arg("--project", default=SUPPRESS, metavar="DIR")),
+    # doctor
+    Verb("doctor", "probe the kernel features stockade needs", Handler("doctor", "cmd_doctor"), _JSON,
+         Arg("--apparmor", action="store_true", help="print the AppArmor profile that allows user namespaces"),
+         Arg("--refresh", action="store_true", help="ignore the cached probe results"),
+         Arg("--no-self-test", dest="self_test", action="store_false", help="skip the live sandbox self-test")),
+    # seccomp profiles
+    Verb("profiles", "list the seccomp profiles (--seccomp NAME|PATH)", Handler("profiles", "cmd_profiles"),
+         Arg("--check", metavar="NAME|PATH", help="compile and validate a profile, print its digest"),
+         Arg("--json", action="store_true", help="machine-readable output"),
+         description="List the built-in seccomp profiles with a one-line description, "
+                     "or compile and check a profile (a name or a path to an OCI-style JSON file)."),
+)
+BY_NAME = {v.name: v for v in VERBS}
+FAST_VERBS = ("run",)  # the verbs whose speed matters: read without argparse when they can be
+
+
+# --------------------------------------------------------------------------- argparse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import argparse
+    import re
+    import sys
+
+    class Parser(argparse.ArgumentParser):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            # "-5M", "-1s": a value (then refused by its option with a clear message), never
+            # an unknown option; argparse only takes "-5" and "-1.5" so (no option starts with a digit)
+            self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+        def error(self, message: str) -> Any:  # one line, exit 2
+            sys.stderr.write(f"stockade: {message} (see `{self.prog} --help`)\n")
+            raise SystemExit(2)
+
+    def own(a: Arg) -> dict[str, Any]:
+        # argparse tells SUPPRESS and REMAINDER by identity: its own objects, not equal strings
+        kw = dict(a.kw)
+        if kw.get("default") == SUPPRESS:
+            kw["default"] = argparse.SUPPRESS
+        if kw.get("nargs") == REMAINDER:
+            kw["nargs"] = argparse.REMAINDER
+        return kw
+
+    def add(sub: Any, v: Verb) -> None:
+        kw: dict[str, Any] = {"help": v.help}
+        if v.description is not None:
+            kw["description"] = v.description
+        p = sub.add_parser(v.name, **kw)
+        for a in v.args:
+            if isinstance(a, Group):
+                g = p.add_argument_group(a.title)
+                for x in a.args:
+                    g.add_argument(*x.flags, **own(x))
+            else:
+                p.add_argument(*a.flags, **own(a))
+        if v.sub:
+            s = p.add_subparsers(dest=v.sub_dest, metavar="{" + ",".join(x.name for x in v.sub) + "}")
+            s.required = True
+            for w in v.sub:
+                add(s, w)
+        if v.handler is not None:
+            p.set_defaults(func=v.handler)
+
+    parser = Parser(prog="stockade", description="Run untrusted commands in a Linux sandbox; review their writes as a change set.")
+    parser.add_argument("--version", action="version", version=VERSION)
+    sub = parser.add_subparsers(dest="verb", metavar="COMMAND", parser_class=Parser)
+    for v in VERBS:
+        add(sub, v)
+    return parser
+
+
+def parse(argv: list[str]) -> Args:
+    """``argv`` as argparse reads it (it exits with status 2 on a bad one)."""
+    args: Args = build_parser().parse_args(argv, namespace=Args())
+    return args
+
+
+# --------------------------------------------------------------------------- the fast path
+
+
+def _options(v: Verb) -> dict[str, Arg]:
+    return {f: a for a in v.all_args() for f in a.flags if f.startswith("-")}
+
+
+_FAST: dict[str, dict[str, Arg]] = {}
+
+
+def fast_parse(argv: list[str]) -> Args | None:
+    """``VERB [options] [--] CMD...`` for a verb of ``FAST_VERBS``, read as argparse
+    would read it; None for anything else (argparse decides that)."""
+    if len(argv) < 2 or argv[0] not in FAST_VERBS:
+        return None
+    verb = BY_NAME[argv[0]]
+    opts = _FAST.get(verb.name)
+    if opts is None:
+        opts = _FAST[verb.name] = _options(verb)
+    ns: dict[str, Any] = {"verb": verb.name, "func": verb.handler}
+    for a in verb.all_args():
+        if a.flags[0].startswith("-") and a.dest not in ns and a.default != SUPPRESS:
+            ns[a.dest] = list(a.default) if isinstance(a.default, list) else a.default
+    i = 1
+    while i < len(argv):
+        word = argv[i]
+        if word == "--" or word == "-" or not word.startswith("-"):
+            ns["command"] = argv[i:]  # argparse.REMAINDER: "--" included
+            break
+        name, eq, val = word.partition("=") if word.startswith("--") else (word, "", "")
+        arg = opts.get(name)
+        if arg is None:
+            return None
+        action = arg.kw.get("action", "store")
+        i += 1
+        if action in ("store_true", "store_false", "store_const"):
+            if eq:
+                return None
+            ns[arg.dest] = arg.kw["const"] if action == "store_const" else action == "store_true"
+            continue
+        if action not in ("store", "append") or "nargs" in arg.kw:
+            return None
+        if not eq:
+            if i >= len(argv) or argv[i].startswith("-"):
+                return None
+            val = argv[i]
+            i += 1
+        value: Any = val
+        conv = arg.kw.get("type")
+        if conv is not None:
+            try:
+                value = conv(val)
+            except Exception:  # argparse says how it is wrong
+                return None
+        choices = arg.kw.get("choices")
+        if choices is not None and value not in choices:
+            return None
+        if action == "append":
+            ns[arg.dest] = [*(ns[arg.dest] or ()), value]
+        else:
+            ns[arg.dest] = value
+    cmd = ns.get("command") or []
+    if not (cmd[1:] if cmd[:1] == ["--"] else cmd):
+        return None  # no command: argparse's path says so
+    return Args(**ns)
+
+
+def keepable(args: Args, verb: str = "run") -> bool:
+    """Whether every option given is one a stored prepared run may stand for (``Arg.keep``)."""
+    for a in BY_NAME[verb].all_args():
+        if not a.keep and a.flags[0].startswith("-") and getattr(args, a.dest, a.default) != a.default:
+            return False
+    return True
