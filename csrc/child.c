@@ -177,6 +177,24 @@ static int close_fds(const struct sk_plan *p, int rep)
     return rep;
 }
 
+/* Wait on the sync pipe for the parent to release us into `stage`. EOF: the parent
+ * went away (or could not finish its part): end quietly, it reports. Another
+ * stage than the one we wait for: the two sides disagree; say so and end. */
+static void await_stage(int sync_fd, int stage, int rep)
+{
+    unsigned char got;
+    ssize_t n;
+    do
+        n = read(sync_fd, &got, 1);
+    while (n < 0 && errno == EINTR);
+    if (n != 1)
+        _exit(125);
+    if (got != stage) {
+        sk_report(rep, SK_REP_ERROR, SK_STEP_STAGE_ORDER, EPROTO, got, "sync pipe");
+        _exit(125);
+    }
+}
+
 static void parent_alive_or_exit(int sync_fd)
 {
     struct pollfd pfd = {.fd = sync_fd, .events = POLLIN};
@@ -187,9 +205,6 @@ static void parent_alive_or_exit(int sync_fd)
 /* Everything after the mounts: identity, process state, confinement, init. */
 static void __attribute__((noreturn)) child_rest(const struct sk_plan *p, int sync_fd, int rep)
 {
-    char c;
-    ssize_t n;
-
     /* "": kept (--allow-degraded hostname, where sethostname is refused) */
     if (p->hostname && p->hostname[0] && sethostname(p->hostname, sk_strlen(p->hostname)) < 0)
         FAIL(SK_STEP_HOSTNAME, p->hostname);
@@ -233,13 +248,8 @@ static void __attribute__((noreturn)) child_rest(const struct sk_plan *p, int sy
     } else {
         setup_stdio(p, p->stdio, rep);
     }
-    if (p->hold_before_exec) {
-        do
-            n = read(sync_fd, &c, 1);
-        while (n < 0 && errno == EINTR);
-        if (n != 1)
-            _exit(125); /* the parent went away, or could not confine us */
-    }
+    if (p->hold_before_exec)
+        await_stage(sync_fd, SK_STAGE_ATTACHED, rep);
     rep = close_fds(p, rep);
     if (setsid() < 0)
         FAIL(SK_STEP_SETSID, NULL);
@@ -293,20 +303,13 @@ static void __attribute__((noreturn)) exec_launcher(const struct sk_plan *p, int
 
 void sk_child_main(const struct sk_plan *p, int sync_fd, int rep, int procs_fd)
 {
-    char c;
-    ssize_t n;
-
     reset_signals(); /* the mask stays full: init decides what it waits for */
     umask(022);
     /* A launcher outlives the thread that made it; it ends when its control
      * socket does (EOF), so no death signal for it. */
     if (p->launcher_exec_fd < 0 && prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
         FAIL(SK_STEP_PDEATHSIG, NULL);
-    do
-        n = read(sync_fd, &c, 1);
-    while (n < 0 && errno == EINTR);
-    if (n != 1)
-        _exit(125); /* the parent went away before "go" */
+    await_stage(sync_fd, SK_STAGE_IDMAP, rep);
     if (p->launcher_exec_fd >= 0)
         exec_launcher(p, rep);
     if (procs_fd >= 0)
@@ -328,22 +331,13 @@ void sk_child_main(const struct sk_plan *p, int sync_fd, int rep, int procs_fd)
  * shared base at /newroot) is ours to finish in a private copy. */
 void sk_run_child(const struct sk_plan *p, int sync_fd, int rep)
 {
-    char c;
-    ssize_t n;
     int detached = 0;
 
     reset_signals();
     umask(022);
     if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
         FAIL(SK_STEP_PDEATHSIG, NULL);
-    parent_alive_or_exit(sync_fd);
-    if (!p->skip_first_go) {
-        do
-            n = read(sync_fd, &c, 1);
-        while (n < 0 && errno == EINTR);
-        if (n != 1)
-            _exit(125);
-    }
+    parent_alive_or_exit(sync_fd); /* no SK_STAGE_IDMAP: the launcher's maps were written once */
     if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0)
         FAIL(SK_STEP_MOUNT_PRIVATE, "/");
     if (chdir("/") < 0)

@@ -55,8 +55,10 @@ void sk_run_child(const struct sk_plan *p, int sync_fd, int rep) __attribute__((
 /* clone.c: cgroup v1: enter the run's cgroups (plan->cgroup_join_fds); exits on failure. */
 void sk_cgroup_join(const struct sk_plan *p, int rep);
 
-/* wire.c (launcher side). */
-int sk_plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p);
+/* wire.c (launcher side): a plan part and, unless run_len is 0 (a base plan), a run
+ * part applied to it; *hold_fd: the run's hold slot, or -1. 0 or -EINVAL. */
+int sk_wire_unpack(const unsigned char *plan, size_t plan_len, const unsigned char *run, size_t run_len,
+                   struct sk_plan *p, int *hold_fd);
 void sk_plan_free(struct sk_plan *p);
 
 #endif

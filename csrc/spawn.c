@@ -174,12 +174,12 @@ int sk_probe(int what)
     return WIFEXITED(status) ? WEXITSTATUS(status) : EIO;
 }
 
-int sk_go(struct sk_child *c)
+int sk_release(int sync_fd, int stage)
 {
-    char g = 'g';
+    unsigned char b = (unsigned char)stage;
     ssize_t n;
     do
-        n = write(c->sync_fd, &g, 1);
+        n = write(sync_fd, &b, 1);
     while (n < 0 && errno == EINTR);
     return n == 1 ? 0 : -errno;
 }

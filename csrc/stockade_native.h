@@ -65,10 +65,13 @@ struct sk_landlock {
     size_t n_connect_ports;
 };
 
+/* The fields marked "run" are what differs between runs of one prepared plan: a
+ * struct sk_run carries them, packed apart from the rest (wire.c), and
+ * sk_run_apply puts them in the plan, for a cold start and a launcher alike. */
 struct sk_plan {
     unsigned long long clone_flags;   /* CLONE_NEW* */
-    int cgroup_fd;                    /* >= 0: CLONE_INTO_CGROUP */
-    const int *cgroup_join_fds;       /* cgroup v1: the run's `tasks` files; the child
+    int cgroup_fd;                    /* run: >= 0: CLONE_INTO_CGROUP */
+    const int *cgroup_join_fds;       /* run: cgroup v1: the run's `tasks` files; the child
                                          writes "0" to each first (a task moving itself
                                          skips the RCU grace period a move of another
                                          process waits for), before its cgroup namespace */
@@ -87,18 +90,18 @@ struct sk_plan {
 
     const char *hostname;
     int lo_up;
-    const char *cwd;
+    const char *cwd;                  /* run */
 
     const struct sk_rlimit *rlimits;
     size_t n_rlimits;
 
-    int stdio[3];                     /* fds dup'ed onto 0, 1, 2 (-1: inherit) */
+    int stdio[3];                     /* run: fds dup'ed onto 0, 1, 2 (-1: inherit) */
     const int *keep_fds;              /* passed through at the same number */
     size_t n_keep_fds;
     const int *keep_src;              /* NULL: keep_fds[i] is this process's fd of that
                                          number; else keep_src[i] goes to keep_fds[i] */
-    int pty;                          /* make stdin (a pty) the command's controlling tty */
-    int console_sock;                 /* >= 0: open a pty in the sandbox's devpts, use it as
+    int pty;                          /* run: make stdin (a pty) the command's controlling tty */
+    int console_sock;                 /* run: >= 0: open a pty in the sandbox's devpts, use it as
                                          stdio and send its master over this socket */
 
     int drop_caps;
@@ -109,16 +112,51 @@ struct sk_plan {
     const unsigned char *seccomp_bpf; /* struct sock_filter[], installed last */
     size_t seccomp_len;
 
+    /* Set from a struct sk_run (sk_run_apply): */
     const char *const *argv;
     const char *const *envp;
     const char *path_env;             /* PATH used to find argv[0] */
-    int hold_before_exec;             /* wait for a second "go" before running anything
+    int hold_before_exec;             /* wait for SK_STAGE_ATTACHED before running anything
                                          of the command's: the parent attaches cgroups
                                          (slow on v1) while the child builds its mounts */
-    int skip_first_go;                /* launcher runs: no id maps to wait for */
-    int launcher_exec_fd;             /* >= 0: after "go", exec this launcher binary (with
-                                         launcher_ctl_fd) instead of building the sandbox */
+
+    int launcher_exec_fd;             /* >= 0: at SK_STAGE_IDMAP, exec this launcher binary
+                                         (with launcher_ctl_fd) instead of building the sandbox */
     int launcher_ctl_fd;
+};
+
+/* The data of ops[op], an SK_OP_OVERLAY: its layers differ from session to session. */
+struct sk_overlay_data {
+    size_t op;
+    const char *data;
+};
+
+struct sk_run {
+    const char *const *argv;
+    const char *const *envp;
+    const char *path_env;
+    const char *cwd;
+    const struct sk_overlay_data *overlays;
+    size_t n_overlays;
+    int stdio[3];
+    int cgroup_fd;
+    const int *cgroup_join_fds;
+    size_t n_cgroup_join_fds;
+    int pty;
+    int console_sock;
+    int hold_before_exec;
+    int hold_fd;                      /* launcher: the fd slot of the session's overlay lock
+                                         (see csrc/launcher/main.c), or -1; not a plan field */
+};
+
+/* Handshake: the parent releases its child one stage at a time, writing the stage's
+ * number (one byte) on the sync pipe; the child reads each and checks it is the one
+ * it waits for (runc's nsexec.c sync_t). A cold start's child (and a launcher's)
+ * waits for SK_STAGE_IDMAP; a child with hold_before_exec then for SK_STAGE_ATTACHED.
+ * A launcher's run child has no id maps of its own to wait for. */
+enum sk_stage {
+    SK_STAGE_IDMAP = 1,     /* its uid/gid maps are written: it may become its ids */
+    SK_STAGE_ATTACHED = 2   /* it is in the run's cgroups: it may start the command */
 };
 
 /* Report records on the CLOEXEC report pipe, child -> parent. */
@@ -162,6 +200,7 @@ struct sk_plan {
 #define SK_STEP_LAUNCHER 29
 #define SK_STEP_UNSHARE 30
 #define SK_STEP_CGROUP_JOIN 31 /* value = index into cgroup_join_fds */
+#define SK_STEP_STAGE_ORDER 32 /* the sync pipe brought another stage: value = it, err = EPROTO */
 
 struct sk_report {
     int kind;
@@ -178,17 +217,22 @@ struct sk_child {
     int sync_fd;    /* write end of the sync pipe; keep open while the sandbox runs */
 };
 
-/* Clone the child into new namespaces and write its id maps. The child waits
- * for sk_go() so the caller can attach it to cgroups first. Returns 0 or
+/* Clone the child into new namespaces and write its id maps (unless a helper
+ * must: plan->uid_map NULL). The child waits for SK_STAGE_IDMAP. Returns 0 or
  * -errno; on failure *step names what failed. */
 int sk_spawn(const struct sk_plan *plan, struct sk_child *out, int *step);
 
-/* Release the child (call twice with hold_before_exec). Returns 0 or -errno. */
-int sk_go(struct sk_child *child);
+/* Release the child into the next stage (enum sk_stage). Returns 0 or -errno. */
+int sk_release(int sync_fd, int stage);
 
-/* Flatten a plan for the launcher process: returns the size; writes only when
- * it fits in cap (call with NULL, 0 to size the buffer). */
+/* Put a run's fields in the plan (its overlay ops' data included). 0, or -EINVAL
+ * when an overlay index names no SK_OP_OVERLAY op. */
+int sk_run_apply(struct sk_plan *plan, const struct sk_run *run);
+
+/* Flatten a plan (without its run fields) or a run for the launcher process:
+ * return the size; write only when it fits in cap (NULL, 0 sizes the buffer). */
 size_t sk_plan_pack(const struct sk_plan *plan, unsigned char *buf, size_t cap);
+size_t sk_run_pack(const struct sk_run *run, unsigned char *buf, size_t cap);
 
 /* Landlock ABI version of the running kernel: >= 1, or -errno. */
 int sk_landlock_abi(void);

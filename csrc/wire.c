@@ -2,8 +2,14 @@
  *
  * The launcher is a separate small executable, so pointers cannot cross:
  * sk_plan_pack() flattens a struct sk_plan in the Python process and
- * sk_plan_unpack() rebuilds it in the launcher, with every string pointing
+ * sk_wire_unpack() rebuilds it in the launcher, with every string pointing
  * into the received buffer. Same machine, same build: native byte order.
+ *
+ * Two parts, both packed here: the plan (everything but its run fields; the
+ * Python side keeps it packed for the next run of an equal plan) and the run
+ * (struct sk_run: command, environment, cwd, the overlay's layers, fd slots),
+ * packed per run. The launcher puts them together with sk_run_apply, the same
+ * call a cold start makes: no one else writes or edits this format.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -13,7 +19,8 @@
 
 #include "internal.h"
 
-#define SK_WIRE_MAGIC 0x32504b53u /* "SKP2" */
+#define SK_WIRE_MAGIC 0x33504b53u /* "SKP3": a plan */
+#define SK_RUN_MAGIC 0x31524b53u  /* "SKR1": a run */
 #define SK_NULL_LEN 0xffffffffu
 
 struct wbuf {
@@ -61,10 +68,6 @@ size_t sk_plan_pack(const struct sk_plan *p, unsigned char *buf, size_t cap)
     struct wbuf w = {.p = buf, .cap = buf ? cap : 0, .len = 0};
     put_u32(&w, SK_WIRE_MAGIC);
     put_u64(&w, p->clone_flags);
-    put_i32(&w, p->cgroup_fd);
-    put_u32(&w, (uint32_t)p->n_cgroup_join_fds);
-    for (size_t i = 0; i < p->n_cgroup_join_fds; i++)
-        put_i32(&w, p->cgroup_join_fds[i]);
     put_str(&w, p->uid_map);
     put_str(&w, p->gid_map);
     put_i32(&w, p->deny_setgroups);
@@ -84,20 +87,15 @@ size_t sk_plan_pack(const struct sk_plan *p, unsigned char *buf, size_t cap)
     }
     put_str(&w, p->hostname);
     put_i32(&w, p->lo_up);
-    put_str(&w, p->cwd);
     put_u32(&w, (uint32_t)p->n_rlimits);
     for (size_t i = 0; i < p->n_rlimits; i++) {
         put_i32(&w, p->rlimits[i].resource);
         put_u64(&w, p->rlimits[i].soft);
         put_u64(&w, p->rlimits[i].hard);
     }
-    for (int i = 0; i < 3; i++)
-        put_i32(&w, p->stdio[i]);
     put_u32(&w, (uint32_t)p->n_keep_fds);
     for (size_t i = 0; i < p->n_keep_fds; i++)
         put_i32(&w, p->keep_fds[i]);
-    put_i32(&w, p->pty);
-    put_i32(&w, p->console_sock);
     put_i32(&w, p->drop_caps);
     put_u64(&w, p->keep_caps);
     put_i32(&w, p->no_new_privs);
@@ -117,13 +115,62 @@ size_t sk_plan_pack(const struct sk_plan *p, unsigned char *buf, size_t cap)
     put_u32(&w, (uint32_t)ll->n_connect_ports);
     put(&w, ll->connect_ports, ll->n_connect_ports * sizeof(unsigned short));
     put_blob(&w, p->seccomp_bpf, p->seccomp_len, p->seccomp_bpf == NULL);
-    put_strv(&w, p->argv);
-    put_strv(&w, p->envp);
-    put_str(&w, p->path_env);
-    put_i32(&w, p->hold_before_exec);
-    put_i32(&w, p->skip_first_go);
     put_u32(&w, SK_WIRE_MAGIC);
     return w.len;
+}
+
+size_t sk_run_pack(const struct sk_run *r, unsigned char *buf, size_t cap)
+{
+    struct wbuf w = {.p = buf, .cap = buf ? cap : 0, .len = 0};
+    put_u32(&w, SK_RUN_MAGIC);
+    put_strv(&w, r->argv);
+    put_strv(&w, r->envp);
+    put_str(&w, r->path_env);
+    put_str(&w, r->cwd);
+    put_u32(&w, (uint32_t)r->n_overlays);
+    for (size_t i = 0; i < r->n_overlays; i++) {
+        put_u32(&w, (uint32_t)r->overlays[i].op);
+        put_str(&w, r->overlays[i].data);
+    }
+    for (int i = 0; i < 3; i++)
+        put_i32(&w, r->stdio[i]);
+    put_i32(&w, r->cgroup_fd);
+    put_u32(&w, (uint32_t)r->n_cgroup_join_fds);
+    for (size_t i = 0; i < r->n_cgroup_join_fds; i++)
+        put_i32(&w, r->cgroup_join_fds[i]);
+    put_i32(&w, r->pty);
+    put_i32(&w, r->console_sock);
+    put_i32(&w, r->hold_before_exec);
+    put_i32(&w, r->hold_fd);
+    put_u32(&w, SK_RUN_MAGIC);
+    return w.len;
+}
+
+int sk_run_apply(struct sk_plan *p, const struct sk_run *r)
+{
+    struct sk_mount_op *ops = (struct sk_mount_op *)p->ops; /* the caller's own, writable */
+    for (size_t i = 0; i < r->n_overlays; i++) {
+        size_t k = r->overlays[i].op;
+        if (k >= p->n_ops || ops[k].kind != SK_OP_OVERLAY || !r->overlays[i].data)
+            return -EINVAL;
+    }
+    for (size_t i = 0; i < r->n_overlays; i++) {
+        ops[r->overlays[i].op].data = r->overlays[i].data;
+        ops[r->overlays[i].op].data_len = sk_strlen(r->overlays[i].data);
+    }
+    p->argv = r->argv;
+    p->envp = r->envp;
+    p->path_env = r->path_env;
+    p->cwd = r->cwd;
+    for (int i = 0; i < 3; i++)
+        p->stdio[i] = r->stdio[i];
+    p->cgroup_fd = r->cgroup_fd;
+    p->cgroup_join_fds = r->cgroup_join_fds;
+    p->n_cgroup_join_fds = r->n_cgroup_join_fds;
+    p->pty = r->pty;
+    p->console_sock = r->console_sock;
+    p->hold_before_exec = r->hold_before_exec;
+    return 0;
 }
 
 struct rbuf {
@@ -219,19 +266,15 @@ void sk_plan_free(struct sk_plan *p)
     memset(p, 0, sizeof *p);
 }
 
-int sk_plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p)
+static int plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p)
 {
     struct rbuf r = {.p = buf, .len = len, .off = 0, .bad = 0};
     memset(p, 0, sizeof *p);
+    p->cgroup_fd = p->console_sock = p->launcher_exec_fd = p->launcher_ctl_fd = -1;
+    p->stdio[0] = p->stdio[1] = p->stdio[2] = -1;
     if (get_u32(&r) != SK_WIRE_MAGIC)
         return -EINVAL;
     p->clone_flags = get_u64(&r);
-    p->cgroup_fd = get_i32(&r);
-    p->n_cgroup_join_fds = get_count(&r, 16);
-    int *jf = calloc(p->n_cgroup_join_fds + 1, sizeof *jf);
-    p->cgroup_join_fds = jf;
-    for (size_t i = 0; jf && i < p->n_cgroup_join_fds; i++)
-        jf[i] = get_i32(&r);
     p->uid_map = get_str(&r);
     p->gid_map = get_str(&r);
     p->deny_setgroups = get_i32(&r);
@@ -252,7 +295,6 @@ int sk_plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p)
     }
     p->hostname = get_str(&r);
     p->lo_up = get_i32(&r);
-    p->cwd = get_str(&r);
     p->n_rlimits = get_count(&r, 64);
     struct sk_rlimit *rl = calloc(p->n_rlimits + 1, sizeof *rl);
     p->rlimits = rl;
@@ -261,15 +303,11 @@ int sk_plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p)
         rl[i].soft = get_u64(&r);
         rl[i].hard = get_u64(&r);
     }
-    for (int i = 0; i < 3; i++)
-        p->stdio[i] = get_i32(&r);
     p->n_keep_fds = get_count(&r, 256);
     int *kf = calloc(p->n_keep_fds + 1, sizeof *kf);
     p->keep_fds = kf;
     for (size_t i = 0; kf && i < p->n_keep_fds; i++)
         kf[i] = get_i32(&r);
-    p->pty = get_i32(&r);
-    p->console_sock = get_i32(&r);
     p->drop_caps = get_i32(&r);
     p->keep_caps = get_u64(&r);
     p->no_new_privs = get_i32(&r);
@@ -301,17 +339,78 @@ int sk_plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p)
         }
     }
     p->seccomp_bpf = (const unsigned char *)get_blob(&r, &p->seccomp_len);
-    p->argv = get_strv(&r);
-    p->envp = get_strv(&r);
-    p->path_env = get_str(&r);
-    p->hold_before_exec = get_i32(&r);
-    p->skip_first_go = get_i32(&r);
-    if (get_u32(&r) != SK_WIRE_MAGIC || !jf || !ops || !rl || !kf || !rules || !ll->bind_ports ||
+    if (get_u32(&r) != SK_WIRE_MAGIC || !ops || !rl || !kf || !rules || !ll->bind_ports ||
         !ll->connect_ports || r.off != r.len)
         r.bad = 1;
     if (r.bad) {
         sk_plan_free(p);
         return -EINVAL;
     }
+    return 0;
+}
+
+/* A run part: its arrays allocated (argv, envp, join fds: the plan owns them once
+ * applied; overlays: freed by the caller), its strings in buf. */
+static int run_unpack(const unsigned char *buf, size_t len, struct sk_run *run)
+{
+    struct rbuf r = {.p = buf, .len = len, .off = 0, .bad = 0};
+    memset(run, 0, sizeof *run);
+    if (get_u32(&r) != SK_RUN_MAGIC)
+        return -EINVAL;
+    run->argv = get_strv(&r);
+    run->envp = get_strv(&r);
+    run->path_env = get_str(&r);
+    run->cwd = get_str(&r);
+    run->n_overlays = get_count(&r, 64);
+    struct sk_overlay_data *ov = calloc(run->n_overlays + 1, sizeof *ov);
+    run->overlays = ov;
+    for (size_t i = 0; ov && i < run->n_overlays; i++) {
+        ov[i].op = get_u32(&r);
+        ov[i].data = get_str(&r);
+    }
+    for (int i = 0; i < 3; i++)
+        run->stdio[i] = get_i32(&r);
+    run->cgroup_fd = get_i32(&r);
+    run->n_cgroup_join_fds = get_count(&r, 16);
+    int *jf = calloc(run->n_cgroup_join_fds + 1, sizeof *jf);
+    run->cgroup_join_fds = jf;
+    for (size_t i = 0; jf && i < run->n_cgroup_join_fds; i++)
+        jf[i] = get_i32(&r);
+    run->pty = get_i32(&r);
+    run->console_sock = get_i32(&r);
+    run->hold_before_exec = get_i32(&r);
+    run->hold_fd = get_i32(&r);
+    if (get_u32(&r) != SK_RUN_MAGIC || !ov || !jf || !run->argv || !run->envp || !run->argv[0] || r.off != r.len)
+        r.bad = 1;
+    if (r.bad) {
+        free((void *)run->argv);
+        free((void *)run->envp);
+        free((void *)run->overlays);
+        free((void *)run->cgroup_join_fds);
+        memset(run, 0, sizeof *run);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+int sk_wire_unpack(const unsigned char *plan, size_t plan_len, const unsigned char *run, size_t run_len,
+                   struct sk_plan *p, int *hold_fd)
+{
+    *hold_fd = -1;
+    int e = plan_unpack(plan, plan_len, p);
+    if (e < 0 || run_len == 0)
+        return e;
+    struct sk_run r;
+    if ((e = run_unpack(run, run_len, &r)) < 0) {
+        sk_plan_free(p);
+        return e;
+    }
+    e = sk_run_apply(p, &r); /* the plan now owns argv, envp and the join fds */
+    free((void *)r.overlays);
+    if (e < 0) {
+        sk_plan_free(p);
+        return e;
+    }
+    *hold_fd = r.hold_fd;
     return 0;
 }

@@ -16,7 +16,7 @@
 
 #include "../internal.h"
 
-#define SK_MSG_MAGIC 0x314c4b53u /* "SKL1" */
+#define SK_MSG_MAGIC 0x324c4b53u /* "SKL2" */
 #define SK_MSG_BASE 1
 #define SK_MSG_RUN 2
 #define SK_MSG_HELLO 3 /* a shared launcher's client, first: an fd of our user namespace */
@@ -26,8 +26,14 @@
 #define MAX_CLIENTS 64
 #define SK_SO_PEERPIDFD 77 /* Linux 6.5 */
 
+/* Every field has one meaning, in every message type (0 where it does not apply). */
 struct sk_msg_hdr {
-    uint32_t magic, type, flags, reserved;
+    uint32_t magic;
+    uint32_t type;          /* SK_MSG_* */
+    uint32_t flags;         /* SK_MSG_PLAN_IN_FD */
+    uint32_t plan_len;      /* bytes of the plan part (wire.c) */
+    uint32_t run_len;       /* bytes of the run part after it (RUN only) */
+    uint32_t idle_seconds;  /* BASE of a shared launcher: exit after this long unused */
 };
 
 struct sk_launcher {
@@ -55,12 +61,11 @@ void close_launcher_fds(void);
 /* proto.c: msgbuf holds the last message received (header first). */
 extern unsigned char msgbuf[INLINE_MAX + sizeof(struct sk_msg_hdr)];
 const struct sk_msg_hdr *msg_hdr(void);
-int hold_slot(int nfds);
 void close_all(const int *fds, int n);
 ssize_t recv_msg(int sock, int *fds, int *nfds);
 void send_report(int sock, int kind, int step, int err, int value, const char *path, int fd);
 void send_report2(int sock, int kind, int step, int err, int value, const char *path, int fd, int fd2);
-int read_plan(ssize_t n, int *fds, int *nfds, struct sk_plan *p, unsigned char **heap);
+int read_plan(ssize_t n, int *fds, int *nfds, struct sk_plan *p, unsigned char **heap, int *hold);
 
 /* peer.c */
 void accept_client(void);

@@ -13,17 +13,22 @@
  * address space, and the shared part of the tree is built once.
  *
  * Protocol (SOCK_SEQPACKET control socket, one message per request):
- *   struct sk_msg_hdr, then the packed plan (wire.c) inline, or in the last
- *   fd (a memfd) with SK_MSG_PLAN_IN_FD.
- *   BASE: build the base tree; reply on the control socket with an sk_report
- *         (SK_REP_READY or SK_REP_ERROR).
+ *   struct sk_msg_hdr (launcher.h), then the plan part and the run part (wire.c)
+ *   inline, or in the last fd (a memfd) with SK_MSG_PLAN_IN_FD.
+ *   HELLO (a shared launcher's client, first): an fd of our user namespace (peer.c).
+ *   BASE: a plan part alone (idle_seconds for a shared one, with its listening
+ *         socket as the one fd): build the base tree; reply on the control socket
+ *         with an sk_report (SK_REP_READY or SK_REP_ERROR).
  *   RUN:  fds = report pipe (write end), sync pipe (read end), status socket,
- *         then the slots the plan's fd fields index (stdio, console, cgroup,
- *         the v1 cgroups' tasks files init joins),
+ *         then the slots the run part's fd fields index (stdio, console, cgroup,
+ *         the v1 cgroups' tasks files init joins, the hold),
  *         then the fds to pass through (plan->keep_fds names their numbers).
  *         C1 answers on the status socket: SK_REP_INIT with init's pidfd, or
  *         SK_REP_ERROR; later SK_REP_INIT_EXIT with init's wait status.
- *         reserved = 1 + the slot of a *hold* fd, or 0: the session's overlay
+ *         Init waits on the sync pipe for SK_STAGE_ATTACHED only when the run
+ *         part holds it there (hold_before_exec); there is no SK_STAGE_IDMAP for
+ *         a run: our maps were written once, before the launcher's own.
+ *         The run part's hold_fd: the slot of a *hold* fd, or -1: the session's overlay
  *         lock (a file to flock), held for as long as an overlay on the
  *         session's upper layer may exist. Init takes it just before it mounts
  *         the overlay (waiting, if need be, for the session's last run to be
@@ -97,12 +102,13 @@ int main(int argc, char **argv)
     if (n <= 0)
         return 1;
     const struct sk_msg_hdr *h = msg_hdr();
-    int r = read_plan(n, fds, &nfds, &base, &heap);
-    /* shared mode: the listening socket rides along; reserved = idle seconds */
+    int hold;
+    int r = read_plan(n, fds, &nfds, &base, &heap, &hold);
+    /* shared mode: the listening socket rides along */
     if (r == 0 && nfds == 1) {
         L.listen_fd = fds[0];
         nfds = 0;
-        L.idle_ms = (long)h->reserved * 1000;
+        L.idle_ms = (long)h->idle_seconds * 1000;
         /* again, here: a client's SO_PEERCRED names the process that last called
          * listen, and a client finds our user namespace through that pid */
         if (listen(L.listen_fd, 64) < 0)
@@ -199,7 +205,8 @@ static int serve_one(int sock)
         return (errno == EINTR || errno == EMSGSIZE || errno == EAGAIN) ? 1 : 0;
     const struct sk_msg_hdr *h = msg_hdr();
     struct sk_plan p;
-    int r = read_plan(n, fds, &nfds, &p, &heap);
+    int hold;
+    int r = read_plan(n, fds, &nfds, &p, &heap, &hold);
     if (r < 0 || h->type != SK_MSG_RUN || nfds < 3) {
         if (nfds >= 3)
             send_report(fds[2], SK_REP_ERROR, SK_STEP_LAUNCHER, r < 0 ? -r : EINVAL, 0, "run plan", -1);
@@ -214,7 +221,7 @@ static int serve_one(int sock)
     if (!(L.spare_sock >= 0 && L.spare_flags == want && inline_plan && to_spare(n, fds, nfds) == 0)) {
         pid_t pid = fork();
         if (pid == 0)
-            run_child(&p, fds, nfds, hold_slot(nfds));
+            run_child(&p, fds, nfds, hold);
         if (pid < 0)
             send_report(fds[2], SK_REP_ERROR, SK_STEP_FORK, errno, 0, NULL, -1);
         else

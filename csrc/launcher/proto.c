@@ -29,13 +29,6 @@ const struct sk_msg_hdr *msg_hdr(void)
     return (const void *)msgbuf;
 }
 
-/* The run's hold fd slot from the request header (in msgbuf), or -1. */
-int hold_slot(int nfds)
-{
-    const struct sk_msg_hdr *h = (const void *)msgbuf;
-    return (h->reserved >= 4 && (int)h->reserved - 1 < nfds) ? (int)h->reserved - 1 : -1;
-}
-
 void close_all(const int *fds, int n)
 {
     for (int i = 0; i < n; i++)
@@ -104,36 +97,50 @@ void send_report2(int sock, int kind, int step, int err, int value, const char *
         ;
 }
 
-/* The plan: inline after the header, or the whole content of a memfd. */
-int read_plan(ssize_t n, int *fds, int *nfds, struct sk_plan *p, unsigned char **heap)
+/* The plan part and the run part: inline after the header, or the whole content
+ * of a memfd. *hold: the index in fds of the run's hold fd (the session's overlay
+ * lock, the run part names its slot), or -1. 0 or -errno. */
+int read_plan(ssize_t n, int *fds, int *nfds, struct sk_plan *p, unsigned char **heap, int *hold)
 {
-    const struct sk_msg_hdr *h = (const void *)msgbuf;
+    const struct sk_msg_hdr *h = msg_hdr();
+    const unsigned char *body = msgbuf + sizeof *h;
+    size_t len = n >= (ssize_t)sizeof *h ? (size_t)n - sizeof *h : 0;
     *heap = NULL;
+    *hold = -1;
     if (n < (ssize_t)sizeof *h || h->magic != SK_MSG_MAGIC)
         return -EINVAL;
-    if (!(h->flags & SK_MSG_PLAN_IN_FD))
-        return sk_plan_unpack(msgbuf + sizeof *h, (size_t)n - sizeof *h, p);
-    if (*nfds < 1)
-        return -EINVAL;
-    int mfd = fds[--*nfds];
-    struct stat st;
-    if (fstat(mfd, &st) < 0 || st.st_size <= 0 || st.st_size > (1 << 28)) {
+    if (h->flags & SK_MSG_PLAN_IN_FD) {
+        if (*nfds < 1 || len != 0)
+            return -EINVAL;
+        int mfd = fds[--*nfds];
+        struct stat st;
+        if (fstat(mfd, &st) < 0 || st.st_size <= 0 || st.st_size > (1 << 28)) {
+            close(mfd);
+            return -EINVAL;
+        }
+        unsigned char *b = malloc((size_t)st.st_size);
+        size_t got = 0;
+        while (b && got < (size_t)st.st_size) {
+            ssize_t r = pread(mfd, b + got, (size_t)st.st_size - got, (off_t)got);
+            if (r <= 0)
+                break;
+            got += (size_t)r;
+        }
         close(mfd);
+        if (!b || got != (size_t)st.st_size) {
+            free(b);
+            return -EIO;
+        }
+        *heap = b;
+        body = b;
+        len = got;
+    }
+    if ((size_t)h->plan_len + h->run_len != len || (h->type == SK_MSG_RUN) != (h->run_len > 0))
         return -EINVAL;
-    }
-    unsigned char *b = malloc((size_t)st.st_size);
-    size_t got = 0;
-    while (b && got < (size_t)st.st_size) {
-        ssize_t r = pread(mfd, b + got, (size_t)st.st_size - got, (off_t)got);
-        if (r <= 0)
-            break;
-        got += (size_t)r;
-    }
-    close(mfd);
-    if (!b || got != (size_t)st.st_size) {
-        free(b);
-        return -EIO;
-    }
-    *heap = b;
-    return sk_plan_unpack(b, got, p);
+    int slot;
+    int r = sk_wire_unpack(body, h->plan_len, body + h->plan_len, h->run_len, p, &slot);
+    /* slots 0..2 are the report pipe, sync pipe and status socket */
+    if (r == 0 && slot >= 3 && slot < *nfds)
+        *hold = slot;
+    return r;
 }

@@ -39,8 +39,8 @@ static void __attribute__((noreturn)) spare_main(int sock, unsigned long flags)
     close(sock);
     struct sk_plan p;
     unsigned char *heap;
-    int hold = hold_slot(nfds);
-    if (read_plan(n, fds, &nfds, &p, &heap) < 0 || nfds < 3)
+    int hold;
+    if (read_plan(n, fds, &nfds, &p, &heap, &hold) < 0 || nfds < 3)
         _exit(1);
     run_in_ns(&p, fds, nfds, e, hold);
 }

@@ -80,7 +80,7 @@ def test_a_run_that_fails_to_start_leaves_no_new_session(api_project: Path, stat
     made: the session goes too. An existing session keeps the failed run's record."""
     import stockade
     from stockade.errors import SandboxError
-    from stockade.linux import native
+    from stockade.linux import launch
 
     stockade.run(["true"], project=api_project, session="existing")
     before = listing(state_dir)
@@ -88,7 +88,7 @@ def test_a_run_that_fails_to_start_leaves_no_new_session(api_project: Path, stat
     def refuse(*_a: object, **_k: object) -> None:
         raise SandboxError("clone3", errno=errno.ENOSPC, remedy="(test)")
 
-    monkeypatch.setattr(native, "start", refuse)
+    monkeypatch.setattr(launch, "start", refuse)
     for session in (None, "fresh"):
         with pytest.raises(SandboxError):
             stockade.run(["true"], project=api_project, session=session)

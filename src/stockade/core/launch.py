@@ -1,7 +1,7 @@
 """Launch one run: its streams, its cgroups, the sandbox started and released.
 
 The choice between a pre-spawned launcher and a cold start is linux/'s
-(``native.start``); this module gives it the plan, the child's stdio and the
+(``linux.launch.start``); this module gives it the plan, the child's stdio and the
 cgroup placement, and takes it all down again when the run ends.
 """
 
@@ -11,7 +11,8 @@ import os
 import signal
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from ..linux import native
+from ..linux import launch, native
+from ..linux.lower import RunChild
 from ..session import store
 from .request import DEVNULL, PIPE, STDOUT, RunIO, Stream
 from .supervise import Supervisor, copy_winsize
@@ -49,7 +50,7 @@ class Launch:
 
     def __init__(self, io: RunIO) -> None:
         self.io = io
-        self.child: native.Child | None = None
+        self.child: RunChild | None = None
         self.cg: RunCgroup | None = None
         self.place: Placement | None = None
         self.to_close: list[int] = []  # the child's ends, closed once it has them
@@ -110,7 +111,7 @@ class Launch:
             self.err_r, self.err_w = os.pipe()
         self.to_close.extend([self.out_w] + ([self.err_w] if self.err_w != self.out_w else []))
 
-    def start(self, sess: store.Session, run_no: int, prep: Prepared, hold_fd: int, session_ahead: bool) -> native.Child:
+    def start(self, sess: store.Session, run_no: int, prep: Prepared, hold_fd: int, session_ahead: bool) -> RunChild:
         """Make the run's cgroups, start the sandbox and release it. ``hold_fd``: the
         session's overlay lock (``Session.lock``)."""
         plan, mgr, limits = prep.plan, prep.cg_manager, prep.limits
@@ -120,12 +121,12 @@ class Launch:
         place = self.place = cg.placement() if cg else None
         # v2: born in its cgroup; v1: init enters them itself first. A move by pid
         # (the fallback) is slow on v1: it overlaps the child's mount setup, and the
-        # child waits for a second "go" before exec.
+        # child waits for Stage.ATTACHED before exec.
         hold = place is not None and place.attach
-        child = self.child = native.start(plan, (self.stdin_fd, self.out_w, self.err_w), place.clone_fd if place else None,
+        child = self.child = launch.start(plan, (self.stdin_fd, self.out_w, self.err_w), place.clone_fd if place else None,
                                           pty=self.io.pty, console_sock=self.console[1], hold_before_exec=hold,
                                           hold_fd=hold_fd, join_fds=place.join_fds if place else ())
-        if native.go(child) and hold and cg is not None:
+        if hold and cg is not None:
             try:
                 cg.attach(child.pid)
             except Exception:
@@ -134,7 +135,7 @@ class Launch:
                 if not native.has_exited(child):
                     raise
             else:
-                native.go(child)
+                native.release(child, native.Stage.ATTACHED)
         if cg is not None and isinstance(mgr, MakesAhead):
             mgr.prepare_next(limits, pid_namespace=pid_ns)  # the sandbox is starting: meanwhile, the next run's cgroups
         if session_ahead:

@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..audit import AuditLog
-from ..linux import native
+from ..linux import lower
 from ..redact import record_argv
 from ..session import store
 from .result import RunResult
@@ -87,8 +87,8 @@ class RunRecord:
         assert sup.error is not None
         self._ended()
         child, place = launch.child, launch.place
-        ops = child.lowered.mounts if child is not None and child.lowered is not None else self.prep.plan.mounts
-        err = native.report_error(sup.error, ops, cgroup_paths=place.join_paths if place else ())
+        ops = child.mounts if child is not None else self.prep.plan.mounts
+        err = lower.report_error(sup.error, ops, cgroup_paths=place.join_paths if place else ())
         self.data["status"] = "setup-failed"
         self.data["error"] = str(err)
         store.write_json_new(self.run_dir + "/run.json", self.data)

@@ -30,16 +30,19 @@ import socket
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import SandboxError
 from ..plan import MountOp, Plan
-from . import native
+from . import lower, native
+from .lower import LoweredPlan, LoweredRun, RunChild
 
-_MSG = struct.Struct("IIII")
-_U32 = struct.Struct("I")
-_MAGIC = 0x314C4B53
+# struct sk_msg_hdr (csrc/launcher/launcher.h): magic, type, flags, plan_len, run_len, idle_seconds
+_MSG = struct.Struct("6I")
+_MAGIC = 0x324C4B53
 _BASE, _RUN, _HELLO = 1, 2, 3
 _NS_GET_PARENT = 0xB702  # _IO(0xb7, 0x2), linux/nsfs.h
 _PLAN_IN_FD = 1
@@ -162,7 +165,7 @@ def _hello(s: socket.socket) -> None:
         st = os.fstat(ns)
         if not only_its_own(pid, (st.st_dev, st.st_ino)):
             raise OSError(errno.EPERM, "processes other than the launcher's own share its user namespace")
-        socket.send_fds(s, [_MSG.pack(_MAGIC, _HELLO, 0, 0)], [ns])
+        socket.send_fds(s, [_MSG.pack(_MAGIC, _HELLO, 0, 0, 0, 0)], [ns])
     finally:
         os.close(ns)
 
@@ -206,14 +209,7 @@ def only_its_own(pid: int, ns: tuple[int, int]) -> bool:
     return True
 
 
-class _RunOps:
-    """What a launcher child's report indexes (``Child.lowered.mounts``)."""
-
-    def __init__(self, mounts: tuple[MountOp, ...]) -> None:
-        self.mounts = mounts
-
-
-class LauncherChild(native.Child):
+class LauncherChild(RunChild):
     """A sandbox started by a launcher: init is the launcher's grandchild, so its
     exit status comes over the status socket instead of waitid."""
 
@@ -301,30 +297,28 @@ class Launcher:
         child: native.Child | None = None
         try:
             os.set_inheritable(child_fd, True)
-            low = native.Lowered(plan, (-1, -1, -1), None, pty=False, mounts=())
-            p = low.plan
-            p.clone_flags = native._NS_FLAG["user"] | native._NS_FLAG["mount"]
-            p.launcher_exec_fd = exe
-            p.launcher_ctl_fd = child_fd
-            child = native.spawn(low)
+            low = LoweredPlan(plan, (), clone_flags=lower.NS_FLAG["user"] | lower.NS_FLAG["mount"])
+            low.plan.launcher_exec_fd = exe
+            low.plan.launcher_ctl_fd = child_fd
+            child = lower.spawn(plan, low, native.Child)
             self.pid, self.pidfd, child.pidfd = child.pid, child.pidfd, -1  # ours to reap
             os.close(child_fd)
             child_fd = -1
-            native.go(child)
+            native.release(child, native.Stage.IDMAP)  # it execs the launcher
             # the report pipe closes on a successful exec; a record means it failed
             data = b""
             while d := os.read(child.report_fd, 4096):
                 data += d
             for r in native.parse_reports(data)[0]:
                 if r.kind == native.REP_ERROR:
-                    raise native.report_error(r, ())
-            base_low = native.Lowered(plan, (-1, -1, -1), None, pty=False, mounts=base)
-            self._send(_BASE, base_low.pack(), [listen.fileno()] if listen is not None else [], reserved=idle)
+                    raise lower.report_error(r, ())
+            self._send(_BASE, LoweredPlan(plan, base).pack(), b"", [listen.fileno()] if listen is not None else [],
+                       idle_seconds=idle)
             reps, _ = native.parse_reports(ctl.recv(native.REPORT.size))
             if not reps:
-                raise SandboxError("launcher", errno=0, remedy=native._REMEDIES["launcher"])
+                raise SandboxError("launcher", errno=0, remedy=native.REMEDIES["launcher"])
             if reps[0].kind == native.REP_ERROR:
-                raise native.report_error(reps[0], base)
+                raise lower.report_error(reps[0], base)
         except BaseException:
             self.ctl.close()  # a launcher still waiting for its base ends on EOF
             self._reap()
@@ -336,26 +330,30 @@ class Launcher:
             if child is not None:
                 child.close()
 
-    def _send(self, kind: int, packed: bytes, fds: list[int], reserved: int = 0) -> None:
+    def _send(self, kind: int, plan: bytes, run: bytes, fds: list[int], idle_seconds: int = 0) -> None:
+        """One request: the header, then the plan part and the run part as C packed
+        them (two buffers of one message), or both in a memfd when large."""
         extra: list[int] = []
         flags = 0
-        body = packed
-        if len(packed) > _INLINE_MAX:
+        body = [plan, run]
+        if len(plan) + len(run) > _INLINE_MAX:
             mfd = os.memfd_create("stockade-plan", os.MFD_CLOEXEC)
-            os.write(mfd, packed)  # memfd writes are whole
+            os.writev(mfd, body)  # memfd writes are whole
             extra = [mfd]
             flags = _PLAN_IN_FD
-            body = b""
+            body = []
         try:
-            socket.send_fds(self.ctl, [_MSG.pack(_MAGIC, kind, flags, reserved), body], fds + extra)
+            hdr = _MSG.pack(_MAGIC, kind, flags, len(plan), len(run), idle_seconds)
+            socket.send_fds(self.ctl, [hdr, *body], fds + extra)
         finally:
             for fd in extra:
                 os.close(fd)
 
-    def start(self, packed: bytes, mounts: tuple[MountOp, ...], fds: list[int], hold_slot: int = -1) -> LauncherChild:
-        """Send one run (a packed plan whose fd fields index ``fds``, followed by its
-        pass-through fds); ``mounts`` are the ops a mount step's index refers to;
-        ``hold_slot``: the slot of the session's hold fd (see ``start`` below)."""
+    def start(self, plan: bytes, run: bytes, mounts: tuple[MountOp, ...], fds: list[int],
+              hold_before_exec: bool) -> LauncherChild:
+        """Send one run (the packed plan and run parts, whose fd fields index ``fds``,
+        followed by its pass-through fds); ``mounts`` are the ops a mount step's index
+        refers to."""
         rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
         sync_r, sync_w = os.pipe2(os.O_CLOEXEC)
         st, st_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -364,7 +362,7 @@ class Launcher:
             with self.lock:
                 self.inflight += 1
             try:
-                self._send(_RUN, packed, [rep_w, sync_r, st_theirs.fileno(), *fds], reserved=hold_slot + 1)
+                self._send(_RUN, plan, run, [rep_w, sync_r, st_theirs.fileno(), *fds])
             finally:
                 os.close(rep_w)
                 os.close(sync_r)
@@ -378,9 +376,11 @@ class Launcher:
                 for fd in got:
                     os.close(fd)
                 if r is not None and r.kind == native.REP_ERROR:
-                    raise native.report_error(r, ())
-                raise SandboxError("launcher", errno=0, remedy=native._REMEDIES["launcher"])
-            child = LauncherChild(r.value, got[0], rep_r, sync_w, _RunOps(mounts), free_gos=1)
+                    raise lower.report_error(r, ())
+                raise SandboxError("launcher", errno=0, remedy=native.REMEDIES["launcher"])
+            # no Stage.IDMAP for a run: the launcher's maps were written once
+            child = LauncherChild(r.value, got[0], rep_r, sync_w, [native.Stage.ATTACHED] if hold_before_exec else [],
+                                  mounts)
             if len(got) > 1:
                 child.runner_fd = got[1]
             child.status_sock = st
@@ -428,85 +428,49 @@ class Launcher:
 _lock = threading.Lock()
 _launchers: OrderedDict[tuple[Any, ...], Launcher] = OrderedDict()
 _unavailable: dict[tuple[Any, ...], str] = {}  # bases whose launcher could not start, and why
-_Packed = tuple[Plan, tuple[MountOp, ...], tuple[Any, ...], tuple[MountOp, ...], bytes]
-# packed run plans by (plan object, fd layout): the plan is kept, so its id is not reused
-_packed: OrderedDict[tuple[Any, ...], _Packed] = OrderedDict()
 
 
-def _packed_plan(plan: Plan, rest: tuple[Any, ...]) -> _Packed | None:
-    """(plan, base ops, launcher key, run ops, packed run plan) made for this plan
-    object and fd layout, or None (or when ``plan`` is not a Plan)."""
-    hit = _packed.get((id(plan), *rest))
-    return hit if hit is not None and hit[0] is plan else None
+@dataclass(frozen=True)
+class Packed:
+    """A plan made ready for a launcher: the launcher's base ops and key, where its run
+    ops sit in ``plan.mounts``, and its plan part as C packed it. Kept for the next run
+    of the same plan, or of an equal one (another command, session or environment:
+    those are the run part's, packed per run)."""
+
+    plan: Plan  # kept alive: the cache by id() relies on it
+    base: tuple[MountOp, ...]
+    key: tuple[Any, ...]
+    run_idx: tuple[int, ...]
+    packed: bytes
 
 
-def _pack(plan: Plan, rest: tuple[Any, ...]) -> _Packed | None:
-    """Lower and pack the run part of a plan (kept for its next run); None when the
-    plan cannot be split into base and run."""
-    parts = split(plan)
-    if parts is None:
-        return None
-    base, run = parts
-    slots, cg_slot, con_slot, pty, hold_before_exec, join_slots = rest
-    low = native.Lowered(plan, slots, None, pty=pty, console_sock=con_slot,
-                         hold_before_exec=hold_before_exec, mounts=run, skip_first_go=True, join_fds=join_slots)
-    low.plan.cgroup_fd = cg_slot
-    got = (plan, base, _key(plan, base), run, low.pack())
+_by_id: OrderedDict[int, Packed] = OrderedDict()  # the same plan object (a Sandbox's next run)
+_by_value: OrderedDict[Hashable, Packed] = OrderedDict()  # lower.plan_key: equal but for the run's fields
+
+
+def packed(plan: Plan) -> Packed | None:
+    """The plan part for this plan, made once per distinct plan (lowering and packing
+    costs ~0.2 ms); None when the plan cannot be split into base and run."""
+    hit = _by_id.get(id(plan))
+    if hit is not None and hit.plan is plan:
+        return hit
+    vkey = lower.plan_key(plan, plan.mounts)
+    got = _by_value.get(vkey)
+    if got is None:
+        parts = split(plan)
+        if parts is None:
+            return None
+        base, run = parts
+        at = {id(m): i for i, m in enumerate(plan.mounts)}
+        got = Packed(plan, base, _key(plan, base), tuple(at[id(m)] for m in run), LoweredPlan(plan, run).pack())
+    mine = got if got.plan is plan else Packed(plan, got.base, got.key, got.run_idx, got.packed)
     with _lock:
-        _packed[(id(plan), *rest)] = got
-        while len(_packed) > 16:
-            _packed.popitem(last=False)
-    return got
-
-
-def _blob(b: bytes) -> bytes:
-    return _U32.pack(len(b)) + b + b"\0"  # wire.c's put_blob
-
-
-def _strv(v: tuple[str, ...]) -> bytes:
-    return _U32.pack(len(v)) + b"".join(_blob(a.encode("utf-8", "surrogateescape")) for a in v)
-
-
-def _derived(plan: Plan, origin: Plan, hit: _Packed | None) -> _Packed | None:
-    """The packed run plan of a plan that ``prepare`` made from ``origin`` (another
-    session's overlay layers, another command) from ``origin``'s: the overlay options
-    and argv swapped in the bytes (lowering and packing a plan costs ~0.2 ms, a new
-    session's every run). None when anything else differs, or a swap is ambiguous."""
-    if hit is None:
-        return None
-    mine, theirs = plan.__dict__, origin.__dict__
-    for k, v in mine.items():
-        if k not in ("mounts", "argv", "_origin") and theirs.get(k) is not v and theirs.get(k) != v:
-            return None
-    if len(plan.mounts) != len(origin.mounts):
-        return None
-    swap: dict[int, MountOp] = {}
-    for a, b in zip(origin.mounts, plan.mounts, strict=True):
-        if a is not b and a != b:
-            if a.kind != "overlay" or b.kind != "overlay" or a.target != b.target:
-                return None
-            swap[id(a)] = b
-    _o, base, key, orun, packed = hit
-    run = tuple(swap.get(id(m), m) for m in orun)
-    swapped = [m for m in orun if id(m) in swap]
-    if len(swapped) != len(swap):
-        return None  # a changed op outside the run part: its bytes would stay the origin's
-    pairs = [(_blob(native.overlay_options(m).encode("utf-8", "surrogateescape")),
-              _blob(native.overlay_options(swap[id(m)]).encode("utf-8", "surrogateescape")))
-             for m in swapped]
-    if plan.argv != origin.argv:
-        pairs.append((_strv(origin.argv), _strv(plan.argv)))
-    for old, new in pairs:
-        if packed.count(old) != 1:
-            return None
-        packed = packed.replace(old, new)
-    # none of the origin's own layers (another session's) may be left in the bytes
-    for m in swapped:
-        n = swap[id(m)]
-        for p in {m.upper, m.work, *m.lower} - {n.upper, n.work, *n.lower}:
-            if p and native._overlay_escape(p).encode("utf-8", "surrogateescape") in packed:
-                return None
-    return (plan, base, key, run, packed)
+        _by_value[vkey] = got
+        _by_id[id(plan)] = mine
+        for d in (_by_value, _by_id):
+            while len(d) > 16:
+                d.popitem(last=False)
+    return mine
 
 
 def _forget_after_fork() -> None:
@@ -649,13 +613,13 @@ def start(
     hold_before_exec: bool,
     hold_fd: int = -1,
     join_fds: tuple[int, ...] = (),
-) -> native.Child | None:
+) -> LauncherChild | None:
     """Start the plan through a launcher; None when this plan has to start cold.
 
     ``hold_fd``: the session's overlay lock (``Session.lock``): the sandbox takes it
     before it mounts the overlay and its run child keeps it until the overlay is
     gone, so the run's status need not wait for the unmount."""
-    # fd slots: 0..2 are the report pipe, sync pipe and status socket (added by start)
+    # fd slots: 0..2 are the report pipe, sync pipe and status socket (added by Launcher.start)
     fds: list[int] = []
 
     def slot(fd: int | None) -> int:
@@ -668,22 +632,17 @@ def start(
     cg_slot = slot(cgroup_fd)
     con_slot = slot(console_sock)
     join_slots = tuple(slot(fd) for fd in join_fds)
-    hold_slot = slot(hold_fd)  # not in the packed plan: only the message header names it
+    hold_slot = slot(hold_fd)
     from ..callerfds import sources
 
     fds.extend(sources(plan.keep_fds) or plan.keep_fds)  # the caller's fds (a server's supervisor: as received)
-    rest = (slots, cg_slot, con_slot, pty, hold_before_exec, join_slots)
-    # the same plan object comes back for the next run of a Sandbox (prepare's cache);
-    # one prepare made for another session or command is packed from its origin's
-    got = _packed_plan(plan, rest)
-    origin = plan.__dict__.get("_origin")
-    if got is None and isinstance(origin, Plan):
-        got = _derived(plan, origin, _packed_plan(origin, rest) or _pack(origin, rest))
+    got = packed(plan)
     if got is None:
-        got = _pack(plan, rest)
-        if got is None:
-            return None
-    _, base, key, run, packed = got
+        return None
+    mounts = tuple(plan.mounts[i] for i in got.run_idx)
+    run = LoweredRun(plan, mounts, slots, cg_slot, pty=pty, console_sock=con_slot, join_fds=join_slots,
+                     hold_before_exec=hold_before_exec, hold_fd=hold_slot).pack()
+    base, key = got.base, got.key
     for attempt in (0, 1):
         with _lock:
             la = _launchers.get(key)
@@ -711,7 +670,7 @@ def start(
                         _k, victim = _launchers.popitem(last=False)
                         victim.retire()
         try:
-            return la.start(packed, run, fds, hold_slot)
+            return la.start(got.packed, run, mounts, fds, hold_before_exec)
         except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError):
             # the launcher died (killed from outside): make a new one, once
             with _lock:

@@ -1,0 +1,54 @@
+"""How a run starts: the one choice between a pre-spawned launcher
+(linux/launcher.py) and a cold start (cloning this process, linux/native.py).
+
+Both take the same lowered plan and run (linux/lower.py) and come back past the
+id-map stage: the caller releases the child only into ``Stage.ATTACHED``, and
+only when it asked to hold it there (``hold_before_exec``)."""
+
+from __future__ import annotations
+
+from ..plan import Plan
+from . import launcher, native
+from .lower import LoweredPlan, LoweredRun, RunChild, spawn
+
+
+def start(
+    plan: Plan,
+    stdio: tuple[int, int, int],
+    cgroup_fd: int | None,
+    *,
+    pty: bool = False,
+    console_sock: int = -1,
+    hold_before_exec: bool = False,
+    hold_fd: int = -1,
+    join_fds: tuple[int, ...] = (),
+) -> RunChild:
+    """Start a sandbox for the plan: through a launcher when possible, else cold.
+    ``hold_fd``: the session's overlay lock (``Session.lock``; a cold start's overlay
+    is gone once its init is reaped). ``join_fds``: cgroup v1 ``tasks`` files the
+    sandbox's init enters first (``RunCgroup.placement``). ``hold_before_exec``: the
+    child waits for ``native.release(child, Stage.ATTACHED)`` before the command."""
+    if launcher.enabled():
+        served = launcher.start(plan, stdio, cgroup_fd, pty=pty, console_sock=console_sock,
+                                hold_before_exec=hold_before_exec, hold_fd=hold_fd, join_fds=join_fds)
+        if served is not None:
+            return served
+    if hold_fd >= 0:
+        # an earlier run's overlay on this session may not be unmounted yet
+        import fcntl
+
+        fcntl.flock(hold_fd, fcntl.LOCK_EX)
+    low = LoweredPlan(plan, plan.mounts)
+    LoweredRun(plan, plan.mounts, stdio, -1 if cgroup_fd is None else cgroup_fd, pty=pty, console_sock=console_sock,
+               join_fds=join_fds, hold_before_exec=hold_before_exec).apply(low)
+    if plan.keep_fds:
+        from ..callerfds import sources
+
+        src = sources(plan.keep_fds)  # a server's supervisor: its client's fds, not its own numbers
+        if src is not None:
+            low.plan.keep_src = low.new("int[]", list(src))
+    child = spawn(plan, low, RunChild)
+    child.mounts = plan.mounts
+    # False: it died already; its report pipe says why (the supervisor reads it)
+    native.release(child, native.Stage.IDMAP)
+    return child
