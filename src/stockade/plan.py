@@ -280,6 +280,17 @@ def _dir_sig(path: str) -> tuple[int, int, int] | None:
     return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
 
+FactsSig = tuple[tuple[int, int, int], tuple[tuple[str, tuple[int, int, int, int]], ...]]
+
+
+def facts_sig(etc_extra: Sequence[str] = ()) -> FactsSig | None:
+    """What the memoised host facts for ``etc_extra`` were taken from: /etc's signature
+    and each copied file's (a prepared-run cache revalidates against it); None when no
+    facts are memoised for it (they were taken too close to a change of /etc)."""
+    hit = _facts_memo.get(tuple(etc_extra))
+    return None if hit is None else (hit[0], tuple(hit[1]))
+
+
 def host_facts(etc_extra: Sequence[str] = ()) -> HostFacts:
     """The host facts a plan depends on; the same object while they are unchanged.
 
@@ -595,7 +606,7 @@ class Request:
     one, and defining a 23-field dataclass costs every CLI start a couple of ms."""
 
     __slots__ = (
-        "argv", "cwd", "degraded", "env", "etc_extra", "exec_allow", "grants", "hostname", "keep_fds",
+        "argv", "cwd", "degraded", "env", "etc_extra", "exec_allow", "foreign_stdin", "grants", "hostname", "keep_fds",
         "landlock", "lower_layers", "masked", "network", "project", "read_only", "rlimits", "root",
         "seccomp_bpf", "seccomp_name", "stage_dir", "upper", "user", "work",
     )
@@ -615,6 +626,9 @@ class Request:
         network: str = "none",
         hostname: str = "stockade",
         keep_fds: tuple[int, ...] = (),
+        # stdin is an inet socket of the caller's network namespace: like a passed fd, it
+        # reaches the host's network, so Landlock's TCP rules come back (tcp_note)
+        foreign_stdin: bool = False,
         masked: tuple[tuple[str, bool], ...] = (),  # (host path inside a grant or system tree, is_dir)
         grants: tuple[tuple[str, bool], ...] = (),  # (host path, writable)
         exec_allow: tuple[str, ...] | None = None,
@@ -639,6 +653,7 @@ class Request:
         self.network = network
         self.hostname = hostname
         self.keep_fds = keep_fds
+        self.foreign_stdin = foreign_stdin
         self.masked = masked
         self.grants = grants
         self.exec_allow = exec_allow
@@ -975,6 +990,7 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     ops.append(MountOp("remount-ro", "/", why="the root tmpfs itself is read-only"))
 
     ll: LandlockPlan | None = None
+    foreign = bool(req.keep_fds) or req.foreign_stdin
     exec_allow = req.exec_allow
     if req.landlock and exec_allow is not None:
         # the kernel opens a dynamic program's loader for execution too: without it an
@@ -992,9 +1008,9 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
             device_files=["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx", "/dev/pts"],
             exec_allow=exec_allow,
             network=req.network,
-            foreign_fds=bool(req.keep_fds),
+            foreign_fds=foreign,
         )
-    notes.append(tcp_note(req.network, bool(req.keep_fds), ll.abi if ll else 0))
+    notes.append(tcp_note(req.network, foreign, ll.abi if ll else 0))
     notes.append(id_note)
 
     # cwd: same absolute path inside
