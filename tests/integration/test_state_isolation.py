@@ -186,7 +186,7 @@ def test_every_layer_of_a_run_is_its_own_sessions(base: Path, cli_path: str | No
     for p in (a, b):
         (p / ".env").write_text("SECRET=1\n")
     for p in (a, b, a / ".env", b / ".env"):
-        os.utime(p, (1e9, 1e9))  # not changed just now: the prepared runs are kept (stockade.warm) and reused
+        os.utime(p, (1e9, 1e9))  # not changed just now: the prepared runs are kept (stockade.fast.warm) and reused
     states = [base / "st1", base / "st2"]
     users = {st: _user(base, st, cli_path) for st in states}
     seen: set[str] = set()

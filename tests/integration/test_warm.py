@@ -1,4 +1,4 @@
-"""stockade.warm: a later process reuses a stored preparation only while it holds."""
+"""stockade.fast.warm: a later process reuses a stored preparation only while it holds."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from stockade import plan as planmod
-from stockade import warm
 from stockade.core import prepare
 from stockade.core.request import CliSpec, RunRequest
+from stockade.fast import warm
 from stockade.session import store
 from tests.conftest import world_tmpdir
 

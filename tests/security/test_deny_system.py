@@ -183,7 +183,7 @@ def test_deny_in_the_sandboxes_own_proc_and_dev_is_refused(user: User, project: 
 
 @pytest.mark.parametrize("start", list(START))
 def test_a_denied_system_path_created_after_a_run_is_hidden_in_the_next(user: User, project: Path, start: str) -> None:
-    """The CLI reuses prepared plans across processes (stockade.warm): the deny's target
+    """The CLI reuses prepared plans across processes (stockade.fast.warm): the deny's target
     appearing must not be served by a plan made while it was absent."""
     d = Path(f"/usr/share/stockade-test-late-{secrets.token_hex(6)}")
     read = [*_reader([Case("late", str(d), str(d / "canary.txt"), "", "cli")])]

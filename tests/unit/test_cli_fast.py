@@ -3,9 +3,11 @@ are derived from one table (``stockade.cli.table``) and feed one conversion."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -145,3 +147,39 @@ def test_a_command_may_start_with_a_dash_digit() -> None:
     # as before for "-5": a word like "-5M" where the command starts is the command
     assert table.fast_parse(["run", "-5M", "x"]) is None
     assert run_kwargs(table.parse(["run", "-5M", "x"]))["args"] == ["-5M", "x"]
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every stockade module ``path`` imports (lazy and TYPE_CHECKING ones too)."""
+    pkg = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
+                base = f"{base}.{node.module}" if node.module else base
+            out |= {base} | {f"{base}.{a.name}" for a in node.names}
+    return {m for m in out if m.startswith("stockade")}
+
+
+def test_the_cli_and_the_speed_layer_sit_on_top() -> None:
+    """Nothing imports the CLI but ``__main__``; nothing imports the speed layer but the
+    CLI; the speed layer never imports the CLI (it runs the handler it is given)."""
+    src = Path(__file__).resolve().parents[2] / "src"
+    bad = []
+    for p in sorted((src / "stockade").rglob("*.py")):
+        rel = p.relative_to(src).with_suffix("")
+        module = ".".join(rel.parts[:-1] if p.name == "__init__.py" else rel.parts)
+        for name in _imports(p, module):
+            layer = next((x for x in ("stockade.cli", "stockade.fast") if name == x or name.startswith(x + ".")), None)
+            if layer is None or module == layer or module.startswith(layer + "."):
+                continue
+            if module == "stockade.__main__" and layer == "stockade.cli":
+                continue
+            if module.startswith("stockade.cli") and layer == "stockade.fast":
+                continue
+            bad.append(f"{module} imports {name}")
+    assert not bad, bad

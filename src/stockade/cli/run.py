@@ -112,7 +112,7 @@ def _execute(args: Args, *, pty: bool = False, default_cmd: list[str] | None = N
         launcher.shutdown()  # connections a CLI server's supervisor inherited
     # the speed layer's prepared runs on disk, for the next command (STOCKADE_WARM=0: none)
     if not pty and keepable(args) and os.environ.get("STOCKADE_WARM", "1") != "0":
-        from .. import warm
+        from ..fast import warm
 
         prepare.set_cache(warm.CACHE)
     else:

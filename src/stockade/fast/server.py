@@ -96,17 +96,16 @@ class CodeWatch:
         self.sig: tuple[object, ...] | None = None
         self.exe = self._exe()
         try:
-            import ctypes
+            from ..linux import libc
 
-            libc = ctypes.CDLL(None, use_errno=True)
             fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
             if fd < 0:
-                raise OSError(ctypes.get_errno(), "inotify_init1")
+                raise OSError(libc.errno(), "inotify_init1")
             for d, dirs, _files in os.walk(pkg):
                 dirs[:] = [x for x in dirs if x != "__pycache__"]
                 if libc.inotify_add_watch(fd, os.fsencode(d), self._MASK) < 0:
                     os.close(fd)
-                    raise OSError(ctypes.get_errno(), "inotify_add_watch")
+                    raise OSError(libc.errno(), "inotify_add_watch")
             self.fd = fd
         except (OSError, AttributeError):
             self.sig = code_signature(pkg)
@@ -159,11 +158,9 @@ def _prefault(waiting: Callable[[], bool]) -> None:
     each first write after ``fork`` is a page fault and a copy on the run's path.
     Stops when a client comes (``waiting``): copying all of them first would make it
     wait for pages its run never writes."""
-    try:
-        import ctypes
+    from ..linux import libc
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    try:
         with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
             maps = f.read().splitlines()
     except (OSError, AttributeError):
@@ -372,9 +369,9 @@ class Server:
         """Decode the prepared run a supervisor used and join its shared launcher, so
         the next spares inherit both (every check still runs per run). True when that
         is new to this server."""
-        from .. import warm
         from ..linux import launcher
         from ..pathsig import file_sig
+        from . import warm
 
         if not path.startswith(self.cache_dir):
             return False
@@ -401,7 +398,7 @@ class Server:
         """Make the cgroups the likeliest next run (the last one's prepared entry)
         will use, while no client waits (cgroup v1: three mkdirs and their limits).
         Held by its manager until a run takes them or ``flush_deferred``."""
-        from .. import warm
+        from . import warm
 
         if not warm._preloaded:
             return
@@ -578,7 +575,7 @@ def supervise(req: Request, note: int, handler: Handler) -> None:
         flush_deferred()  # what atexit would do (os._exit below skips it): the run's, and any unused
     except Exception:
         pass
-    from .. import warm
+    from . import warm
 
     if warm.last_path:
         try:

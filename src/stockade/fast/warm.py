@@ -1,12 +1,14 @@
-"""Prepared runs kept on disk, for the CLI.
+"""Prepared runs kept on disk, for the CLI: the core's prepared-run cache hook
+(``core.prepare.PreparedCache``), installed by the CLI (``CACHE``; ``STOCKADE_WARM=0``: not).
 
 Every ``stockade run`` is a new process, so the caches of ``stockade.core.prepare`` start
 empty and each command would load the policy, filter the environment, compile the
 seccomp profile, detect the cgroup backend and build the plan again (and import
-everything that takes). Instead, after preparing a run the CLI stores, under
-``<state>/cache/warm-<key>.bin``, what came out (the plan, limits, audit facts) and
-everything it came from; a later command with the same options reuses it when all
-of that still holds, checked as the in-process caches check it:
+everything that takes). Instead, after preparing a run the core hands this cache what
+the policy step made of the options (``core.prepare.Resolved``: the plan's inputs,
+limits, audit facts) with everything it came from (``Deps``); it is stored under
+``<state>/cache/warm-<key>.bin``, and a later command with the same options reuses it
+when all of that still holds, checked as the in-process caches check it:
 
 * the policy's tier files (stat), the directories on the way to every path the
   policy resolved (identity and mtime), the existence of granted paths;
@@ -22,8 +24,9 @@ of that still holds, checked as the in-process caches check it:
 Anything that cannot be checked that way (a file changed within the timestamp
 granularity, a directory of a tree changed so recently that a scan would list it
 again, conditional secret files, command rules, a seccomp profile given as a
-path) means no entry is written, and the run is prepared in full. The session's
-own layers (snapshots, the mask layer) are applied to the stored plan per run.
+path) means no entry is written, and the run is prepared in full. The core builds
+each run's plan from what is loaded, with the session's own layers (snapshots, the
+mask layer) and the command.
 
 Only os, marshal, the blake2 digest and ``stockade.pathsig`` are imported to check
 an entry.
@@ -34,15 +37,15 @@ from __future__ import annotations
 import marshal
 import os
 
-from .pathsig import file_sig as _sig
-from .pathsig import paths_hold
+from ..pathsig import file_sig as _sig
+from ..pathsig import paths_hold
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from .core.prepare import CacheKey, Resolved
-    from .session.store import Session
+    from ..core.prepare import CacheKey, Resolved
+    from ..session.store import Session
 
 VERSION = 1
 # Entries decoded ahead by a CLI server (``preload``), for the supervisors it forks:
@@ -51,7 +54,7 @@ VERSION = 1
 _preloaded: dict[str, tuple[Any, dict[str, Any], Any, Any, Any]] = {}
 _resolved: dict[str, Resolved] = {}  # path -> its decoded Resolved (as _preloaded)
 last_path: str | None = None  # the entry this process last loaded or stored
-_PKG = os.path.dirname(os.path.abspath(__file__))
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the stockade package
 
 
 def _digest(data: bytes) -> str:
@@ -71,9 +74,9 @@ def _env_digest() -> str:
 def _code() -> tuple[Any, ...]:
     import sys
 
-    from .core.prepare import code_files
+    from ..core.prepare import code_files
 
-    return (sys.hexversion, marshal.version, _libseccomp(), *(_sig(os.path.join(_PKG, f)) for f in ("warm.py", *code_files())))
+    return (sys.hexversion, marshal.version, _libseccomp(), *(_sig(os.path.join(_PKG, f)) for f in ("fast/warm.py", *code_files())))
 
 
 def _libseccomp() -> tuple[Any, ...] | None:
@@ -88,7 +91,7 @@ def _libseccomp() -> tuple[Any, ...] | None:
 
 def _proc_cgroup() -> bytes:
     try:
-        from .paths import proc_cgroup_path
+        from ..paths import proc_cgroup_path
 
         with open(proc_cgroup_path(), "rb") as f:
             return f.read()
@@ -97,7 +100,7 @@ def _proc_cgroup() -> bytes:
 
 
 def path_for(key: tuple[Any, ...]) -> str:
-    from .paths import state_dir
+    from ..paths import state_dir
 
     return os.path.join(state_dir(), "cache", f"warm-{_digest(marshal.dumps(key))}.bin")
 
@@ -131,10 +134,10 @@ def _dec(v: Any, ns: Any) -> Any:
 
 
 def _manager_desc(m: Any) -> Any:
-    from .cgroups.hybrid import HybridManager
-    from .cgroups.none import NoneManager
-    from .cgroups.v1 import V1Manager
-    from .cgroups.v2 import V2Manager
+    from ..cgroups.hybrid import HybridManager
+    from ..cgroups.none import NoneManager
+    from ..cgroups.v1 import V1Manager
+    from ..cgroups.v2 import V2Manager
 
     t = type(m)
     if t is V1Manager:
@@ -152,7 +155,7 @@ def _manager_desc(m: Any) -> Any:
 def _manager(desc: Any) -> Any:
     kind = desc[0]
     if kind == "v1":
-        from .cgroups.v1 import Hierarchy, V1Manager
+        from ..cgroups.v1 import Hierarchy, V1Manager
 
         hs: dict[str, Hierarchy] = {}
         made: dict[tuple[Any, ...], Hierarchy] = {}
@@ -162,14 +165,14 @@ def _manager(desc: Any) -> Any:
             hs[c] = made[h]
         return V1Manager(hierarchies=hs, note=desc[2])
     if kind == "v2":
-        from .cgroups.v2 import V2Manager
+        from ..cgroups.v2 import V2Manager
 
         return V2Manager(parent=desc[1], controllers=frozenset(desc[2]), rel_parent=desc[3], note=desc[4])
     if kind == "hybrid":
-        from .cgroups.hybrid import HybridManager
+        from ..cgroups.hybrid import HybridManager
 
         return HybridManager(_manager(desc[1]), _manager(desc[2]))
-    from .cgroups.none import NoneManager
+    from ..cgroups.none import NoneManager
 
     return NoneManager(reason=desc[1], nproc_safe=desc[2])
 
@@ -295,7 +298,7 @@ def _deps_hold(d: dict[str, Any]) -> bool:
             return False
         if (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != tuple(sig):
             return False
-    from .core.prepare import passwd_sig
+    from ..core.prepare import passwd_sig
 
     if d["passwd"] != passwd_sig():
         return False
@@ -341,8 +344,8 @@ def _read(path: str) -> dict[str, Any] | None:
 def _decoded(data: dict[str, Any]) -> Resolved:
     from pathlib import Path
 
-    from .cgroups import base as cgbase
-    from .core.prepare import AuditFacts, PlanInputs, Resolved
+    from ..cgroups import base as cgbase
+    from ..core.prepare import AuditFacts, PlanInputs, Resolved
 
     i = data["inputs"]
     inputs = PlanInputs(project=Path(i["project"]), cwd=Path(i["cwd"]), env=dict(i["env"]),
@@ -362,7 +365,7 @@ def preload(path: str) -> Any:
         _preloaded.pop(path, None)
         _resolved.pop(path, None)
         return None
-    from .core.prepare import base_plan
+    from ..core.prepare import base_plan
 
     resolved = _decoded(data)
     _preloaded[path] = (sig, data, base_plan(resolved), resolved.limits, resolved.cg_manager)
@@ -397,7 +400,7 @@ def load(key: CacheKey, sess: Session) -> Resolved | None:
         return None
     if not _deps_hold(d):
         return None
-    from . import plan as planmod
+    from .. import plan as planmod
 
     if d["owner"] is not None:
         st = os.stat(data["audit"]["project"])
