@@ -15,7 +15,11 @@ from typing import Any
 RACY_NS = 2_000_000_000
 
 
-def file_sig(path: str) -> tuple[int, int, int, int, int] | None:
+FileSig = tuple[int, int, int, int, int]  # (dev, ino, size, mtime, ctime)
+DirSig = tuple[int, int, int]  # (dev, ino, mtime)
+
+
+def file_sig(path: str) -> FileSig | None:
     """(dev, ino, size, mtime, ctime) of ``path``, None when it cannot be stat'ed."""
     try:
         st = os.stat(path)
@@ -56,7 +60,8 @@ class Consulted:
     with their content while racy, and every path it resolved or tested; ``valid``
     tells whether loading again would consult the same things."""
 
-    def __init__(self, files: list[tuple[str, Any, bytes | None]], notes: list[tuple[str, str, object]], started_ns: int) -> None:
+    def __init__(self, files: list[tuple[str, FileSig | None, bytes | None]], notes: list[tuple[str, str, object]],
+                 started_ns: int) -> None:
         # (file, stat signature, content while racy)
         self.files = files
         # A path with no symlink along it keeps resolving to itself while none of its
@@ -65,7 +70,7 @@ class Consulted:
         # changed (or changed within RACY_NS of the recording, so may change again
         # unseen) has the entries on the recorded paths checked one by one.
         # dir -> [(dev, ino, mtime) or None when racy, entries of it on the paths]
-        self.dirs: dict[str, list[Any]] = {}
+        self.dirs: dict[str, tuple[DirSig | None, list[str]]] = {}
         self.resolved: list[tuple[str, str]] = []  # (raw, realpath) resolved again each time
         self.exists: list[tuple[str, bool]] = []
         for kind, raw, result in notes:
@@ -87,7 +92,7 @@ class Consulted:
                         self.resolved.append((raw, str(result)))
                         break
                     racy = st.st_mtime_ns >= started_ns - RACY_NS
-                    ent = self.dirs[cur] = [None if racy else (st.st_dev, st.st_ino, st.st_mtime_ns), []]
+                    ent = self.dirs[cur] = (None if racy else (st.st_dev, st.st_ino, st.st_mtime_ns), [])
                 child = os.path.join(cur, part)
                 if child not in ent[1]:
                     ent[1].append(child)
@@ -101,7 +106,7 @@ class Consulted:
                     break
                 cur = child
 
-    def valid(self, sigs: list[Any]) -> bool:
+    def valid(self, sigs: list[FileSig | None]) -> bool:
         """Would loading consult the same now? ``sigs``: the files' signatures now."""
         if [s for _f, s, _c in self.files] != sigs:
             return False

@@ -29,6 +29,7 @@ from .rules import (
 from .view import deny_refusal, sandbox_sees, why_outside
 
 if TYPE_CHECKING:
+    from ..cgroups.base import Limits
     from ..pathsig import Consulted
     from .secrets import Matcher, PatternRule
 
@@ -355,7 +356,7 @@ class Effective:
         return out
 
     # ---- limits --------------------------------------------------------------------
-    def limits_over(self, limits: Any, requested: set[str] | None) -> tuple[Any, set[str] | None]:
+    def limits_over(self, limits: Limits | None, requested: set[str] | None) -> tuple[Limits | None, set[str] | None]:
         """(limits, names asked for) with the config's limits applied.
 
         A flag on the command line (``requested``) beats the config; a complete
