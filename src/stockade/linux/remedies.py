@@ -320,7 +320,7 @@ def proc(err: int, env: Env) -> Remedy:
                                "securityContext.procMount: Unmasked (with hostUsers: false)")
         else:
             fix = f"unmount them (`umount {env.masked_proc[0]}` ...), or run stockade outside the sandbox that mounted them"
-        return Remedy(cause, fix)
+        return Remedy(cause, fix + ", or pass --allow-degraded proc (an empty /proc inside)")
     if env.seccomp == 2 and err == E.EPERM:
         return seccomp_remedy(env, "mount")
     return Remedy(f"the kernel refused a new procfs ({E.errorcode.get(err, err)}): /proc is not fully visible here "
