@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,6 +152,8 @@ def build(singles: tuple[tuple[int, int], ...], rng: Range | None) -> tuple[Entr
 def write_with_helper(pid: int, helper: str, entries: tuple[Entry, ...], what: str) -> None:
     """Have newuidmap/newgidmap write /proc/PID/{uid,gid}_map (they check the entries
     against /etc/subuid, /etc/subgid)."""
+    import subprocess  # only here: the run path of a single-id map never pays its import
+
     args = [helper, str(pid)] + [str(n) for e in entries for n in e]
     try:
         r = subprocess.run(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
