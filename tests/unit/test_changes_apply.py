@@ -431,14 +431,14 @@ def test_added_file_that_appears_on_the_host_meanwhile_is_not_replaced(
     b.up("a", "a\n")
     b.up("n", "sandbox\n")
     b.up("z", "z\n")
-    build = planner._Planner.build
+    build = planner.Planner.build
 
-    def build_then_host_writes(self: planner._Planner) -> list[dict[str, object]]:
+    def build_then_host_writes(self: planner.Planner) -> list[dict[str, object]]:
         ops = build(self)
         (b.project / "n").write_text("host\n")
         return ops
 
-    monkeypatch.setattr(planner._Planner, "build", build_then_host_writes)
+    monkeypatch.setattr(planner.Planner, "build", build_then_host_writes)
     with pytest.raises(UsageError, match="appeared on the host"):
         scan(b.session).apply()
     assert (b.project / "n").read_text() == "host\n"

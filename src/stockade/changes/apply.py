@@ -42,32 +42,32 @@ from ..session.idrange import with_sandbox_ids
 from ..session.store import Session
 from ._safefs import Root
 from .executor import (
-    _begin_upto,
-    _Exec,
-    _finish_moves,
-    _layer_cleanup_items,
-    _undo_all,
-    _whole_dirs,
+    Executor,
+    begin_upto,
+    finish_moves,
+    layer_cleanup_items,
+    undo_all,
+    whole_dirs,
 )
 from .held import dangling_gitdirs, held_back
 from .journal import (
-    _flush_early,
-    _fsync_path,
-    _global_lock,
-    _log_event,
-    _new_apply_id,
-    _NotDone,
-    _Progress,
-    _record_applied,
-    _space_remedy,
-    _syncfs,
-    _tick,
-    _write_json,
+    NotDone,
+    Progress,
     applies_dir,
+    flush_early,
+    fsync_path,
+    global_lock,
+    log_event,
+    new_apply_id,
     pending_dir,
+    record_applied,
+    space_remedy,
+    syncfs,
+    tick,
+    write_json,
 )
 from .model import Change, Changes, Kind, is_explicit, normalize_pathspec
-from .planner import _conflicts, _Planner
+from .planner import Planner, find_conflicts
 from .recovery import recover_pending
 from .walk import walk
 
@@ -190,8 +190,8 @@ def apply_changes(
     chosen, held = _hold(cs, picked, specs, include_git)
     if not chosen:
         raise UsageError(f"nothing to apply in session {session.id}{_nothing_why(held, refused)}")
-    flushing = None if dry_run else _flush_early(cs.project)
-    with session.lock(wait=False), _global_lock():
+    flushing = None if dry_run else flush_early(cs.project)
+    with session.lock(wait=False), global_lock():
         # re-scan under the lock so the plan matches the layers exactly, and decide again
         # what is held back on what will be written (a run between the two scans may
         # have changed a symlink or a policy table)
@@ -209,9 +209,9 @@ def apply_changes(
             raise UsageError(f"nothing to apply in session {session.id}{_nothing_why(held, refused)}")
         project = cs.project
         with Root(project) as host:
-            planner = _Planner(fresh, chosen, host)
+            planner = Planner(fresh, chosen, host)
             ops = planner.build()
-            conflicts = _conflicts(session, host, ops)
+            conflicts = find_conflicts(session, host, ops)
             if conflicts and not force:
                 shown = ", ".join(conflicts[:5]) + (" ..." if len(conflicts) > 5 else "")
                 raise UsageError(
@@ -224,8 +224,8 @@ def apply_changes(
         others = sum(1 for c in chosen if c.owner is not None and c.kind is not Kind.DELETED)
         if dry_run:
             return ApplyResult(None, applied, tuple(held), tuple(refused), True, desc, held, others)
-        apply_id = _new_apply_id()
-        whole = _whole_dirs(fresh.changes, chosen, planner.created_dirs)
+        apply_id = new_apply_id()
+        whole = whole_dirs(fresh.changes, chosen, planner.created_dirs)
         _run_apply(apply_id, session, project, chosen, ops, whole, flushing)
         return ApplyResult(apply_id, applied, tuple(held), tuple(refused), False, desc, held, others)
 
@@ -236,7 +236,7 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
     adir = applies_dir() / apply_id
     marker = pending_dir() / apply_id
     stack = session.lower_stack()
-    moves = _layer_cleanup_items(stack, chosen, whole)
+    moves = layer_cleanup_items(stack, chosen, whole)
     plan: dict[str, Any] = {
         "schema_version": 1,
         "id": apply_id,
@@ -250,8 +250,8 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
         "moves": moves,
     }
     untouched = "nothing was applied (the project is as it was; the session keeps every change)"
-    prog: _Progress | None = None
-    ex: _Exec | None = None
+    prog: Progress | None = None
+    ex: Executor | None = None
     try:
         try:
             (adir / "backups").mkdir(parents=True, mode=0o700)
@@ -261,24 +261,24 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
             idrange.copy_mark(session.dir, adir)
             pending_dir().mkdir(parents=True, exist_ok=True, mode=0o700)
             marker.touch()
-            prog = _Progress(adir / "progress")
-            ex = _Exec(apply_id, adir, project, stack)
+            prog = Progress(adir / "progress")
+            ex = Executor(apply_id, adir, project, stack)
             prog.note("s preparing")
-            _tick()
+            tick()
             for n, op in enumerate(ops):
                 ex.backup(n, op)
-                _tick()
-            _write_json(adir / "plan.json", plan)
-            _fsync_path(adir / "backups")
+                tick()
+            write_json(adir / "plan.json", plan)
+            fsync_path(adir / "backups")
             prog.note("s prepared", sync=True)
-            _tick()
+            tick()
         except BaseException as e:
             # nothing in the project changed yet: no journal to keep for recovery
             shutil.rmtree(adir, ignore_errors=True)
             marker.unlink(missing_ok=True)
             if isinstance(e, OSError) and e.errno in store.NO_SPACE:
                 raise store.no_space(e, f"write apply {apply_id}'s journal", adir,
-                                     _space_remedy(adir, untouched)) from None
+                                     space_remedy(adir, untouched)) from None
             raise
         noted = -1
         begun = -1  # the last op that may have changed the project
@@ -287,25 +287,25 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
             for n, op in enumerate(ops):
                 if n > noted:
                     target = adir
-                    noted = _begin_upto(ops, n)
+                    noted = begin_upto(ops, n)
                     prog.note(f"b {noted}")
-                    _tick()
+                    tick()
                 target = project / op["path"]
                 begun = n
                 try:
                     ex.do(n, op)
-                except _NotDone:
+                except NotDone:
                     begun = n - 1
                     raise
-                _tick()
+                tick()
             if flushing is not None:
                 flushing.join()
-            _syncfs(ex.host.fd)
+            syncfs(ex.host.fd)
             target = adir
             prog.note("s committed", sync=True)
         except Exception as e:
             try:
-                _undo_all(ex, ops, begun)
+                undo_all(ex, ops, begun)
             except OSError as ue:
                 if ue.errno in store.NO_SPACE:
                     raise store.no_space(ue, f"undo the failed apply {apply_id}", project, (
@@ -317,27 +317,27 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
             with contextlib.suppress(OSError):
                 prog.note("s undone", sync=True)
             with contextlib.suppress(OSError):
-                _record_applied(session, ex.host, [op["path"] for op in ops])
+                record_applied(session, ex.host, [op["path"] for op in ops])
             marker.unlink(missing_ok=True)
             if isinstance(e, OSError) and e.errno in store.NO_SPACE:
                 raise store.no_space(e, f"apply {os.path.relpath(target, project)}" if target != adir
                                      else f"write apply {apply_id}'s journal", target,
-                                     _space_remedy(target, untouched)) from None
+                                     space_remedy(target, untouched)) from None
             raise
-        _tick()
+        tick()
         try:
             targets = [op["path"] for op in ops]
-            _write_json(adir / "result.json", _record_applied(session, ex.host, targets))
-            _finish_moves(adir, stack, ex.host, moves, set(), prog, fresh=True)
+            write_json(adir / "result.json", record_applied(session, ex.host, targets))
+            finish_moves(adir, stack, ex.host, moves, set(), prog, fresh=True)
             prog.note("s done", sync=True)
         except OSError as e:
             if e.errno in store.NO_SPACE:
-                raise store.no_space(e, f"finish apply {apply_id}", adir, _space_remedy(
+                raise store.no_space(e, f"finish apply {apply_id}", adir, space_remedy(
                     adir, "the project has every change (the apply committed); then run `stockade recover` "
                     "to finish its records")) from None
             raise
         marker.unlink()
-        _log_event(session, {"event": "apply", "apply_id": apply_id, "paths": len(chosen)})
+        log_event(session, {"event": "apply", "apply_id": apply_id, "paths": len(chosen)})
     finally:
         if ex is not None:
             ex.close()

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from ..errors import UsageError
 from ..session.idrange import with_sandbox_ids
 from ._safefs import Root
-from .executor import _move_out, _tidy_dirs
-from .journal import _log_event
+from .executor import move_out, tidy_dirs
+from .journal import log_event
 from .model import Change, Changes
 
 
@@ -28,7 +28,7 @@ def discard_changes(cs: Changes, paths: Sequence[str] | None = None,
             for c in sorted(chosen, key=lambda c: os.fsencode(c.path), reverse=True):
                 dchange = c.new_mode is not None and stat.S_ISDIR(c.new_mode)
                 for li in range(len(stack)):
-                    _move_out(stack, host, c.path, li, dchange, None, True)
-            _tidy_dirs(stack, host, chosen)
-    _log_event(session, {"event": "discard", "paths": len(chosen)})
+                    move_out(stack, host, c.path, li, dchange, None, True)
+            tidy_dirs(stack, host, chosen)
+    log_event(session, {"event": "discard", "paths": len(chosen)})
     return [c.path for c in chosen]

@@ -18,12 +18,12 @@ from ..errors import SessionNotFound, UsageError
 from ..linux.idns import acting_root
 from ..session.store import Session
 from ._safefs import Root, Roots, copy_to_new, link_new, rmtree_at
-from .journal import _log_event, _NotDone, _Progress, _record_applied, _tick
+from .journal import NotDone, Progress, log_event, record_applied, tick
 from .layers import expose
 from .model import Change, Kind
 
 
-class _Exec(Roots):
+class Executor(Roots):
     def __init__(self, apply_id: str, adir: Path, project: Path, stack: list[Path]) -> None:
         super().__init__(project, stack)
         self.id = apply_id
@@ -116,7 +116,7 @@ class _Exec(Roots):
                         if link_new(src, name, pfd, mode, self.owner):
                             return
                     except FileExistsError:
-                        raise _NotDone(f"cannot apply {path}: it appeared on the host while applying; "
+                        raise NotDone(f"cannot apply {path}: it appeared on the host while applying; "
                                        "retry") from None
                 copy_to_new(src, tmp, pfd, mode, self.owner)
             finally:
@@ -233,7 +233,7 @@ class _FdWriter:
         return len(b)
 
 
-def _whole_dirs(every: Sequence[Change], chosen: Sequence[Change], created: set[str]) -> set[str]:
+def whole_dirs(every: Sequence[Change], chosen: Sequence[Change], created: set[str]) -> set[str]:
     """New directories that leave the session as a whole: created by the apply, and every
     change below them is applied too. Each leaves every layer in one rename (not one
     per entry): afterwards the project holds exactly what the merged view showed there."""
@@ -248,7 +248,7 @@ def _whole_dirs(every: Sequence[Change], chosen: Sequence[Change], created: set[
             and c.path in created and c.path not in incomplete}
 
 
-def _layer_cleanup_items(stack: list[Path], changes: Sequence[Change],
+def layer_cleanup_items(stack: list[Path], changes: Sequence[Change],
                          whole: AbstractSet[str] = frozenset()) -> list[list[Any]]:
     """[path, layer index, is_dir_change, reveal] for each change leaving the layers.
 
@@ -272,7 +272,7 @@ def _layer_cleanup_items(stack: list[Path], changes: Sequence[Change],
     return items
 
 
-def _move_out(stack: list[Path], project: Root, path: str, li: int, dir_change: bool,
+def move_out(stack: list[Path], project: Root, path: str, li: int, dir_change: bool,
               dest: Path | None, reveal: bool) -> bool:
     """Remove ``path``'s entry from layer ``li`` (to ``dest`` when given). True if moved.
 
@@ -311,7 +311,7 @@ def _move_out_in(lr: Root, stack: list[Path], project: Root, path: str, li: int,
     return True
 
 
-def _tidy_dirs(stack: list[Path], project: Root, changes: Sequence[Change]) -> None:
+def tidy_dirs(stack: list[Path], project: Root, changes: Sequence[Change]) -> None:
     """Directories a discard emptied: drop them from the layers, restore modes."""
     for c in sorted(changes, key=lambda c: os.fsencode(c.path), reverse=True):
         if c.new_mode is None or not stat.S_ISDIR(c.new_mode):
@@ -343,7 +343,7 @@ def _adds(op: dict[str, Any]) -> bool:
     return op["op"] in ("write", "symlink") and op["old"] is None
 
 
-def _begin_upto(ops: list[dict[str, Any]], n: int) -> int:
+def begin_upto(ops: list[dict[str, Any]], n: int) -> int:
     """The last op the progress line written before op ``n`` may cover: a run of new
     files (at most ``_BEGIN_BATCH``) shares one line, since undoing one that never ran
     finds nothing to remove; any other op gets a line of its own."""
@@ -355,8 +355,8 @@ def _begin_upto(ops: list[dict[str, Any]], n: int) -> int:
     return last
 
 
-def _finish_moves(adir: Path, stack: list[Path], host: Root, moves: list[list[Any]],
-                  done: set[int], prog: _Progress, fresh: bool = False) -> None:
+def finish_moves(adir: Path, stack: list[Path], host: Root, moves: list[list[Any]],
+                  done: set[int], prog: Progress, fresh: bool = False) -> None:
     roots: dict[int, Root] = {}
     checked: set[tuple[int, str]] = set()
     removed = os.fspath(adir / "removed")
@@ -374,24 +374,24 @@ def _finish_moves(adir: Path, stack: list[Path], host: Root, moves: list[list[An
                         continue
                 _move_out_in(lr, stack, host, p, li, bool(dchange), dest, bool(reveal), checked)
             prog.note(f"m {k}")
-            _tick()
+            tick()
     finally:
         for r in roots.values():
             r.close()
 
 
-def _undo_all(ex: _Exec, ops: list[dict[str, Any]], last: int) -> None:
+def undo_all(ex: Executor, ops: list[dict[str, Any]], last: int) -> None:
     for n in range(min(last, len(ops) - 1), -1, -1):
         ex.undo(n, ops[n])
 
 
-def _rollback_ops(ex: _Exec, plan: dict[str, Any], adir: Path, prog: _Progress,
+def rollback_ops(ex: Executor, plan: dict[str, Any], adir: Path, prog: Progress,
                   project_done: bool = False) -> None:
     ops = plan["ops"]
     if not project_done:
-        _undo_all(ex, ops, len(ops) - 1)
+        undo_all(ex, ops, len(ops) - 1)
         prog.note("s undone-project", sync=True)
-        _tick()
+        tick()
     # put the applied entries back into the session's layers (when the session still exists)
     stack = [Path(p) for p in plan["stack"]]
     sdir = Path(plan["session_dir"])
@@ -409,7 +409,7 @@ def _rollback_ops(ex: _Exec, plan: dict[str, Any], adir: Path, prog: _Progress,
                 except OSError:
                     pass
             _rm(src)
-            _tick()
+            tick()
     finally:
         os.close(removed)
     shutil.rmtree(adir / "backups", ignore_errors=True)
@@ -417,8 +417,8 @@ def _rollback_ops(ex: _Exec, plan: dict[str, Any], adir: Path, prog: _Progress,
     if sdir.is_dir():
         with contextlib.suppress(OSError, SessionNotFound):
             s = Session(plan["session"], sdir)
-            _record_applied(s, ex.host, [op["path"] for op in ops])
-            _log_event(s, {"event": "rollback", "apply_id": plan["id"]})
+            record_applied(s, ex.host, [op["path"] for op in ops])
+            log_event(s, {"event": "rollback", "apply_id": plan["id"]})
 
 
 def _put_back(src_dir: int, src: str, lr: Root, p: str) -> None:

@@ -30,7 +30,7 @@ _ticks = 0
 _crash_after: int | None = -1  # -1: not read from the environment yet
 
 
-def _tick() -> None:
+def tick() -> None:
     """``STOCKADE_TEST_CRASH_AFTER=N``: die by SIGKILL after N journaled operations."""
     global _ticks, _crash_after
     if _crash_after == -1:
@@ -43,7 +43,7 @@ def _tick() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _NotDone(UsageError):
+class NotDone(UsageError):
     """An operation failed before it changed anything (so undoing it must not touch its target)."""
 
 
@@ -56,9 +56,9 @@ def pending_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _global_lock() -> Iterator[None]:
+def global_lock() -> Iterator[None]:
     d = applies_dir()
-    with store.disk_space("take the apply lock", d / "lock", _space_remedy(d, "nothing was applied")):
+    with store.disk_space("take the apply lock", d / "lock", space_remedy(d, "nothing was applied")):
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -68,7 +68,7 @@ def _global_lock() -> Iterator[None]:
         os.close(fd)
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -76,7 +76,7 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(json.dumps(data, separators=(",", ":")))
@@ -85,7 +85,7 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _syncfs(fd: int) -> None:
+def syncfs(fd: int) -> None:
     from ..linux import libc
 
     try:
@@ -94,7 +94,7 @@ def _syncfs(fd: int) -> None:
         os.sync()
 
 
-def _flush_early(project: Path) -> threading.Thread | None:
+def flush_early(project: Path) -> threading.Thread | None:
     """Start writing back what is already dirty on the project's filesystem (typically the
     layer the sandbox just wrote) while apply scans and plans, so the ``syncfs`` at the
     commit point has only the apply's own writes left. A flush has no other effect."""
@@ -105,7 +105,7 @@ def _flush_early(project: Path) -> threading.Thread | None:
 
     def run() -> None:
         try:
-            _syncfs(fd)
+            syncfs(fd)
         finally:
             os.close(fd)
 
@@ -114,7 +114,7 @@ def _flush_early(project: Path) -> threading.Thread | None:
     return t
 
 
-class _Progress:
+class Progress:
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
@@ -127,7 +127,7 @@ class _Progress:
         os.close(self.fd)
 
 
-def _read_progress(adir: Path) -> tuple[str, int, set[int]]:
+def read_progress(adir: Path) -> tuple[str, int, set[int]]:
     """(last state, highest begun op index, layer moves done)."""
     state = "preparing"
     begun = -1
@@ -150,7 +150,7 @@ def _applied_record_path(session: Session) -> Path:
     return session.dir / "changes-applied.json"
 
 
-def _load_applied(session: Session) -> dict[str, list[int]]:
+def load_applied(session: Session) -> dict[str, list[int]]:
     try:
         with open(_applied_record_path(session), encoding="utf-8") as f:
             data: dict[str, list[int]] = json.load(f)
@@ -159,34 +159,34 @@ def _load_applied(session: Session) -> dict[str, list[int]]:
         return {}
 
 
-def _record_applied(session: Session, host: Root, paths: list[str]) -> dict[str, list[int] | None]:
+def record_applied(session: Session, host: Root, paths: list[str]) -> dict[str, list[int] | None]:
     """Remember the state we left ``paths`` (and their directories, whose ctime we changed) in.
 
     Returns the states of ``paths`` themselves."""
-    rec = _load_applied(session)
+    rec = load_applied(session)
     every = set(paths)
     for p in paths:
         if "/" in p:
             every.add(p.rsplit("/", 1)[0])
-    states = _target_states(host, sorted(every))
+    states = target_states(host, sorted(every))
     for p, v in states.items():
         if v is None:
             rec.pop(p, None)
         else:
             rec[p] = v
-    _write_json(_applied_record_path(session), rec)
+    write_json(_applied_record_path(session), rec)
     return {p: states[p] for p in paths}
 
 
-def _new_apply_id() -> str:
+def new_apply_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
-def _space_remedy(path: Path, then: str) -> str:
+def space_remedy(path: Path, then: str) -> str:
     return f"free space on {store.mount_point(path)} and try again; {then}"
 
 
-def _log_event(session: Session, ev: dict[str, Any]) -> None:
+def log_event(session: Session, ev: dict[str, Any]) -> None:
     ev = {"ts": time.time(), **ev}
     try:
         with open(session.events_path, "a", encoding="utf-8") as f:
@@ -195,7 +195,7 @@ def _log_event(session: Session, ev: dict[str, Any]) -> None:
         pass
 
 
-def _load_plan(adir: Path) -> dict[str, Any] | None:
+def load_plan(adir: Path) -> dict[str, Any] | None:
     try:
         with open(adir / "plan.json", encoding="utf-8") as f:
             data: dict[str, Any] = json.load(f)
@@ -224,18 +224,18 @@ def list_applies(session_id: str | None = None) -> list[ApplyRecord]:
         if n in ("pending", "lock") or n.startswith("."):
             continue
         adir = applies_dir() / n
-        plan = _load_plan(adir)
+        plan = load_plan(adir)
         if plan is None:
             continue
         if session_id is not None and plan["session"] != session_id:
             continue
-        state, _, _ = _read_progress(adir)
+        state, _, _ = read_progress(adir)
         out.append(ApplyRecord(n, plan["session"], plan["project"], int(plan["created"]), state,
                                tuple(plan["paths"])))
     return out
 
 
-def _target_states(host: Root, paths: list[str]) -> dict[str, list[int] | None]:
+def target_states(host: Root, paths: list[str]) -> dict[str, list[int] | None]:
     out: dict[str, list[int] | None] = {}
     for p in paths:
         st = host.lstat(p)

@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import UsageError
 from ..session.store import Session
 from ._safefs import Root
-from .journal import _load_applied
+from .journal import load_applied
 from .model import Change, Changes, Kind
 
 
@@ -41,7 +41,7 @@ def _depth_desc(p: str) -> bytes:
     return os.fsencode(p)
 
 
-class _Planner:
+class Planner:
     def __init__(self, cs: Changes, selected: Sequence[Change], host: Root) -> None:
         self.cs = cs
         self.host = host
@@ -169,9 +169,9 @@ def _layer_readlink(session: Session, c: Change) -> str:
         return r.readlink(c.path)
 
 
-def _conflicts(session: Session, host: Root, ops: list[dict[str, Any]]) -> list[str]:
+def find_conflicts(session: Session, host: Root, ops: list[dict[str, Any]]) -> list[str]:
     created = int(session.meta().get("created_ns", 0))
-    rec = _load_applied(session)
+    rec = load_applied(session)
     out: list[str] = []
     for op in ops:
         if op["op"] == "mkdir":

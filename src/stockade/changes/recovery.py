@@ -11,17 +11,17 @@ from pathlib import Path
 from ..session import store
 from ..session.idrange import with_sandbox_ids
 from ..session.store import Session
-from .executor import _Exec, _finish_moves, _rollback_ops, _undo_all
+from .executor import Executor, finish_moves, rollback_ops, undo_all
 from .journal import (
-    _global_lock,
-    _load_plan,
-    _Progress,
-    _read_progress,
-    _record_applied,
-    _space_remedy,
+    Progress,
     applies_dir,
+    global_lock,
     list_applies,
+    load_plan,
     pending_dir,
+    read_progress,
+    record_applied,
+    space_remedy,
 )
 
 
@@ -35,16 +35,16 @@ def recover_pending() -> list[str]:
     if not names:
         return []
     messages: list[str] = []
-    with _global_lock():
+    with global_lock():
         for apply_id in sorted(os.listdir(pending_dir())):
             # a full disk: the journal stays pending, and the next command tries again
             with store.disk_space(f"recover apply {apply_id}", applies_dir() / apply_id,
-                                  _space_remedy(applies_dir(), "its journal stays pending until then")):
+                                  space_remedy(applies_dir(), "its journal stays pending until then")):
                 messages.append(_recover_one(apply_id))
     return messages
 
 
-def _apply_dirs(apply_id: str | None) -> list[str]:
+def apply_dirs(apply_id: str | None) -> list[str]:
     """An apply's directory (default: the latest finished one's) and its session's: where
     a rollback or recovery reaches entries of the session's sandbox ids."""
     if apply_id is None:
@@ -55,7 +55,7 @@ def _apply_dirs(apply_id: str | None) -> list[str]:
     if "/" in apply_id:
         return []
     adir = applies_dir() / apply_id
-    plan = _load_plan(adir)
+    plan = load_plan(adir)
     return [str(adir), *([str(plan["session_dir"])] if plan and plan.get("session_dir") else [])]
 
 
@@ -65,36 +65,36 @@ def _pending_dirs() -> list[str]:
         names = os.listdir(pending_dir())
     except FileNotFoundError:
         return []
-    return [d for n in names if not n.startswith(".") for d in _apply_dirs(n)]
+    return [d for n in names if not n.startswith(".") for d in apply_dirs(n)]
 
 
 def _recover_one(apply_id: str) -> str:
     adir = applies_dir() / apply_id
     marker = pending_dir() / apply_id
-    state, begun, moved = _read_progress(adir)
-    plan = _load_plan(adir)
+    state, begun, moved = read_progress(adir)
+    plan = load_plan(adir)
     if plan is None or state == "preparing":
         # nothing in the project was touched yet
         shutil.rmtree(adir, ignore_errors=True)
         marker.unlink(missing_ok=True)
         return f"apply {apply_id}: interrupted before it changed anything; discarded"
     stack = [Path(p) for p in plan["stack"]]
-    ex = _Exec(apply_id, adir, Path(plan["project"]), stack)
-    prog = _Progress(adir / "progress")
+    ex = Executor(apply_id, adir, Path(plan["project"]), stack)
+    prog = Progress(adir / "progress")
     try:
         if state == "prepared":
-            _undo_all(ex, plan["ops"], begun)
+            undo_all(ex, plan["ops"], begun)
             prog.note("s undone", sync=True)
             sdir = Path(plan["session_dir"])
             if sdir.is_dir():
-                _record_applied(Session(plan["session"], sdir), ex.host, [op["path"] for op in plan["ops"]])
+                record_applied(Session(plan["session"], sdir), ex.host, [op["path"] for op in plan["ops"]])
             msg = f"apply {apply_id}: interrupted; undone (the project is as before it)"
         elif state == "committed":
-            _finish_moves(adir, stack, ex.host, plan["moves"], moved, prog)
+            finish_moves(adir, stack, ex.host, plan["moves"], moved, prog)
             prog.note("s done", sync=True)
             msg = f"apply {apply_id}: interrupted after it committed; finished"
         elif state in ("rolling-back", "undone-project"):
-            _rollback_ops(ex, plan, adir, prog, project_done=state == "undone-project")
+            rollback_ops(ex, plan, adir, prog, project_done=state == "undone-project")
             msg = f"rollback of apply {apply_id}: interrupted; finished"
         else:
             msg = f"apply {apply_id}: already {state}"

@@ -11,32 +11,32 @@ from ..errors import UsageError
 from ..session import store
 from ..session.idrange import with_sandbox_ids
 from ..session.store import Session
-from .executor import _Exec, _rollback_ops
+from .executor import Executor, rollback_ops
 from .journal import (
     ApplyRecord,
-    _global_lock,
-    _load_plan,
-    _Progress,
-    _target_states,
-    _tick,
+    Progress,
     applies_dir,
+    global_lock,
     list_applies,
+    load_plan,
     pending_dir,
+    target_states,
+    tick,
 )
-from .recovery import _apply_dirs, recover_pending
+from .recovery import apply_dirs, recover_pending
 
 
-def _verify_applied(ex: _Exec, adir: Path) -> list[str]:
+def _verify_applied(ex: Executor, adir: Path) -> list[str]:
     """Targets that no longer hold what the apply left there (changed on the host since)."""
     try:
         result: dict[str, list[int] | None] = json.loads((adir / "result.json").read_text())
     except (OSError, ValueError):
         return []
-    now = _target_states(ex.host, list(result))
+    now = target_states(ex.host, list(result))
     return sorted(p for p, v in result.items() if now[p] != v)
 
 
-@with_sandbox_ids(lambda apply_id=None, **k: _apply_dirs(apply_id))
+@with_sandbox_ids(lambda apply_id=None, **k: apply_dirs(apply_id))
 def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord:
     """Undo a finished apply: restore exactly what it replaced, put the entries back in the session."""
     recover_pending()
@@ -56,7 +56,7 @@ def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord
     if rec.state != "done":
         raise UsageError(f"apply {rec.id} did not complete ({rec.state}); nothing to roll back")
     adir = applies_dir() / rec.id
-    plan = _load_plan(adir)
+    plan = load_plan(adir)
     assert plan is not None
     stack = [Path(p) for p in plan["stack"]]
     sdir = Path(plan["session_dir"])
@@ -65,8 +65,8 @@ def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord
         lock_cm = Session(plan["session"], sdir).lock(wait=False)
     else:
         lock_cm = contextlib.nullcontext()
-    with lock_cm, _global_lock():
-        ex = _Exec(rec.id, adir, Path(plan["project"]), stack)
+    with lock_cm, global_lock():
+        ex = Executor(rec.id, adir, Path(plan["project"]), stack)
         try:
             bad = _verify_applied(ex, adir)
             if bad and not force:
@@ -84,14 +84,14 @@ def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord
                 )
             (pending_dir()).mkdir(parents=True, exist_ok=True)
             (pending_dir() / rec.id).touch()
-            prog = _Progress(adir / "progress")
+            prog = Progress(adir / "progress")
             try:
                 with store.disk_space(f"roll back apply {rec.id}", Path(plan["project"]), (
                         f"free space on {store.mount_point(plan['project'])}, then run `stockade recover`: "
                         "it finishes the rollback (its journal keeps every original)")):
                     prog.note("s rolling-back", sync=True)
-                    _tick()
-                    _rollback_ops(ex, plan, adir, prog)
+                    tick()
+                    rollback_ops(ex, plan, adir, prog)
             finally:
                 prog.close()
             (pending_dir() / rec.id).unlink(missing_ok=True)

@@ -23,14 +23,14 @@ AUDIT_ARCH_I386 = 0x40000003
 SCMP_ARCH_X32 = 0x4000003E  # libseccomp token; the kernel reports x32 as X86_64 + bit 30
 
 # classic BPF opcodes
-_BPF_LD, _BPF_LDX, _BPF_ST, _BPF_STX, _BPF_ALU, _BPF_JMP, _BPF_RET, _BPF_MISC = range(8)
-_BPF_W, _BPF_H, _BPF_B = 0x00, 0x08, 0x10
-_BPF_IMM, _BPF_ABS, _BPF_IND, _BPF_MEM, _BPF_LEN = 0x00, 0x20, 0x40, 0x60, 0x80
-_BPF_K, _BPF_X = 0x00, 0x08
-_BPF_JA, _BPF_JEQ, _BPF_JGT, _BPF_JGE, _BPF_JSET = 0x00, 0x10, 0x20, 0x30, 0x40
-_INSN = struct.Struct("=HBBI")
-_BPF_A_SRC = 0x10  # BPF_RET | BPF_A
+BPF_LD, BPF_LDX, BPF_ST, BPF_STX, BPF_ALU, BPF_JMP, BPF_RET, BPF_MISC = range(8)
+BPF_W, BPF_H, BPF_B = 0x00, 0x08, 0x10
+BPF_IMM, BPF_ABS, BPF_IND, BPF_MEM, BPF_LEN = 0x00, 0x20, 0x40, 0x60, 0x80
+BPF_K, BPF_X = 0x00, 0x08
+BPF_JA, BPF_JEQ, BPF_JGT, BPF_JGE, BPF_JSET = 0x00, 0x10, 0x20, 0x30, 0x40
+INSN = struct.Struct("=HBBI")
+BPF_A_SRC = 0x10  # BPF_RET | BPF_A
 
 
-def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
-    return _INSN.pack(code, jt, jf, k)
+def insn(code: int, jt: int, jf: int, k: int) -> bytes:
+    return INSN.pack(code, jt, jf, k)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import PolicyError
-from .bpf import _INSN, BPF_MAXINSNS
-from .compile import _compile
-from .parse import _parse
+from .bpf import BPF_MAXINSNS, INSN
+from .compile import compile_bpf
+from .parse import parse_profile
 from .profiles import profile_path
 
 # Bump when the compiler's output for the same profile changes (cache key).
@@ -30,7 +30,7 @@ class CompiledFilter:
 
     @property
     def instructions(self) -> int:
-        return len(self.bpf) // _INSN.size
+        return len(self.bpf) // INSN.size
 
 
 def cache_dir() -> Path:
@@ -71,7 +71,7 @@ def _read_cached(path: Path) -> bytes | None:
         raw = path.read_bytes()
     except OSError:
         return None
-    if not raw or len(raw) % _INSN.size or len(raw) // _INSN.size > BPF_MAXINSNS:
+    if not raw or len(raw) % INSN.size or len(raw) // INSN.size > BPF_MAXINSNS:
         return None
     return raw
 
@@ -114,7 +114,7 @@ def compile_profile(spec: str, *, use_cache: bool = True) -> CompiledFilter:
         if bpf is None:
             bpf = _read_cached(cache_dir() / f"{key}.bpf")
     if bpf is None:
-        bpf = _compile(_parse(path, data))
+        bpf = compile_bpf(parse_profile(path, data))
         if use_cache:
             _write_cached(cache_dir() / f"{key}.bpf", bpf)
     out = CompiledFilter(name=name, digest=hashlib.sha256(bpf).hexdigest(), bpf=bpf)

@@ -10,29 +10,29 @@ from collections.abc import Iterable, Sequence
 
 from ...errors import PolicyError, SandboxError
 from .bpf import (
-    _BPF_A_SRC,
-    _BPF_ABS,
-    _BPF_JA,
-    _BPF_JEQ,
-    _BPF_JMP,
-    _BPF_JSET,
-    _BPF_K,
-    _BPF_LD,
-    _BPF_RET,
-    _BPF_W,
-    _INSN,
     AUDIT_ARCH_X86_64,
+    BPF_A_SRC,
+    BPF_ABS,
+    BPF_JA,
+    BPF_JEQ,
+    BPF_JMP,
+    BPF_JSET,
+    BPF_K,
+    BPF_LD,
     BPF_MAXINSNS,
+    BPF_RET,
+    BPF_W,
+    INSN,
     SCMP_ARCH_X32,
     SECCOMP_RET_ACTION_FULL,
     SECCOMP_RET_ALLOW,
     SECCOMP_RET_KILL_PROCESS,
     X32_SYSCALL_BIT,
-    _insn,
+    insn,
 )
 from .evaluate import evaluate
-from .lib import _libseccomp
-from .parse import _PERMISSIVE, _action_name, _Cmp, _fail, _Profile
+from .lib import libseccomp
+from .parse import PERMISSIVE, Cmp, Profile, action_name, profile_error
 
 # libseccomp filter attributes
 _ATTR_ACT_BADARCH = 2
@@ -68,15 +68,15 @@ INIT_REQUIRED_CALLS: tuple[tuple[str, tuple[int, ...]], ...] = (
 
 
 def _plan(
-    prof: _Profile,
-) -> tuple[list[tuple[int, int, tuple[_Cmp, ...]]], list[tuple[int, int, tuple[_Cmp, ...]]]]:
+    prof: Profile,
+) -> tuple[list[tuple[int, int, tuple[Cmp, ...]]], list[tuple[int, int, tuple[Cmp, ...]]]]:
     """Split rules into the main program (A) and the argument-deny program (B).
 
     Returns two lists of (syscall nr, action, comparisons).
     """
-    lib = _libseccomp()
+    lib = libseccomp()
     uncond: dict[int, tuple[int, str, str]] = {}  # nr -> (action, where, name)
-    cond: list[tuple[int, int, tuple[_Cmp, ...], str, str]] = []
+    cond: list[tuple[int, int, tuple[Cmp, ...], str, str]] = []
     for rule in prof.rules:
         for n in rule.names:
             nr = lib.resolve(n)
@@ -84,29 +84,29 @@ def _plan(
             if not rule.args:
                 prev = uncond.get(nr)
                 if prev is not None and prev[0] != rule.action:
-                    raise _fail(
+                    raise profile_error(
                         prof.path,
                         rule.where,
-                        f"{n!r} already has action {_action_name(prev[0])} in {prev[1]}; "
-                        f"conflicting {_action_name(rule.action)}",
+                        f"{n!r} already has action {action_name(prev[0])} in {prev[1]}; "
+                        f"conflicting {action_name(rule.action)}",
                     )
                 uncond[nr] = (rule.action, rule.where, n)
             else:
                 cond.append((nr, rule.action, rule.args, rule.where, n))
-    prog_a: list[tuple[int, int, tuple[_Cmp, ...]]] = []
-    prog_b: list[tuple[int, int, tuple[_Cmp, ...]]] = []
+    prog_a: list[tuple[int, int, tuple[Cmp, ...]]] = []
+    prog_b: list[tuple[int, int, tuple[Cmp, ...]]] = []
     for nr, (action, _w, _n) in uncond.items():
         if action != prof.default_action:
             prog_a.append((nr, action, ()))
     for nr, action, args, where, n in cond:
-        if action not in _PERMISSIVE:
+        if action not in PERMISSIVE:
             prog_b.append((nr, action, args))
         elif nr in uncond:
-            if uncond[nr][0] not in _PERMISSIVE:
-                raise _fail(
+            if uncond[nr][0] not in PERMISSIVE:
+                raise profile_error(
                     prof.path,
                     where,
-                    f"an argument-conditional {_action_name(action)} for {n!r}, which "
+                    f"an argument-conditional {action_name(action)} for {n!r}, which "
                     f"{uncond[nr][1]} denies unconditionally: unconditional rules win over "
                     "conditional allows; drop the unconditional rule and let defaultAction "
                     "cover the other cases",
@@ -118,13 +118,13 @@ def _plan(
 
 
 def _build(
-    prof: _Profile, default: int, rules: Sequence[tuple[int, int, tuple[_Cmp, ...]]]
+    prof: Profile, default: int, rules: Sequence[tuple[int, int, tuple[Cmp, ...]]]
 ) -> bytes:
-    lib = _libseccomp()
+    lib = libseccomp()
     ffi, c = lib.ffi, lib.lib
     ctx = c.seccomp_init(default)
     if ctx == ffi.NULL:
-        raise _fail(prof.path, "defaultAction", "libseccomp refused the default action")
+        raise profile_error(prof.path, "defaultAction", "libseccomp refused the default action")
     try:
         _check(
             prof,
@@ -158,7 +158,7 @@ def _build(
             os.close(fd)
     finally:
         c.seccomp_release(ctx)
-    if not out or len(out) % _INSN.size:
+    if not out or len(out) % INSN.size:
         raise SandboxError(
             "compile seccomp profile",
             path=str(prof.path),
@@ -167,7 +167,7 @@ def _build(
     return out
 
 
-def _check(prof: _Profile, step: str, rc: int) -> None:
+def _check(prof: Profile, step: str, rc: int) -> None:
     if rc < 0:
         raise SandboxError(f"libseccomp: {step}", path=str(prof.path), errno=-rc)
 
@@ -175,24 +175,24 @@ def _check(prof: _Profile, step: str, rc: int) -> None:
 def _prologue(arches: Iterable[int]) -> bytes:
     """Kill every architecture not listed, and x32 numbers unless X32 is listed."""
     allowed = sorted({a for a in arches if a != SCMP_ARCH_X32})
-    kill = _insn(_BPF_RET | _BPF_K, 0, 0, SECCOMP_RET_KILL_PROCESS)
+    kill = insn(BPF_RET | BPF_K, 0, 0, SECCOMP_RET_KILL_PROCESS)
     x32_check = AUDIT_ARCH_X86_64 in allowed and SCMP_ARCH_X32 not in set(arches)
     tail: list[bytes] = []
     if x32_check:
         # only reached for X86_64: the arch checks below jump here for it
         tail = [
-            _insn(_BPF_LD | _BPF_W | _BPF_ABS, 0, 0, 0),  # A = nr
-            _insn(_BPF_JMP | _BPF_JSET | _BPF_K, 0, 1, X32_SYSCALL_BIT),
+            insn(BPF_LD | BPF_W | BPF_ABS, 0, 0, 0),  # A = nr
+            insn(BPF_JMP | BPF_JSET | BPF_K, 0, 1, X32_SYSCALL_BIT),
             kill,
         ]
     # arch dispatch: other arches jump past the x32 tail, x86_64 falls into it
     n = len(allowed)
-    head = [_insn(_BPF_LD | _BPF_W | _BPF_ABS, 0, 0, 4)]  # A = arch
+    head = [insn(BPF_LD | BPF_W | BPF_ABS, 0, 0, 4)]  # A = arch
     for i, tok in enumerate(allowed):
         # distance from the instruction after this jeq to the target
         after_kill = (n - i - 1) + 1  # remaining jeqs + the kill
         target = after_kill if tok == AUDIT_ARCH_X86_64 or not tail else after_kill + len(tail)
-        head.append(_insn(_BPF_JMP | _BPF_JEQ | _BPF_K, target, 0, tok))
+        head.append(insn(BPF_JMP | BPF_JEQ | BPF_K, target, 0, tok))
     head.append(kill)
     return b"".join(head + tail)
 
@@ -202,26 +202,26 @@ def _compose(prologue: bytes, deny: bytes | None, main: bytes) -> bytes:
     if deny is None:
         out = prologue + main
     else:
-        insns = [_INSN.unpack_from(deny, i) for i in range(0, len(deny), _INSN.size)]
+        insns = [INSN.unpack_from(deny, i) for i in range(0, len(deny), INSN.size)]
         patched: list[bytes] = []
         for i, (code, jt, jf, k) in enumerate(insns):
-            if code == (_BPF_RET | _BPF_K) and k == SECCOMP_RET_ALLOW:
-                patched.append(_insn(_BPF_JMP | _BPF_JA, 0, 0, len(insns) - i - 1))
-            elif code == (_BPF_RET | _BPF_A_SRC):
+            if code == (BPF_RET | BPF_K) and k == SECCOMP_RET_ALLOW:
+                patched.append(insn(BPF_JMP | BPF_JA, 0, 0, len(insns) - i - 1))
+            elif code == (BPF_RET | BPF_A_SRC):
                 raise SandboxError(
                     "compose seccomp programs", detail="unexpected RET A in libseccomp output"
                 )
             else:
-                patched.append(_insn(code, jt, jf, k))
+                patched.append(insn(code, jt, jf, k))
         out = prologue + b"".join(patched) + main
-    if len(out) // _INSN.size > BPF_MAXINSNS:
+    if len(out) // INSN.size > BPF_MAXINSNS:
         raise PolicyError(
-            f"seccomp profile compiles to {len(out) // _INSN.size} BPF instructions (limit {BPF_MAXINSNS})"
+            f"seccomp profile compiles to {len(out) // INSN.size} BPF instructions (limit {BPF_MAXINSNS})"
         )
     return out
 
 
-def _compile(prof: _Profile) -> bytes:
+def compile_bpf(prof: Profile) -> bytes:
     prog_a, prog_b = _plan(prof)
     main = _build(prof, prof.default_action, prog_a)
     deny = _build(prof, SECCOMP_RET_ALLOW, prog_b) if prog_b else None
@@ -230,19 +230,19 @@ def _compile(prof: _Profile) -> bytes:
     return bpf
 
 
-def _check_init_calls(prof: _Profile, bpf: bytes) -> None:
-    lib = _libseccomp()
+def _check_init_calls(prof: Profile, bpf: bytes) -> None:
+    lib = libseccomp()
     denied: list[str] = []
     for name, args in INIT_REQUIRED_CALLS:
         nr = lib.resolve(name)
         if nr is None or nr < 0:
             continue
         ret = evaluate(bpf, nr, args, arch=lib.native)
-        if (ret & SECCOMP_RET_ACTION_FULL) not in _PERMISSIVE:
+        if (ret & SECCOMP_RET_ACTION_FULL) not in PERMISSIVE:
             what = (
                 f"{name}({', '.join(hex(a) for a in args[:2])}, ...)" if name == "clone" else name
             )
-            denied.append(f"{what} -> {_action_name(ret)}")
+            denied.append(f"{what} -> {action_name(ret)}")
     if denied:
         raise PolicyError(
             f"seccomp profile {prof.path}: denies {', '.join(sorted(set(denied)))}: the sandbox's "

@@ -7,31 +7,31 @@ import struct
 from collections.abc import Sequence
 
 from .bpf import (
-    _BPF_A_SRC,
-    _BPF_ABS,
-    _BPF_ALU,
-    _BPF_IMM,
-    _BPF_JA,
-    _BPF_JEQ,
-    _BPF_JGE,
-    _BPF_JGT,
-    _BPF_JMP,
-    _BPF_JSET,
-    _BPF_K,
-    _BPF_LD,
-    _BPF_LDX,
-    _BPF_LEN,
-    _BPF_MEM,
-    _BPF_MISC,
-    _BPF_RET,
-    _BPF_ST,
-    _BPF_STX,
-    _BPF_W,
-    _BPF_X,
-    _INSN,
+    BPF_A_SRC,
+    BPF_ABS,
+    BPF_ALU,
+    BPF_IMM,
+    BPF_JA,
+    BPF_JEQ,
+    BPF_JGE,
+    BPF_JGT,
+    BPF_JMP,
+    BPF_JSET,
+    BPF_K,
+    BPF_LD,
+    BPF_LDX,
+    BPF_LEN,
+    BPF_MEM,
+    BPF_MISC,
+    BPF_RET,
+    BPF_ST,
+    BPF_STX,
+    BPF_W,
+    BPF_X,
+    INSN,
     SECCOMP_RET_ALLOW,
 )
-from .lib import _libseccomp
+from .lib import libseccomp
 
 
 def evaluate(
@@ -39,10 +39,10 @@ def evaluate(
 ) -> int:
     """Run ``bpf`` on a ``struct seccomp_data`` and return the SECCOMP_RET_* value."""
     if arch is None:
-        arch = _libseccomp().native
+        arch = libseccomp().native
     a6 = [int(x) & 0xFFFFFFFFFFFFFFFF for x in args] + [0] * (6 - len(args))
     data = struct.pack("=iIQ6Q", nr, arch, ip, *a6[:6])
-    prog = [_INSN.unpack_from(bpf, i) for i in range(0, len(bpf), _INSN.size)]
+    prog = [INSN.unpack_from(bpf, i) for i in range(0, len(bpf), INSN.size)]
     acc = x = 0
     mem = [0] * 16
     pc = 0
@@ -53,33 +53,33 @@ def evaluate(
         code, jt, jf, k = prog[pc]
         pc += 1
         cls = code & 0x07
-        if cls == _BPF_RET:
-            return acc if (code & 0x18) == _BPF_A_SRC else k
-        if cls in (_BPF_LD, _BPF_LDX):
+        if cls == BPF_RET:
+            return acc if (code & 0x18) == BPF_A_SRC else k
+        if cls in (BPF_LD, BPF_LDX):
             mode = code & 0xE0
-            if mode == _BPF_ABS:
-                if code & 0x18 != _BPF_W or k % 4 or k + 4 > len(data):
+            if mode == BPF_ABS:
+                if code & 0x18 != BPF_W or k % 4 or k + 4 > len(data):
                     raise ValueError(f"BPF: bad load at offset {k}")
                 val = struct.unpack_from("=I", data, k)[0]
-            elif mode == _BPF_IMM:
+            elif mode == BPF_IMM:
                 val = k
-            elif mode == _BPF_MEM:
+            elif mode == BPF_MEM:
                 val = mem[k]
-            elif mode == _BPF_LEN:
+            elif mode == BPF_LEN:
                 val = len(data)
             else:
                 raise ValueError(f"BPF: unsupported load {code:#x}")
-            if cls == _BPF_LD:
+            if cls == BPF_LD:
                 acc = val
             else:
                 x = val
-        elif cls == _BPF_ST:
+        elif cls == BPF_ST:
             mem[k] = acc
-        elif cls == _BPF_STX:
+        elif cls == BPF_STX:
             mem[k] = x
-        elif cls == _BPF_ALU:
+        elif cls == BPF_ALU:
             op = code & 0xF0
-            src = x if code & _BPF_X else k
+            src = x if code & BPF_X else k
             if op == 0x00:
                 acc = (acc + src) & m32
             elif op == 0x10:
@@ -104,24 +104,24 @@ def evaluate(
                 acc ^= src
             else:
                 raise ValueError(f"BPF: unsupported ALU {code:#x}")
-        elif cls == _BPF_JMP:
+        elif cls == BPF_JMP:
             op = code & 0xF0
-            src = x if code & _BPF_X else k
-            if op == _BPF_JA:
+            src = x if code & BPF_X else k
+            if op == BPF_JA:
                 pc += k
                 continue
-            if op == _BPF_JEQ:
+            if op == BPF_JEQ:
                 cond = acc == src
-            elif op == _BPF_JGT:
+            elif op == BPF_JGT:
                 cond = acc > src
-            elif op == _BPF_JGE:
+            elif op == BPF_JGE:
                 cond = acc >= src
-            elif op == _BPF_JSET:
+            elif op == BPF_JSET:
                 cond = bool(acc & src)
             else:
                 raise ValueError(f"BPF: unsupported jump {code:#x}")
             pc += jt if cond else jf
-        elif cls == _BPF_MISC:
+        elif cls == BPF_MISC:
             if code & 0xF8 == 0x00:
                 x = acc
             else:
@@ -137,43 +137,43 @@ def kernel_const_allow(bpf: bytes, nr: int, *, arch: int | None = None) -> bool:
     kernel/seccomp.c, which emulates the program with only ``nr`` and ``arch``
     known and gives up on any argument load."""
     if arch is None:
-        arch = _libseccomp().native
+        arch = libseccomp().native
     prog: list[tuple[int, int, int, int]] = [
-        _INSN.unpack_from(bpf, i) for i in range(0, len(bpf), _INSN.size)
+        INSN.unpack_from(bpf, i) for i in range(0, len(bpf), INSN.size)
     ]
     reg = 0
     pc = 0
     while 0 <= pc < len(prog):
         code, jt, jf, k = prog[pc]
-        if code == _BPF_LD | _BPF_W | _BPF_ABS:
+        if code == BPF_LD | BPF_W | BPF_ABS:
             if k == 0:
                 reg = nr & 0xFFFFFFFF
             elif k == 4:
                 reg = arch
             else:
                 return False
-        elif code == _BPF_RET | _BPF_K:
+        elif code == BPF_RET | BPF_K:
             return k == SECCOMP_RET_ALLOW
-        elif code == _BPF_JMP | _BPF_JA:
+        elif code == BPF_JMP | BPF_JA:
             pc += k
         elif code in (
-            _BPF_JMP | _BPF_JEQ | _BPF_K,
-            _BPF_JMP | _BPF_JGE | _BPF_K,
-            _BPF_JMP | _BPF_JGT | _BPF_K,
-            _BPF_JMP | _BPF_JSET | _BPF_K,
+            BPF_JMP | BPF_JEQ | BPF_K,
+            BPF_JMP | BPF_JGE | BPF_K,
+            BPF_JMP | BPF_JGT | BPF_K,
+            BPF_JMP | BPF_JSET | BPF_K,
         ):
             op = code & 0xF0
             res = (
                 reg == k
-                if op == _BPF_JEQ
+                if op == BPF_JEQ
                 else reg >= k
-                if op == _BPF_JGE
+                if op == BPF_JGE
                 else reg > k
-                if op == _BPF_JGT
+                if op == BPF_JGT
                 else bool(reg & k)
             )
             pc += jt if res else jf
-        elif code == _BPF_ALU | 0x50 | _BPF_K:  # BPF_AND
+        elif code == BPF_ALU | 0x50 | BPF_K:  # BPF_AND
             reg &= k
         else:
             return False

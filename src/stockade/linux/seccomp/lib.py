@@ -106,7 +106,7 @@ _lib_lock = threading.Lock()
 _lib: _Libseccomp | None = None
 
 
-def _libseccomp() -> _Libseccomp:
+def libseccomp() -> _Libseccomp:
     global _lib
     with _lib_lock:
         if _lib is None:
@@ -115,12 +115,12 @@ def _libseccomp() -> _Libseccomp:
 
 
 def libseccomp_version() -> str:
-    return _libseccomp().version
+    return libseccomp().version
 
 
 def syscall_number(name: str) -> int:
     """The native number of ``name`` (for tests and the lead's code); KeyError if unknown."""
-    nr = _libseccomp().resolve(name)
+    nr = libseccomp().resolve(name)
     if nr is None or nr < 0:
         raise KeyError(name)
     return nr

@@ -19,7 +19,7 @@ from .bpf import (
     SECCOMP_RET_LOG,
     SECCOMP_RET_TRAP,
 )
-from .lib import _libseccomp
+from .lib import libseccomp
 
 # Profile actions.  SCMP_ACT_TRACE and SCMP_ACT_NOTIFY are refused: with no tracer
 # or supervisor attached they only return ENOSYS, and a supervisor would be a host
@@ -37,7 +37,7 @@ _REFUSED_ACTIONS = {
     "SCMP_ACT_TRACE": "needs a ptrace supervisor, which stockade does not run",
     "SCMP_ACT_NOTIFY": "needs a user-notification supervisor, which stockade does not run",
 }
-_PERMISSIVE = {SECCOMP_RET_ALLOW, SECCOMP_RET_LOG}
+PERMISSIVE = {SECCOMP_RET_ALLOW, SECCOMP_RET_LOG}
 
 _OPS: dict[str, int] = {
     "SCMP_CMP_NE": 1,
@@ -51,7 +51,7 @@ _OPS: dict[str, int] = {
 
 
 @dataclass(frozen=True)
-class _Cmp:
+class Cmp:
     index: int
     op: int
     a: int
@@ -63,11 +63,11 @@ class _Rule:
     where: str  # "syscalls[3]" for messages
     names: tuple[str, ...]
     action: int  # full SECCOMP_RET_* value, errno folded in
-    args: tuple[_Cmp, ...]
+    args: tuple[Cmp, ...]
 
 
 @dataclass
-class _Profile:
+class Profile:
     path: Path
     description: str
     default_action: int
@@ -88,7 +88,7 @@ _RULE_KEYS = {"names", "action", "errnoRet", "args", "comment"}
 _ARG_KEYS = {"index", "value", "valueTwo", "op"}
 
 
-def _fail(path: Path, where: str, msg: str) -> PolicyError:
+def profile_error(path: Path, where: str, msg: str) -> PolicyError:
     return PolicyError(f"seccomp profile {path}: {where}: {msg}")
 
 
@@ -96,10 +96,10 @@ def _errno_value(path: Path, where: str, raw: object) -> int:
     if isinstance(raw, str):
         val = getattr(_errno, raw, None)
         if not isinstance(val, int):
-            raise _fail(path, where, f"unknown errno name {raw!r}")
+            raise profile_error(path, where, f"unknown errno name {raw!r}")
         return val
     if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw <= 4095:
-        raise _fail(
+        raise profile_error(
             path, where, f"must be an errno number 0..4095 or a name like 'EPERM', not {raw!r}"
         )
     return raw
@@ -109,29 +109,29 @@ def _action(
     path: Path, where: str, raw: object, errno_raw: object, errno_where: str, default_errno: int
 ) -> int:
     if not isinstance(raw, str):
-        raise _fail(path, where, f"must be a string like 'SCMP_ACT_ALLOW', not {raw!r}")
+        raise profile_error(path, where, f"must be a string like 'SCMP_ACT_ALLOW', not {raw!r}")
     if raw in _REFUSED_ACTIONS:
-        raise _fail(path, where, f"{raw} is not supported: it {_REFUSED_ACTIONS[raw]}")
+        raise profile_error(path, where, f"{raw} is not supported: it {_REFUSED_ACTIONS[raw]}")
     base = _ACTIONS.get(raw)
     if base is None:
-        raise _fail(
+        raise profile_error(
             path, where, f"unknown action {raw!r} (expected one of {', '.join(sorted(_ACTIONS))})"
         )
     if base == SECCOMP_RET_ERRNO:
         eno = default_errno if errno_raw is None else _errno_value(path, errno_where, errno_raw)
         return SECCOMP_RET_ERRNO | eno
     if errno_raw is not None:
-        raise _fail(path, errno_where, f"only valid with SCMP_ACT_ERRNO, not {raw}")
+        raise profile_error(path, errno_where, f"only valid with SCMP_ACT_ERRNO, not {raw}")
     return base
 
 
 def _u64(path: Path, where: str, raw: object) -> int:
     if isinstance(raw, bool) or not isinstance(raw, int) or not -(1 << 63) <= raw < (1 << 64):
-        raise _fail(path, where, f"must be an integer in the 64-bit range, not {raw!r}")
+        raise profile_error(path, where, f"must be an integer in the 64-bit range, not {raw!r}")
     return raw & 0xFFFFFFFFFFFFFFFF
 
 
-def _action_name(action: int) -> str:
+def action_name(action: int) -> str:
     base = action & SECCOMP_RET_ACTION_FULL
     if base == SECCOMP_RET_ERRNO:
         eno = action & SECCOMP_RET_DATA
@@ -142,22 +142,22 @@ def _action_name(action: int) -> str:
     return hex(action)
 
 
-def _parse(path: Path, data: bytes) -> _Profile:
-    lib = _libseccomp()
+def parse_profile(path: Path, data: bytes) -> Profile:
+    lib = libseccomp()
     try:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _fail(path, "JSON", str(exc)) from exc
+        raise profile_error(path, "JSON", str(exc)) from exc
     if not isinstance(doc, dict):
-        raise _fail(path, "top level", "must be a JSON object")
+        raise profile_error(path, "top level", "must be a JSON object")
     for key in doc:
         if key not in _TOP_KEYS:
-            raise _fail(path, key, f"unknown field (known: {', '.join(sorted(_TOP_KEYS))})")
+            raise profile_error(path, key, f"unknown field (known: {', '.join(sorted(_TOP_KEYS))})")
     desc = doc.get("description", "")
     if not isinstance(desc, str):
-        raise _fail(path, "description", "must be a string")
+        raise profile_error(path, "description", "must be a string")
     if "defaultAction" not in doc:
-        raise _fail(path, "defaultAction", "missing")
+        raise profile_error(path, "defaultAction", "missing")
     default_errno = _errno.EPERM
     if doc.get("defaultErrnoRet") is not None:
         default_errno = _errno_value(path, "defaultErrnoRet", doc["defaultErrnoRet"])
@@ -172,47 +172,47 @@ def _parse(path: Path, data: bytes) -> _Profile:
 
     arch_names = doc.get("architectures", ["SCMP_ARCH_NATIVE"])
     if not isinstance(arch_names, list) or not arch_names:
-        raise _fail(path, "architectures", "must be a non-empty list like ['SCMP_ARCH_NATIVE']")
+        raise profile_error(path, "architectures", "must be a non-empty list like ['SCMP_ARCH_NATIVE']")
     arches: list[int] = []
     for i, an in enumerate(arch_names):
         tok = lib.arch_token(an) if isinstance(an, str) else None
         if tok is None:
-            raise _fail(path, f"architectures[{i}]", f"unknown architecture {an!r}")
+            raise profile_error(path, f"architectures[{i}]", f"unknown architecture {an!r}")
         if tok not in arches:
             arches.append(tok)
     if lib.native not in arches:
-        raise _fail(
+        raise profile_error(
             path,
             "architectures",
             f"does not include this machine's architecture ({platform.machine()}); "
             "list SCMP_ARCH_NATIVE",
         )
 
-    prof = _Profile(path, desc, default_action, str(doc["defaultAction"]), arches)
+    prof = Profile(path, desc, default_action, str(doc["defaultAction"]), arches)
     rules = doc.get("syscalls", [])
     if not isinstance(rules, list):
-        raise _fail(path, "syscalls", "must be a list")
+        raise profile_error(path, "syscalls", "must be a list")
     for i, r in enumerate(rules):
         where = f"syscalls[{i}]"
         if not isinstance(r, dict):
-            raise _fail(path, where, "must be an object")
+            raise profile_error(path, where, "must be an object")
         for key in r:
             if key not in _RULE_KEYS:
-                raise _fail(
+                raise profile_error(
                     path,
                     f"{where}.{key}",
                     f"unknown field (known: {', '.join(sorted(_RULE_KEYS))})",
                 )
         names = r.get("names")
         if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-            raise _fail(path, f"{where}.names", "must be a non-empty list of syscall names")
+            raise profile_error(path, f"{where}.names", "must be a non-empty list of syscall names")
         for j, n in enumerate(names):
             if lib.resolve(n) is None:
-                raise _fail(
+                raise profile_error(
                     path, f"{where}.names[{j}]", f"unknown syscall {n!r} (libseccomp {lib.version})"
                 )
         if "action" not in r:
-            raise _fail(path, f"{where}.action", "missing")
+            raise profile_error(path, f"{where}.action", "missing")
         action = _action(
             path,
             f"{where}.action",
@@ -223,24 +223,24 @@ def _parse(path: Path, data: bytes) -> _Profile:
         )
         raw_args = r.get("args") or []
         if not isinstance(raw_args, list):
-            raise _fail(path, f"{where}.args", "must be a list of {index, value, valueTwo, op}")
-        cmps: list[_Cmp] = []
+            raise profile_error(path, f"{where}.args", "must be a list of {index, value, valueTwo, op}")
+        cmps: list[Cmp] = []
         for k, a in enumerate(raw_args):
             aw = f"{where}.args[{k}]"
             if not isinstance(a, dict):
-                raise _fail(path, aw, "must be an object {index, value, valueTwo, op}")
+                raise profile_error(path, aw, "must be an object {index, value, valueTwo, op}")
             for key in a:
                 if key not in _ARG_KEYS:
-                    raise _fail(
+                    raise profile_error(
                         path,
                         f"{aw}.{key}",
                         f"unknown field (known: {', '.join(sorted(_ARG_KEYS))})",
                     )
             idx = a.get("index")
             if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx <= 5:
-                raise _fail(path, f"{aw}.index", f"must be an argument index 0..5, not {idx!r}")
+                raise profile_error(path, f"{aw}.index", f"must be an argument index 0..5, not {idx!r}")
             if any(c.index == idx for c in cmps):
-                raise _fail(
+                raise profile_error(
                     path,
                     f"{aw}.index",
                     f"a second comparison on argument {idx} in one rule (libseccomp cannot AND "
@@ -248,13 +248,13 @@ def _parse(path: Path, data: bytes) -> _Profile:
                 )
             op = a.get("op")
             if not isinstance(op, str) or op not in _OPS:
-                raise _fail(
+                raise profile_error(
                     path, f"{aw}.op", f"unknown operator {op!r} (expected one of {', '.join(_OPS)})"
                 )
             if "value" not in a:
-                raise _fail(path, f"{aw}.value", "missing")
+                raise profile_error(path, f"{aw}.value", "missing")
             va = _u64(path, f"{aw}.value", a["value"])
             vb = _u64(path, f"{aw}.valueTwo", a.get("valueTwo", 0))
-            cmps.append(_Cmp(idx, _OPS[op], va, vb))
+            cmps.append(Cmp(idx, _OPS[op], va, vb))
         prof.rules.append(_Rule(where, tuple(names), action, tuple(cmps)))
     return prof
