@@ -77,7 +77,7 @@ def load_cached(project: Path, session_dir: Path | None, cli: CliPolicy | None =
     key = (proj, sdir if has_session_policy else None, ck[1], os.getcwd() if needs_cwd else None, env_key)
     hit = _CACHE.get(key)
     if hit is not None and hit[1].valid(sigs):
-        out = hit[0]._fresh(session_dir)
+        out = hit[0].fresh_copy(session_dir)
         out.cached_by = hit[1]
         return out
     # contents of files changed within the timestamp granularity are read *before*
@@ -94,7 +94,7 @@ def load_cached(project: Path, session_dir: Path | None, cli: CliPolicy | None =
         _CACHE.clear()
     entry = Consulted(recorded, notes, started)
     _CACHE[key] = (eff, entry)
-    out = eff._fresh(session_dir)
+    out = eff.fresh_copy(session_dir)
     out.cached_by = entry
     return out
 

@@ -154,7 +154,7 @@ class Effective:
         self.scan_deps: dict[str, tuple[dict[str, Any], list[tuple[str, bool, bool, bool]], bool]] = {}
         self.cached_by: Consulted | None = None  # what load_cached revalidates (on the copies it hands out)
 
-    def _fresh(self, session_dir: Path | None) -> Effective:
+    def fresh_copy(self, session_dir: Path | None) -> Effective:
         """A copy for one more run: shares the merged rules, resets per-run state."""
         e = object.__new__(Effective)
         e.__dict__.update(self.__dict__)
