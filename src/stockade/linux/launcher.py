@@ -1,7 +1,7 @@
 """Pre-spawned launchers: start sandboxes without cloning the Python process.
 
 A cold start clones this (large) process into new namespaces and builds the
-whole tree. A launcher (csrc/launcher/main.c) is made once per *base* — the
+whole tree. A launcher (csrc/launcher/) is made once per *base* — the
 part of a plan that does not change from run to run: the id maps and the
 read-only tree of system binds, curated /etc and /dev. It keeps that tree at
 /newroot of its staging namespace; for each run it forks a small child that

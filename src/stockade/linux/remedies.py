@@ -503,7 +503,7 @@ def for_step(step: str, err: int, env: Env | None = None, *, op_kind: str | None
     return other(step, err, env)
 
 
-# steps whose words need no environment (linux/native.py's _REMEDIES)
+# steps whose words need no environment (linux/native.py's REMEDIES)
 _OWN_WORDS = frozenset({"chdir", "lo-up", "rlimit"})
 
 
