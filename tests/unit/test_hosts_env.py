@@ -13,7 +13,6 @@ import pytest
 
 from stockade import audit
 from stockade import plan as P
-from stockade.core import prepare
 from stockade.core.request import RunIO, inet_socket
 from stockade.policy.env import hidden_refs, hidden_warning, path_refs
 from tests.unit.test_plan import facts, req
@@ -115,12 +114,12 @@ def test_an_inet_socket_as_stdin_raises_the_wall(tmp_path: Path) -> None:
         assert RunIO(stdin=inet.fileno()).inet_stdin()
         assert not RunIO(stdin=a.fileno()).inet_stdin() and not RunIO(stdin=r).inet_stdin()
         assert RunIO(input=b"x").piped_stdin and RunIO(pty=True).piped_stdin  # stockade's own pipe or pty
-        walled = prepare._stdin_wall(plan, True)
+        # built with it: the same wall a passed fd brings (plan.tcp_wall)
+        walled = P.build(req(tmp_path, foreign_stdin=True), facts())
         assert walled.landlock is not None and walled.landlock.handled_net == P.LL_NET_BIND_TCP | P.LL_NET_CONNECT_TCP
         assert any("denied by Landlock" in n for n in walled.notes)
-        assert prepare._stdin_wall(plan, False) is plan
-        host = P.build(req(tmp_path, network="host"), facts())
-        assert prepare._stdin_wall(host, True) is host
+        host = P.build(req(tmp_path, network="host", foreign_stdin=True), facts())
+        assert host.landlock is not None and host.landlock.handled_net == 0
     finally:
         for s in (inet, a, b):
             s.close()

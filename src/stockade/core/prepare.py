@@ -86,7 +86,7 @@ class Deps:
     policy_resolved: tuple[tuple[str, str], ...]  # (path as written, realpath)
     policy_exists: tuple[tuple[str, bool], ...]
     scans: Mapping[str, tuple[tuple[tuple[str, int, int], ...], tuple[tuple[str, bool, bool, bool], ...]]]
-    etc: tuple[object, tuple[object, ...]]  # (/etc's signature, (file, signature) copied in)
+    etc: planmod.FactsSig  # /etc's signature, and each file copied in
     passwd: tuple[object, ...]  # /etc/passwd's and /etc/group's
     owner: tuple[int, int] | None  # the project's owner (real root: the sandbox user)
     seccomp: tuple[str, Sig] | None  # (profile file, signature)
@@ -216,7 +216,7 @@ def finish(resolved: Resolved, sess: store.Session, argv: tuple[str, ...], *, fo
 
             lower.append(ensure_mask_layer(sess, list(i.mask_items), i.project, i.mask_mode))
     rw = not i.read_only
-    plan = _build(_request(i, argv, tuple(lower), sess.upper if rw else None, sess.work if rw else None), foreign_stdin)
+    plan = _build(_request(i, argv, tuple(lower), sess.upper if rw else None, sess.work if rw else None, foreign_stdin))
     if not explain_only and rw and os.geteuid() == 0:
         _own_upper(sess, i.project)
     if len(i.keep_fds) > 64:
@@ -236,9 +236,10 @@ def base_plan(resolved: Resolved) -> planmod.Plan:
 
 
 def _request(i: PlanInputs, argv: tuple[str, ...], lower: tuple[Path, ...], upper: Path | None,
-             work: Path | None) -> planmod.Request:
+             work: Path | None, foreign_stdin: bool = False) -> planmod.Request:
     return planmod.Request(
         argv=argv, project=i.project, cwd=i.cwd, env=i.env, lower_layers=lower, upper=upper, work=work,
+        foreign_stdin=foreign_stdin,
         root=i.root, user=i.user, read_only=i.read_only, network=i.network, keep_fds=i.keep_fds, masked=i.masked,
         grants=i.grants, exec_allow=i.exec_allow, etc_extra=i.etc_extra, landlock=i.landlock,
         seccomp_name=i.seccomp_name, seccomp_bpf=i.seccomp_bpf, rlimits=i.rlimits, degraded=i.degraded,
@@ -260,7 +261,7 @@ def passwd_sig() -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _build(req: planmod.Request, foreign_stdin: bool = False) -> planmod.Plan:
+def _build(req: planmod.Request) -> planmod.Plan:
     """``plan.build(req)``, the same plan object again for an equal request on unchanged
     host facts (a Sandbox's runs of one command)."""
     facts = planmod.host_facts(req.etc_extra)
@@ -272,32 +273,16 @@ def _build(req: planmod.Request, foreign_stdin: bool = False) -> planmod.Plan:
         req.argv, str(req.project), str(req.cwd), tuple(req.env.items()), req.lower_layers, req.upper, req.work,
         req.root, req.user, req.read_only, req.network, req.hostname, req.keep_fds, req.masked, req.grants,
         req.exec_allow, req.etc_extra, req.landlock, req.seccomp_name, req.seccomp_bpf, req.rlimits,
-        req.degraded, req.stage_dir, foreign_stdin, owner, passwd_sig(),
+        req.degraded, req.stage_dir, req.foreign_stdin, owner, passwd_sig(),
     )
     hit = _PLANS.get(key)
     if hit is not None and hit[0] == facts:
         return hit[1]
-    plan = _stdin_wall(planmod.build(req, facts), foreign_stdin)
+    plan = planmod.build(req, facts)
     if len(_PLANS) > 32:
         _PLANS.clear()
     _PLANS[key] = (facts, plan)
     return plan
-
-
-def _stdin_wall(plan: planmod.Plan, foreign_stdin: bool) -> planmod.Plan:
-    """An inet socket as stdin is the caller's network namespace inside the sandbox
-    (bind/connect on it would reach the host's network): with network none, Landlock's
-    TCP wall goes back up, as for a passed fd (``plan.tcp_wall``).
-
-    Interim, until ``plan.Request`` carries it (15-requests.md): a second plan made
-    from the first by ``dataclasses.replace`` (its __init__ runs), here, in the build
-    step, never later."""
-    ll = plan.landlock
-    if not foreign_stdin or ll is None or ll.abi < 4 or ll.handled_net or plan.network != "none":
-        return plan
-    wall = dataclasses.replace(ll, handled_net=planmod.LL_NET_BIND_TCP | planmod.LL_NET_CONNECT_TCP)
-    notes = tuple(planmod.tcp_note("none", True, ll.abi) if n.startswith("network none:") else n for n in plan.notes)
-    return dataclasses.replace(plan, landlock=wall, notes=notes)
 
 
 def _own_upper(sess: store.Session, project: Path) -> None:
@@ -570,7 +555,7 @@ def _deps(pol: Effective, project: Path, seccomp: str, hard: tuple[tuple[int, in
             dirs.append((rel, ent[0], ent[1]))
         scans[root] = (tuple(dirs), tuple(deny_facts))
     planmod.host_facts(tuple(pol.etc_extra))  # what the plan will be built on (memoised)
-    facts = planmod._facts_memo.get(tuple(pol.etc_extra))  # (15-requests.md: plan.facts_sig)
+    facts = planmod.facts_sig(tuple(pol.etc_extra))
     if facts is None:
         return None
     sc = None
@@ -593,7 +578,7 @@ def _deps(pol: Effective, project: Path, seccomp: str, hard: tuple[tuple[int, in
         policy_resolved=tuple(entry.resolved),
         policy_exists=tuple(entry.exists),
         scans=scans,
-        etc=(facts[0], tuple(facts[1])),
+        etc=facts,
         passwd=passwd_sig(),
         owner=owner,
         seccomp=sc,
