@@ -138,7 +138,7 @@ def _launches(base: Path) -> None:
         _python_share(sb, proj, N)
     finally:
         from stockade.cgroups.base import flush_deferred
-        from stockade.linux import launcher
+        from stockade.launch import launcher
 
         flush_deferred()  # the cgroups made ahead for a next run, and this process's launchers
         launcher.shutdown()

@@ -80,7 +80,7 @@ def test_a_run_that_fails_to_start_leaves_no_new_session(api_project: Path, stat
     made: the session goes too. An existing session keeps the failed run's record."""
     import stockade
     from stockade.errors import SandboxError
-    from stockade.linux import launch
+    from stockade.launch import start as launch
 
     stockade.run(["true"], project=api_project, session="existing")
     before = listing(state_dir)

@@ -1,4 +1,4 @@
-"""The pre-spawned launcher (linux/launcher.py, csrc/launcher/main.c): runs started
+"""The pre-spawned launcher (launch/launcher.py, csrc/launcher/): runs started
 through it see exactly what a cold start sees, get fresh namespaces each, and
 nothing survives the Python process that owns it. Checked from the host side."""
 
@@ -51,7 +51,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     import stockade
-    from stockade.linux import launcher
+    from stockade.launch import launcher
     proj = sys.argv[1]
     probe = ("readlink /proc/self/ns/net /proc/self/ns/pid /proc/self/ns/mnt /proc/self/ns/ipc /proc/self/ns/uts; "
              "ls /tmp; touch /tmp/mark-$$; ls /dev/pts | wc -l")
@@ -138,7 +138,7 @@ def test_killing_the_owner_ends_launcher_and_sandbox(user: User, project: Path) 
     code = textwrap.dedent(
         """
         import sys, stockade
-        from stockade.linux import launcher
+        from stockade.launch import launcher
         stockade.run(["true"], project=sys.argv[1])
         la = next(iter(launcher._launchers.values()))
         print(la.pid, flush=True)
@@ -169,7 +169,7 @@ def test_a_killed_launcher_is_replaced(user: User, project: Path) -> None:
     code = textwrap.dedent(
         """
         import os, signal, sys, time, stockade
-        from stockade.linux import launcher
+        from stockade.launch import launcher
         assert stockade.run(["true"], project=sys.argv[1]).returncode == 0
         la = next(iter(launcher._launchers.values()))
         os.kill(la.pid, signal.SIGKILL)
@@ -189,7 +189,7 @@ def test_fork_child_gets_its_own_launcher(user: User, project: Path) -> None:
     code = textwrap.dedent(
         """
         import os, sys, stockade
-        from stockade.linux import launcher
+        from stockade.launch import launcher
         assert stockade.run(["true"], project=sys.argv[1]).returncode == 0
         parent_la = next(iter(launcher._launchers.values())).pid
         pid = os.fork()
@@ -251,7 +251,7 @@ def test_an_unusable_launcher_means_a_cold_start(user: User, project: Path) -> N
         """
         import sys, stockade
         from pathlib import Path
-        from stockade.linux import launcher
+        from stockade.launch import launcher
         launcher.PATH = Path(sys.argv[2])  # exists, not executable: its exec fails
         r = stockade.run(["sh", "-c", "echo cold"], project=sys.argv[1], capture_output=True)
         assert r.returncode == 0 and r.stdout == b"cold\\n", r

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from stockade import plan as P
-from stockade.linux import launch, launcher, native
+from stockade.launch import launcher
+from stockade.launch import start as launch
+from stockade.linux import native
 
 from ..conftest import need
 

@@ -160,7 +160,7 @@ try:
 except socket.timeout:
     out.append("kept")
 # stockade's own client: it cannot show the launcher its namespace
-from stockade.linux import launcher
+from stockade.launch import launcher
 try:
     launcher.Launcher.connect(path)
     out.append("connected")
@@ -344,7 +344,7 @@ def test_a_host_run_sends_nothing_to_a_fake_launcher_of_a_sibling_namespace(nobo
 def test_only_its_own_tells_a_launchers_namespace_from_a_shared_one(nobody: tuple[User, Path]) -> None:
     """The check behind the above for the real launcher binary run in such a namespace:
     a process whose user namespace holds processes outside its own tree is refused."""
-    from stockade.linux.launcher import only_its_own
+    from stockade.launch.launcher import only_its_own
 
     u, _proj = nobody
     token = f"own-{time.monotonic_ns()}"

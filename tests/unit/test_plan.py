@@ -255,7 +255,7 @@ def test_pt_interp_of_the_shell_is_a_loader_found_by_name() -> None:
 def test_masks_of_system_paths_split_for_the_launcher(tmp_path: Path) -> None:
     """A denied system file is masked per run; the launcher's shared base must not make
     its mount point again (an O_TRUNC open through the read-only /usr bind: EROFS)."""
-    from stockade.linux import launcher
+    from stockade.launch import launcher
 
     masked = (("/usr/bin/python3.11", False), ("/usr/share/doc", True), ("/etc/ssl", True))
     plan = P.build(req(tmp_path, masked=masked), facts())

@@ -13,7 +13,8 @@ from stockade import plan as P
 from stockade.core import prepare
 from stockade.core.request import RunRequest
 from stockade.errors import UsageError
-from stockade.linux import launcher, walls
+from stockade.launch import launcher
+from stockade.linux import walls
 from tests.unit.test_plan import facts, req
 
 PROC_GONE = "proc (a new procfs is refused here: EPERM; /proc is empty inside)"

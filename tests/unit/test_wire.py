@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stockade import plan as P
-from stockade.linux import launcher, lower
+from stockade.launch import launcher, lower
 
 
 def req(tmp_path: Path, **kw: object) -> P.Request:

@@ -102,7 +102,7 @@ def _execute(args: Args, *, pty: bool = False, default_cmd: list[str] | None = N
     from ..core import prepare
     from ..core.execute import execute
     from ..core.request import RunIO, RunRequest
-    from ..linux import launcher
+    from ..launch import launcher
     from .table import keepable
 
     req = RunRequest(**run_kwargs(args, default_cmd))

@@ -1,7 +1,7 @@
 """Launch one run: its streams, its cgroups, the sandbox started and released.
 
 The choice between a pre-spawned launcher and a cold start is linux/'s
-(``linux.launch.start``); this module gives it the plan, the child's stdio and the
+(``launch.start.start``); this module gives it the plan, the child's stdio and the
 cgroup placement, and takes it all down again when the run ends.
 """
 
@@ -11,8 +11,9 @@ import os
 import signal
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from ..linux import launch, native
-from ..linux.lower import RunChild
+from ..launch import start as launch
+from ..launch.lower import RunChild
+from ..linux import native
 from ..session import store
 from .request import DEVNULL, PIPE, STDOUT, RunIO, Stream
 from .supervise import Supervisor, copy_winsize

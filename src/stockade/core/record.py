@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..audit import AuditLog
-from ..linux import lower
+from ..launch import lower
 from ..redact import record_argv
 from ..session import store
 from .result import RunResult

@@ -369,7 +369,7 @@ class Server:
         """Decode the prepared run a supervisor used and join its shared launcher, so
         the next spares inherit both (every check still runs per run). True when that
         is new to this server."""
-        from ..linux import launcher
+        from ..launch import launcher
         from ..pathsig import file_sig
         from . import warm
 

@@ -1,8 +1,8 @@
 """The one owner of the C core (stockade._native): spawning a lowered plan, the
 parent's side of the handshake (stages), the child's report records, probes.
 
-Nothing here knows a Plan: linux/lower.py turns one into the C structs, and
-linux/launch.py chooses how a run starts (a launcher, or a cold start here)."""
+Nothing here knows a Plan: launch/lower.py turns one into the C structs, and
+launch/start.py chooses how a run starts (a launcher, or a cold start here)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .._native import ffi as ffi  # type: ignore[import-not-found]  # lower.py builds structs with it
+from .._native import ffi as ffi  # type: ignore[import-not-found]  # launch/lower.py builds structs with it
 from .._native import lib as lib  # type: ignore[import-not-found]
 from ..errors import SandboxError
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SandboxError
+from ..linux.native import C, CData, Child, Report, cap_mask, ffi, lib, mounts_under, spawn_error
+from ..linux.native import spawn as native_spawn
 from ..plan import MountOp, Plan
-from .native import C, CData, Child, Report, cap_mask, ffi, lib, mounts_under, spawn_error
-from .native import spawn as native_spawn
 
 _KIND = {
     "bind": lib.SK_OP_BIND,
@@ -143,7 +143,7 @@ class LoweredPlan(_Keep):
         p.clone_flags = flags if clone_flags is None else clone_flags
         p.cgroup_fd = p.console_sock = p.launcher_exec_fd = p.launcher_ctl_fd = -1
         p.stdio = [-1, -1, -1]
-        # newuidmap/newgidmap write a subordinate range's maps (launch.py, before Stage.IDMAP)
+        # newuidmap/newgidmap write a subordinate range's maps (spawn below, before Stage.IDMAP)
         p.uid_map = ffi.NULL if plan.uid_map.helper else s(plan.uid_map.line())
         p.gid_map = ffi.NULL if plan.gid_map.helper else s(plan.gid_map.line())
         p.deny_setgroups = int(plan.deny_setgroups)
@@ -270,7 +270,7 @@ def spawn(plan: Plan, lowered: LoweredPlan, make: type[C]) -> C:
     child = native_spawn(lowered.plan, make)
     maps = (plan.uid_map, plan.gid_map)
     if any(m.helper for m in maps):
-        from . import idmap
+        from ..linux import idmap
 
         try:
             for m, what in zip(maps, ("uid_map", "gid_map"), strict=True):

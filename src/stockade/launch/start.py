@@ -1,14 +1,15 @@
 """How a run starts: the one choice between a pre-spawned launcher
-(linux/launcher.py) and a cold start (cloning this process, linux/native.py).
+(launch/launcher.py) and a cold start (cloning this process, linux/native.py).
 
-Both take the same lowered plan and run (linux/lower.py) and come back past the
+Both take the same lowered plan and run (launch/lower.py) and come back past the
 id-map stage: the caller releases the child only into ``Stage.ATTACHED``, and
 only when it asked to hold it there (``hold_before_exec``)."""
 
 from __future__ import annotations
 
+from ..linux import native
 from ..plan import Plan
-from . import launcher, native
+from . import launcher
 from .lower import LoweredPlan, LoweredRun, RunChild, spawn
 
 

@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SandboxError
+from ..linux import native
 from ..plan import MountOp, Plan
-from . import lower, native
+from . import lower
 from .lower import LoweredPlan, LoweredRun, RunChild
 
 # struct sk_msg_hdr (csrc/launcher/launcher.h): magic, type, flags, plan_len, run_len, idle_seconds
