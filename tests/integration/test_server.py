@@ -18,8 +18,9 @@ from ..conftest import SRC, User, sigkill_cli_mid_run, unpriv_python
 
 # Servers of these tests outlive a slow step (the suite's default is 2 s idle); the
 # fixture below ends them with the test.
-SRV = {"STOCKADE_SERVER_IDLE": "60"}
-DEBUG = {"STOCKADE_SERVER": "debug", **SRV}
+# the speed layer on, whatever the suite runs with (STOCKADE_SERVER=0 STOCKADE_WARM=0: the core alone)
+SRV = {"STOCKADE_SERVER": "1", "STOCKADE_WARM": "1", "STOCKADE_SERVER_IDLE": "60"}
+DEBUG = {**SRV, "STOCKADE_SERVER": "debug"}
 
 
 @pytest.fixture(autouse=True)
@@ -194,7 +195,7 @@ def test_concurrent_clients_are_served(user: User, project: Path) -> None:
 
 @pytest.mark.vm  # cgroup v2 (runs placed by CLONE_INTO_CGROUP under the client's cgroup)
 def test_the_server_idles_out_and_leaves_nothing(user: User, project: Path) -> None:
-    env = {"STOCKADE_SERVER_IDLE": "5"}  # long enough to see it live after the CLI returned
+    env = {**SRV, "STOCKADE_SERVER_IDLE": "5"}  # long enough to see it live after the CLI returned
     for _ in range(2):  # the first run makes the state dir, the second starts a server in it
         r = user.cli(["run", "--", "true"], cwd=project, env=env)
         assert r.returncode == 0

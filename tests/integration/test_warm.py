@@ -128,7 +128,7 @@ def test_working_directory_is_part_of_it(proj: Path, monkeypatch: pytest.MonkeyP
 
 def test_cli_end_to_end(proj: Path, state_dir: Path) -> None:
     """Two `stockade run`s; a secret that appears between them is masked in the second."""
-    env = {**os.environ, "STOCKADE_STATE_DIR": str(state_dir)}
+    env = {**os.environ, "STOCKADE_STATE_DIR": str(state_dir), "STOCKADE_WARM": "1"}
     cmd = [sys.executable, "-m", "stockade", "run", "--", "sh", "-c", "cat src/.env 2>/dev/null || echo none"]
     for _ in range(2):
         r = subprocess.run(cmd, cwd=proj, env=env, capture_output=True, text=True)
