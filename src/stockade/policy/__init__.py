@@ -10,12 +10,38 @@ environment. ``load_cached`` (:mod:`.cache`) keeps it per process, revalidated.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
 from ..errors import PolicyError
-from .cache import clear_cache, load_cached
-from .effective import Effective, Grant, Masked, load
-from .layers import CliPolicy, read_layers
-from .rules import Decision, Rule
-from .view import deny_refusal, sandbox_sees
+
+if TYPE_CHECKING:
+    from .cache import clear_cache, load_cached
+    from .effective import Effective, Grant, Masked, load
+    from .layers import CliPolicy, read_layers
+    from .rules import Decision, Rule
+    from .view import deny_refusal, sandbox_sees
+
+# The face loads a module when one of its names is first asked for: the run path
+# imports policy.env (plan's warnings about hidden paths) on every run, and must not
+# pay for the config reader and the whole policy with it.
+_HOME = {
+    "clear_cache": "cache", "load_cached": "cache",
+    "Effective": "effective", "Grant": "effective", "Masked": "effective", "load": "effective",
+    "CliPolicy": "layers", "read_layers": "layers",
+    "Decision": "rules", "Rule": "rules",
+    "deny_refusal": "view", "sandbox_sees": "view",
+}
+
+
+def __getattr__(name: str) -> object:
+    mod = _HOME.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CliPolicy",

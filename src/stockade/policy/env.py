@@ -21,9 +21,12 @@ import functools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .. import _tokens
-from .config import Origin
+
+if TYPE_CHECKING:
+    from .config import Origin
 
 __all__ = [
     "DEFAULT_ALLOW", "DEFAULT_BLOCK", "TOKEN_PATTERNS", "EnvDecision", "EnvFilter", "EnvRule", "hidden_refs", "hidden_warning",
