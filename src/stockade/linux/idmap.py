@@ -115,10 +115,12 @@ def holds_setfcap(proc: Path = Path("/proc")) -> bool:
 def ranges(euid: int, *, etc: Path = Path("/etc"), proc: Path = Path("/proc")) -> tuple[Range | None, Range | None, str]:
     """(uid range, gid range, why) for a caller. Both or neither: a sandbox with
     other uids but one gid (or the reverse) would fail half-way through tar."""
+    if not initial_userns(proc):
+        # newuidmap (and a root caller) can map only ids this namespace has, and a
+        # subordinate range or a free block is not among them
+        return None, None, (("root" if euid == 0 else "a user") + " inside another user namespace: only the ids "
+                            "that namespace maps exist here, none of them free for a sandbox's other ids")
     if euid == 0:
-        if not initial_userns(proc):
-            return None, None, ("root inside another user namespace: only the ids that namespace maps exist "
-                                "here, none of them free for a sandbox's other ids")
         u, g = subordinate("uid", 0, etc), subordinate("gid", 0, etc)
         if u and g:
             return Range(*u, "/etc/subuid and /etc/subgid (root)"), Range(*g, "/etc/subuid and /etc/subgid (root)"), ""
