@@ -182,3 +182,16 @@ def test_unreadable_own_files_retry_in_the_child(tmp_path: Path, monkeypatch: py
     assert calls == ["own", "own", "own", "call"]
     with pytest.raises(PermissionError):  # without retry: the error as it was
         idrange.with_sandbox_ids()(reader)(str(tmp_path / "other"), "x")
+
+
+def test_an_oserror_comes_back_with_its_errno_and_file_names() -> None:
+    """A full disk in the id-mapped child must be ENOSPC again in the caller, where
+    store.disk_space turns it into the one-line error (it reads errno, a slot)."""
+    import errno
+    import pickle
+
+    for e in (OSError(errno.ENOSPC, "No space left on device", "/x/y"), FileNotFoundError(2, "nf", "a", "b"),
+              PermissionError(13, "Permission denied")):
+        back = idns._unpack_exc(*pickle.loads(idns._pack_exc(e))[1:])
+        assert type(back) is type(e) and (back.errno, back.filename, back.filename2, str(back)) == (
+            e.errno, e.filename, e.filename2, str(e))

@@ -103,6 +103,8 @@ def _pack_exc(e: BaseException) -> bytes:
         except Exception:
             continue
         state[k] = v
+    if isinstance(e, OSError):  # errno and the file names are slots, not in vars()
+        state.update({k: getattr(e, k) for k in ("errno", "strerror", "filename", "filename2")})
     args: tuple[Any, ...]
     try:
         pickle.dumps(e.args)
@@ -124,6 +126,11 @@ def _unpack_exc(module: str, qualname: str, args: tuple[Any, ...], state: dict[s
             raise TypeError(qualname)
         e = obj.__new__(obj)
         e.args = args
+        if isinstance(e, OSError):  # a full disk must be seen as ENOSPC again (store.disk_space)
+            for k in ("errno", "strerror", "filename", "filename2"):
+                v = state.pop(k, None)
+                if v is not None:
+                    setattr(e, k, v)
         e.__dict__.update(state)
         return e
     except Exception:
