@@ -173,7 +173,7 @@ RUN_ARGS: tuple[Arg | Group, ...] = (
     Arg("--project", "-p", default=".", metavar="DIR", keep=True, help="project directory (default: .)"),
     Arg("--session", "-s", metavar="NAME", keep=True, help="reuse or create the named session"),
     Arg("--cwd", metavar="DIR", keep=True, help="working directory inside the project"),
-    Arg("--root", action="store_true", keep=True, help="appear as uid 0 inside (no capabilities)"),
+    Arg("--root", action="store_true", keep=True, help="appear as uid 0 inside (keeping chown/setuid capabilities in its own namespace where a range of ids is mapped)"),
     Arg("--user", type=_natural("a uid such as 1000"), metavar="UID", help="(real root only) run as this uid instead of the project's owner"),
     Arg("--net", default="none", choices=("none", "host"), keep=True, help="network: none (own netns, lo only) or host"),
     Arg("--pass-fd", type=_natural("an open file descriptor number such as 3"), action="append", default=[], metavar="N",
