@@ -411,7 +411,9 @@ def probe_overlay(state: Path) -> Probe:
     except OSError as e:
         return Probe("overlay", "missing", f"cannot create a probe dir in {state}: {e.strerror}",
                      "set STOCKADE_STATE_DIR to a writable directory")
-    fstype = _fstype(state)
+    from .linux import remedies
+
+    fstype = remedies.fstype(str(state.resolve()))
     try:
         for d in ("lower", "upper", "work", "merged"):
             (base / d).mkdir()
@@ -461,22 +463,6 @@ def probe_overlay(state: Path) -> Probe:
                      "use a newer kernel (5.11+) or an ext4/xfs state dir", data)
     return Probe("overlay", "ok", f"overlay in a user namespace works on {fstype} ({state}; options: {res.get('options')})",
                  None, data)
-
-
-def _fstype(path: Path) -> str:
-    best, fstype = "", "unknown"
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                parts = line.split()
-                mp = parts[4].replace("\\040", " ")
-                sep = parts.index("-")
-                p = str(path.resolve())
-                if (p == mp or p.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best):
-                    best, fstype = mp, parts[sep + 1]
-    except (OSError, ValueError, IndexError):
-        pass
-    return fstype
 
 
 def landlock_abi() -> tuple[int, int]:

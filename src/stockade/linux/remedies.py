@@ -341,7 +341,8 @@ def hostname(err: int, env: Env) -> Remedy:
                   "run stockade outside that security module's confinement")
 
 
-def _fstype(path: str) -> str:
+def fstype(path: str) -> str:
+    """The filesystem type of the mount holding ``path`` (absolute, resolved)."""
     best, fstype = "", "unknown"
     try:
         with open("/proc/self/mountinfo") as f:
@@ -357,11 +358,11 @@ def _fstype(path: str) -> str:
 
 def overlay(err: int, env: Env, state: str | None = None) -> Remedy:
     """overlayfs for the project, its upper dir in the state dir."""
-    fstype = _fstype(os.path.realpath(state)) if state else "unknown"
-    on = f" ({state} is on {fstype})" if state else ""
-    if fstype in {"overlay", "nfs", "nfs4", "fuse", "cifs", "zfs", "9p"} or err == E.EINVAL:
+    fs = fstype(os.path.realpath(state)) if state else "unknown"
+    on = f" ({state} is on {fs})" if state else ""
+    if fs in {"overlay", "nfs", "nfs4", "fuse", "cifs", "zfs", "9p"} or err == E.EINVAL:
         fix = "put the state dir on ext4, xfs, btrfs or tmpfs: STOCKADE_STATE_DIR=/path/on/such/fs"
-        if env.engine and fstype == "overlay":
+        if env.engine and fs == "overlay":
             fix += f" (a volume: `{env.engine if env.engine in ('podman', 'docker') else 'podman'} run -v /host/dir:/state` and STOCKADE_STATE_DIR=/state, or a tmpfs)"
         return Remedy(f"overlayfs refused the session directory{on}: its upper dir cannot be on that filesystem", fix)
     aa = _apparmor_userns(env, err)
