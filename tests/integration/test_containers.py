@@ -49,8 +49,13 @@ from tests.conftest import (
 STOCKADE_SRC = Path(stockade.__file__).resolve().parent.parent
 CHECKOUT = STOCKADE_SRC.parent  # src/stockade/seccomp_profiles leads up to it
 VENV = Path(sys.prefix)  # the venv running the tests (.venv)
+SITE = sysconfig.get_paths()["purelib"]  # its site-packages (cffi, psutil, ...)
 SHARED = [CHECKOUT, *([] if VENV.is_relative_to(CHECKOUT) else [VENV])]
-PY = str(VENV / "bin" / "python")
+# The container sees the host's /usr, never the home a venv's interpreter may live
+# under (pyenv's, on CI): run the system interpreter of this ABI, with the venv's
+# packages on PYTHONPATH.
+_REAL = os.path.realpath(sys.executable)
+PY = _REAL if _REAL.startswith("/usr/") else f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
 
 
 # --------------------------------------------------------------------------- podman
@@ -79,7 +84,7 @@ class Podman:
             *self.prefix, "podman", "run", "--rm", "--name", name, *runtime, "--network", "none",
             "--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}",
             *(a for v in vols for a in ("-v", v)),
-            "-e", f"PYTHONPATH={STOCKADE_SRC}", "-e", "STOCKADE_STATE_DIR=/data/state", "-e", "HOME=/root",
+            "-e", f"PYTHONPATH={STOCKADE_SRC}:{SITE}", "-e", "STOCKADE_STATE_DIR=/data/state", "-e", "HOME=/root",
             "-e", "PYTHONDONTWRITEBYTECODE=1", "-e", "STOCKADE_LAUNCHER_IDLE=2", "-e", "STOCKADE_SERVER_IDLE=2",
             *extra, "--rootfs", str(self.rootfs), "sh", "-c", script,
         ]
@@ -118,6 +123,7 @@ def _probe_podman(p: Podman) -> str | None:
 def podman(request: pytest.FixtureRequest) -> Iterator[Podman]:
     need(shutil.which("podman") is not None, "podman is not installed (make test installs it as root)")
     need(os.geteuid() == 0, "running podman as root and rootless needs the tests to run as root")
+    need(os.access(PY, os.X_OK), f"no {PY}: the container runs the host's /usr, which has no Python of this ABI")
     who = request.param
     base = world_tmpdir("stockade-podman-")
     rootfs = base / "rootfs"
