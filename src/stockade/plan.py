@@ -136,6 +136,7 @@ class Plan:
     seccomp_bpf: bytes = b""
     keep_fds: tuple[int, ...] = ()
     network: str = "none"
+    forward: tuple[int, ...] = ()  # host loopback ports reached through the proxy's listeners (net/)
     read_only: bool = False
     hidden: tuple[str, ...] = ()
     degraded: tuple[str, ...] = ()
@@ -163,7 +164,7 @@ class Plan:
             f"uid_map '{self.uid_map.line().strip().replace(chr(10), ', ')}', gid_map '{self.gid_map.line().strip().replace(chr(10), ', ')}'"
         )
         out.append(f"hostname:    {self.hostname or '(kept: --allow-degraded hostname)'}")
-        out.append(f"network:     {self.network}")
+        out.append(f"network:     {network_line(self.network, self.forward)}")
         out.append("mounts (in order):")
         for i, m in enumerate(self.mounts):
             out.append(f"  {i:3d} {m.describe()}")
@@ -466,6 +467,27 @@ def landlock_fs_rights(abi: int) -> int:
     return rights
 
 
+def network_line(network: str, forward: tuple[int, ...]) -> str:
+    from .net import DNS_PORT, PROXY_PORT
+
+    if network == "allow":
+        line = (f"allow: own network namespace with only lo; the host-side proxy listens inside on "
+                f"127.0.0.1:{PROXY_PORT} (HTTP CONNECT, absolute-URI HTTP, SOCKS5) and answers DNS on "
+                f"127.0.0.1:{DNS_PORT} for allowlisted names only")
+    elif network == "none":
+        line = "none: own network namespace with only lo"
+    else:
+        line = "host: the host's network namespace (opt-in)"
+    if forward:
+        line += "; forwarded host ports (the host's localhost): " + ", ".join(map(str, forward))
+    return line
+
+
+def proxied(network: str, forward: tuple[int, ...]) -> bool:
+    """The run has listeners the host-side proxy serves (``net/``)."""
+    return network == "allow" or (network == "none" and bool(forward))
+
+
 def tcp_wall(network: str, foreign_fds: bool) -> bool:
     """Whether Landlock's TCP bind/connect rules (deny all) add a wall.
 
@@ -475,10 +497,18 @@ def tcp_wall(network: str, foreign_fds: bool) -> bool:
     handed in from outside (--pass-fd, or an inet socket as stdin) belongs to the
     caller's namespace: bind/connect on it would reach the host's network, so then
     the rules stay. With "host" the user asked for the host's network."""
-    return network == "none" and foreign_fds
+    return network in ("none", "allow") and foreign_fds
 
 
 def tcp_note(network: str, foreign_fds: bool, abi: int) -> str:
+    if network == "allow":
+        if not tcp_wall(network, foreign_fds):
+            return ("network allow: own network namespace with only lo and the proxy's listeners; TCP bind/connect "
+                    "on loopback allowed (nothing else is reachable)")
+        if abi < 4:
+            return "network allow: a socket may be handed in, but this kernel's Landlock (ABI < 4) has no TCP rules"
+        return ("network allow: a descriptor handed in may be a socket of the caller's namespace: Landlock denies "
+                "TCP bind, and connect but to the proxy's, DNS's and forwarded ports")
     if network != "none":
         return "network host: the host's network namespace; TCP bind/connect are not restricted"
     if not tcp_wall(network, foreign_fds):
@@ -500,6 +530,7 @@ def landlock_plan(
     network: str,
     scope: bool = True,
     foreign_fds: bool = False,
+    connect_ports: tuple[int, ...] = (),
 ) -> LandlockPlan:
     handled = landlock_fs_rights(abi)
     read = LL_READ_FILE | LL_READ_DIR
@@ -524,10 +555,55 @@ def landlock_plan(
     for p in exec_allow or ():
         rules.append((p, LL_EXECUTE | read, True))
     handled_net = 0
+    ports: tuple[int, ...] = ()
     if abi >= 4 and tcp_wall(network, foreign_fds):
-        handled_net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP  # no port rules: every port denied
+        # no bind rule: every port denied; connect only to the proxy's listeners (their
+        # ports also reach the caller's namespace through a handed-in socket: the loss is
+        # those ports of the caller's loopback, against no network at all)
+        handled_net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP
+        ports = connect_ports
     scoped = (LL_SCOPE_ABSTRACT_UNIX | LL_SCOPE_SIGNAL) if (abi >= 6 and scope) else 0
-    return LandlockPlan(abi, handled, handled_net, scoped, tuple(rules))
+    return LandlockPlan(abi, handled, handled_net, scoped, tuple(rules), connect_ports=ports)
+
+
+# ---------------------------------------------------------------------------
+# --net allow: what the sandbox gets to reach the host-side proxy (net/)
+
+RESOLV_CONF = b"nameserver 127.0.0.1\noptions timeout:2 attempts:2\n"
+
+
+def connector_path() -> Path:
+    """stockade-connect, built beside the launcher (setup.py)."""
+    p = Path(__file__).resolve().parent / "stockade-connect"
+    if not os.access(p, os.X_OK):
+        raise UsageError(f"--net allow needs {p}, which is missing: rebuild stockade's native parts (make native, "
+                         "or reinstall the package)")
+    return p
+
+
+def _proxy_ports(network: str, forward: tuple[int, ...]) -> tuple[int, ...]:
+    from .net import DNS_PORT, PROXY_PORT
+
+    return ((PROXY_PORT, DNS_PORT) if network == "allow" else ()) + tuple(forward)
+
+
+def proxy_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables that point pip, npm, git, curl, Node and Python's urllib at the
+    proxy inside; git's settings added after any the caller passed (GIT_CONFIG_COUNT)."""
+    from .net import CONNECT_PATH, PROXY_URL, SOCKS_URL
+
+    out = {name: PROXY_URL for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "PIP_PROXY",
+                                        "npm_config_proxy", "npm_config_https_proxy")}
+    out.update({"ALL_PROXY": SOCKS_URL, "all_proxy": SOCKS_URL, "NO_PROXY": "localhost,127.0.0.1,::1",
+                "no_proxy": "localhost,127.0.0.1,::1", "NODE_USE_ENV_PROXY": "1",
+                "GIT_PROXY_COMMAND": CONNECT_PATH,
+                "GIT_SSH_COMMAND": f"ssh -o ProxyCommand='{CONNECT_PATH} %h %p'"})
+    try:
+        n = int(env.get("GIT_CONFIG_COUNT", "0"))
+    except ValueError:
+        n = 0
+    out.update({"GIT_CONFIG_COUNT": str(n + 1), f"GIT_CONFIG_KEY_{n}": "http.proxy", f"GIT_CONFIG_VALUE_{n}": PROXY_URL})
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -606,8 +682,8 @@ class Request:
     one, and defining a 23-field dataclass costs every CLI start a couple of ms."""
 
     __slots__ = (
-        "argv", "cwd", "degraded", "env", "etc_extra", "exec_allow", "foreign_stdin", "grants", "hostname", "keep_fds",
-        "landlock", "lower_layers", "masked", "network", "project", "read_only", "rlimits", "root",
+        "argv", "cwd", "degraded", "env", "etc_extra", "exec_allow", "foreign_stdin", "forward", "grants", "hostname",
+        "keep_fds", "landlock", "lower_layers", "masked", "network", "project", "read_only", "rlimits", "root",
         "seccomp_bpf", "seccomp_name", "stage_dir", "upper", "user", "work",
     )
 
@@ -625,6 +701,7 @@ class Request:
         read_only: bool = False,
         network: str = "none",
         hostname: str = "stockade",
+        forward: tuple[int, ...] = (),  # host loopback ports the sandbox reaches (net/)
         keep_fds: tuple[int, ...] = (),
         # stdin is an inet socket of the caller's network namespace: like a passed fd, it
         # reaches the host's network, so Landlock's TCP rules come back (tcp_note)
@@ -651,6 +728,7 @@ class Request:
         self.user = user
         self.read_only = read_only
         self.network = network
+        self.forward = forward
         self.hostname = hostname
         self.keep_fds = keep_fds
         self.foreign_stdin = foreign_stdin
@@ -877,6 +955,14 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
                        why="synthesized: the host's localhost lines, in its order"))
     whole_hosts = "/etc/hosts" in req.etc_extra or "hosts" in req.etc_extra
     etc_names = [e[0] for e in facts.etc]
+    if req.network == "allow":
+        # names resolve through the proxy's DNS responder inside (allowlisted ones only)
+        facts = dataclasses.replace(facts, etc=tuple(e for e in facts.etc if e[0] != "resolv.conf"))
+        ops.append(MountOp("file", "/etc/resolv.conf", data=RESOLV_CONF, mode=0o644,
+                           why="synthesized: the proxy's DNS responder (allowlisted names only)"))
+        etc_names.append("resolv.conf")
+    if req.forward and req.network == "host":
+        raise UsageError("--forward: the host's network already reaches its ports; forward with --net none or allow")
     if req.network == "host":
         e = _etc_entry("resolv.conf")
         if e:
@@ -937,6 +1023,12 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     tree_ops.append(MountOp("tmpfs", "/run", data=f"mode=0755,uid={in_uid},gid={in_gid}", why="private /run (not the host's)"))
     if not any(g == "/run" for g, _w in req.grants):  # a grant of the host's /run is the user's to shape
         tree_ops.append(MountOp("mkdir", "/run/lock", mode=0o1777, why="lock files (/var/lock)"))
+    if req.network == "allow":
+        from .net import CONNECT_PATH
+
+        tree_ops.append(MountOp("mkdir", os.path.dirname(CONNECT_PATH), mode=0o755, why="stockade's helpers"))
+        tree_ops.append(MountOp("bind", CONNECT_PATH, source=str(connector_path()), flags=frozenset({"ro", "file"}),
+                                why="SOCKS5 connector for ssh and git (read-only)"))
     proj = Path(project)
     home_p = Path(home)
     writable = ["/tmp", "/var/tmp", "/run", "/dev/shm"]
@@ -998,6 +1090,10 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         # alone gets read+execute; the libraries it maps need only read (system dirs).
         extra = [p for p in elf_loaders() if not any(p == d or p.startswith(d.rstrip("/") + "/") for d in exec_allow)]
         exec_allow = (*exec_allow, *extra)
+        if req.network == "allow":
+            from .net import CONNECT_PATH
+
+            exec_allow = (*exec_allow, CONNECT_PATH)  # ssh's and git's proxy command
         notes += [f"exec allowlist: the dynamic loader {p} may execute too (read+execute, never write; "
                   "programs in the allowed dirs cannot start without it)" for p in extra]
     if req.landlock:
@@ -1009,6 +1105,7 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
             exec_allow=exec_allow,
             network=req.network,
             foreign_fds=foreign,
+            connect_ports=_proxy_ports(req.network, req.forward),
         )
     notes.append(tcp_note(req.network, foreign, ll.abi if ll else 0))
     notes.append(id_note)
@@ -1023,6 +1120,8 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     env.setdefault("LOGNAME", name)
     env["PWD"] = cwd
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    if req.network == "allow":
+        env.update(proxy_env(env))
     from .policy.env import hidden_refs, hidden_warning
 
     env_warnings = tuple(hidden_warning(n, p) for n, p in hidden_refs(env, _Covering(ops).sees))
@@ -1049,6 +1148,7 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         seccomp_bpf=req.seccomp_bpf,
         keep_fds=req.keep_fds,
         network=req.network,
+        forward=tuple(req.forward),
         read_only=req.read_only,
         hidden=(*tuple(hidden), "other homes and projects", "parent directories of the project"),
         degraded=req.degraded,

@@ -95,7 +95,7 @@ def test_plans_that_differ_elsewhere_get_their_own_plan_part(tmp_path: Path) -> 
 RUN_FIELDS = {"argv", "env", "cwd"}  # and the overlay ops' layers (in "mounts")
 PLAN_FIELDS = {"mounts", "namespaces", "uid_map", "gid_map", "deny_setgroups", "drop_groups", "uid", "gid",
                "hostname", "rlimits", "keep_fds", "keep_caps", "landlock", "seccomp_bpf"}
-NOT_LOWERED = {"project", "user_name", "home", "seccomp_name", "network", "read_only", "hidden", "degraded",
+NOT_LOWERED = {"project", "user_name", "home", "seccomp_name", "network", "forward", "read_only", "hidden", "degraded",
                "notes", "env_warnings"}
 
 

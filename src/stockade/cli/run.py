@@ -156,6 +156,8 @@ def after_run(res: RunResult) -> None:
         lines.append(f"stockade: run {res.run} of session {res.session} ended: {res.outcome}")
     if res.degraded:
         lines.append("stockade: DEGRADED sandbox: " + ", ".join(res.degraded))
+    if res.network:
+        lines.append("stockade: " + res.network)
     sess = store.open_session(res.session)
     line = None
     if sess.has_layer_entries():

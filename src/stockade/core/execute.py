@@ -87,7 +87,7 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
     assert sup is not None  # made, or the try above raised
     if sup.error is not None:
         raise record.setup_failed(sup, launch)
-    return record.done(sup, stats, io, raise_timeout)
+    return record.done(sup, stats, io, raise_timeout, net=launch.net_summary)
 
 
 def explain_plan(req: RunRequest) -> Prepared:

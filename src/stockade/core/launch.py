@@ -21,6 +21,7 @@ from .supervise import Supervisor, copy_winsize
 if TYPE_CHECKING:
     from ..callerfds import SandboxStdin
     from ..cgroups.base import CgroupStats, Limits, Manager, Placement, RunCgroup
+    from ..net.run import NetRun, NetSummary
     from .prepare import Prepared
 
 
@@ -65,6 +66,8 @@ class Launch:
         self.console = (-1, -1)  # pty: the socket the sandbox sends its pty master over
         self.manager: Manager | None = None
         self.pid_ns = False  # the sandbox has its own PID namespace: all of it ends with its init
+        self.net: NetRun | None = None  # --net allow, forwarded ports: the run's proxy
+        self.net_summary: NetSummary | None = None
         self._stdin(io)
         self._stdout_stderr(io)
 
@@ -122,17 +125,27 @@ class Launch:
         place = self.place = cg.placement() if cg else None
         # v2: born in its cgroup; v1: init enters them itself first. A move by pid
         # (the fallback) is slow on v1: it overlaps the child's mount setup, and the
-        # child waits for Stage.ATTACHED before exec.
-        hold = place is not None and place.attach
+        # child waits for Stage.ATTACHED before exec. So it does while the proxy's
+        # listeners are made in its network namespace.
+        attach = place is not None and place.attach
+        net_policy = getattr(prep, "net", None)
+        hold = attach or net_policy is not None
         child = self.child = launch.start(plan, (self.stdin_fd, self.out_w, self.err_w), place.clone_fd if place else None,
                                           pty=self.io.pty, console_sock=self.console[1], hold_before_exec=hold,
                                           hold_fd=hold_fd, join_fds=place.join_fds if place else ())
-        if hold and cg is not None:
+        if hold:
             try:
-                cg.attach(child.pid)
+                if attach and cg is not None:
+                    cg.attach(child.pid)
+                if net_policy is not None:
+                    from ..audit import AuditLog
+                    from ..net.run import NetRun
+
+                    self.net = NetRun(net_policy, sess.dir, AuditLog(sess), run_no)
+                    self.net.start(child.pidfd, child.pid)
             except Exception:
-                # a child that failed its setup is gone before we could attach it:
-                # its report says why (the supervisor reads it)
+                # a child that failed its setup is gone before we were done: its
+                # report says why (the supervisor reads it)
                 if not native.has_exited(child):
                     raise
             else:
@@ -188,6 +201,9 @@ class Launch:
         """Close our ends, give the caller's stdin file its offset back, and take the
         cgroups down. ``reaped``: init is reaped, and with its own PID namespace
         nothing of the sandbox is left. The cgroups' last statistics."""
+        if self.net is not None:
+            net, self.net = self.net, None
+            self.net_summary = net.close()
         given = self.given_stdin
         if given is not None and given.copy >= 0:
             given.give_back_offset(self.stdin_caller)

@@ -15,6 +15,7 @@ from .result import RunResult
 
 if TYPE_CHECKING:
     from ..cgroups.base import CgroupStats
+    from ..net.run import NetSummary
     from .launch import Launch
     from .prepare import Prepared
     from .request import RunIO
@@ -94,7 +95,8 @@ class RunRecord:
         store.write_json_new(self.run_dir + "/run.json", self.data)
         return err
 
-    def done(self, sup: Supervisor, stats: CgroupStats | None, io: RunIO, raise_timeout: bool) -> RunResult:
+    def done(self, sup: Supervisor, stats: CgroupStats | None, io: RunIO, raise_timeout: bool,
+             net: NetSummary | None = None) -> RunResult:
         """The command ran: its outcome recorded, the caller's RunResult (or subprocess's
         TimeoutExpired / CalledProcessError, when asked for)."""
         from ..cgroups import base as cgbase
@@ -117,11 +119,14 @@ class RunRecord:
             rec["reader_gone"] = sup.reader_gone  # the caller's reader left; the command got EPIPE/SIGPIPE
         if sup.exec_failed is not None:
             rec["exec_failed"] = {"path": sup.exec_failed.path, "errno": sup.exec_failed.err}
+        if net is not None:
+            rec["network"] = net.to_json()
         store.write_json_new(self.run_dir + "/run.json", rec)
         try:
             AuditLog(self.sess).outcome(self.run_no, o.kind, outcome=o.summary(), exit_status=rec["exit_status"],
                                         degraded=list(plan.degraded) or None, seccomp=plan.seccomp_name,
-                                        landlock_abi=rec["landlock_abi"])
+                                        landlock_abi=rec["landlock_abi"],
+                                        **({"network": net.to_json()} if net is not None else {}))
         except OSError:
             pass  # the audit log never breaks a run
 
@@ -136,7 +141,8 @@ class RunRecord:
                 err = err.decode(enc, io.errors or "strict")
         res = RunResult(argv, returncode, out, err, session=self.sess.id, run=self.run_no, outcome=o.summary(),
                      outcome_kind=o.kind, peak_memory=o.peak_memory, cpu_time=o.cpu_time, degraded=plan.degraded,
-                     exec_failed=sup.exec_failed, cg_manager=prep.cg_manager)
+                     exec_failed=sup.exec_failed, cg_manager=prep.cg_manager,
+                     network=net.summary_line() if net is not None else None)
         if sup.timed_out and raise_timeout and prep.timeout is not None:
             # subprocess.run compatibility; the result rides along for callers that want the outcome
             import subprocess

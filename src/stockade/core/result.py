@@ -30,6 +30,7 @@ class RunResult(subprocess.CompletedProcess[Any]):
         degraded: tuple[str, ...] = (),
         exec_failed: Report | None = None,
         cg_manager: Manager | None = None,
+        network: str | None = None,
     ) -> None:
         super().__init__(args, returncode, stdout, stderr)
         self.session = session
@@ -41,6 +42,7 @@ class RunResult(subprocess.CompletedProcess[Any]):
         self.degraded = degraded
         self.exec_failed = exec_failed  # the command could not be executed: its path and errno
         self.cg_manager = cg_manager  # the cgroup backend the run used
+        self.network = network  # --net allow: what the proxy blocked, one line (None: nothing)
 
     @property
     def exit_status(self) -> int:

@@ -44,6 +44,11 @@ def unshare(flags: int) -> int:
     return int(_libc().unshare(ctypes.c_int(flags)))
 
 
+def setns(fd: int, nstype: int) -> int:
+    """Join the namespaces of an nsfs fd, or several of a pidfd's at once."""
+    return int(_libc().setns(ctypes.c_int(fd), ctypes.c_int(nstype)))
+
+
 def mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int, data: bytes | None) -> int:
     return int(_libc().mount(source, target, fstype, ctypes.c_ulong(flags), data))
 
