@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 BOOT := $(VENV)/.bootstrapped
-NATIVE_SRC := $(wildcard csrc/*.c csrc/*.h csrc/*.py csrc/launcher/*.c csrc/launcher/*.h) pyproject.toml setup.py
+NATIVE_SRC := $(wildcard csrc/*.c csrc/*.h csrc/*.py csrc/launcher/*.c csrc/launcher/*.h csrc/connect/*.c) pyproject.toml setup.py
 VMTEST ?= ../shared/vmtest/vmtest.sh
 
 .PHONY: run test test-vm bench lint clean native install
