@@ -111,6 +111,8 @@ def cmd_policy_show(args: Args) -> int:
     for name, f in eff.files:
         print(f"layer    {name:<9} {f}")
     print(f"read-only {'yes' if eff.read_only else 'no'}   masked files read as {eff.mask_mode}")
+    print(f"network  {eff.network.mode} ({_mode_origin(eff)}); {len(eff.network.rules)} host rule(s)"
+          + (f", forwarded ports {', '.join(map(str, eff.network.forward))}" if eff.network.forward else ""))
     print()
     rows = []
     for r in eff.rules():
@@ -121,7 +123,76 @@ def cmd_policy_show(args: Args) -> int:
     return 0
 
 
+def _mode_origin(eff: Effective) -> str:
+    from ..policy.effective import _last_mode
+
+    o = _last_mode(eff.layers)
+    if o is None:
+        return "the default"
+    if o.layer == "cli":
+        return "command line"
+    return str(o)
+
+
+def split_host_port(raw: str, default_port: int = 443) -> tuple[str, int]:
+    """``HOST[:PORT]`` as asked of `policy why --host` (``[v6]:PORT``; a bare IPv6 address
+    has no port); UsageError naming the option otherwise."""
+    from ..policy import network as netpol
+
+    text = raw.strip()
+    port: object = default_port
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise UsageError(f"--host {raw!r}: expected HOST[:PORT], with an IPv6 address as [ADDRESS]:PORT")
+        if rest:
+            port = rest[1:]
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+    else:
+        host = text
+    if not host:
+        raise UsageError(f"--host {raw!r}: expected HOST[:PORT], e.g. pypi.org or github.com:22")
+    try:
+        return host, netpol.parse_port(port, f"--host {raw!r}: port")
+    except netpol.PatternError as e:
+        raise UsageError(str(e)) from None
+
+
+def _why_host(args: Args) -> int:
+    host, port = split_host_port(args.host)
+    eff, _ = _load(args)
+    net = eff.network
+    d = eff.why_host(host, port)
+    mode_note = "" if net.mode == "allow" else (
+        f"the network mode is {net.mode} ({_mode_origin(eff)}): host rules apply to runs with --net allow")
+    if args.json:
+        doc = {"host": host, "port": port, "mode": net.mode, **d.to_json()}
+        if mode_note:
+            doc["note"] = mode_note
+        print(json.dumps(doc, indent=1))
+    else:
+        target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        verdict = "ALLOWED" if d.allowed else "BLOCKED"
+        print(f"{target}: {verdict} (layer: {d.rule.tier if d.rule else 'default'})")
+        print(f"  {d.reason}")
+        if d.rule is not None:
+            pre = f" (preset {d.rule.preset})" if d.rule.preset else ""
+            print(f"  rule: host {d.rule.action} {d.rule.pattern}{pre}  [{d.rule.tier} {d.rule.where()}]")
+        if d.allowed and d.rule is not None and d.rule.parsed.kind in ("name", "wildcard"):
+            print("  its addresses must be public too (loopback, private, link-local and metadata ones are refused "
+                  "unless a rule names them)")
+        if mode_note:
+            print(f"  note: {mode_note}")
+    _warn(eff)
+    return 0
+
+
 def cmd_policy_why(args: Args) -> int:
+    if (args.path is None) == (getattr(args, "host", None) is None):
+        raise UsageError("policy why: give a PATH, or --host HOST[:PORT] (not both)")
+    if args.path is None:
+        return _why_host(args)
     eff, _ = _load(args)
     d = eff.why(Path(args.path))
     if args.json:
@@ -174,6 +245,105 @@ def cmd_policy_env(args: Args) -> int:
 
 
 def _edit_session(args: Args, access: str | None) -> int:
+    """A session path rule (``access`` ro/rw/deny; None: remove), or with --host a host rule."""
+    path_given, host = getattr(args, "path", None), getattr(args, "host", None)
+    verb = "deny" if access == "deny" else "allow"
+    if path_given is not None and host is not None:
+        raise UsageError(f"{verb}: give a PATH or --host HOST, not both")
+    if host is not None:
+        if getattr(args, "rw", False):
+            raise UsageError("allow --host: --rw is for paths; a host rule has no access mode")
+        return _edit_hosts(args, None if getattr(args, "remove", False) else verb)
+    if path_given is None:
+        raise UsageError(f"{verb}: give a PATH, or --host HOST[:PORT]" + (", or --list" if verb == "allow" else ""))
+    if access == "deny" and getattr(args, "remove", False):
+        access = None
+    return _edit_path(args, access)
+
+
+def _host_key(raw: str) -> str:
+    """A host pattern as the session file keeps it: presets lower-cased, patterns canonical."""
+    from ..policy import network as netpol
+
+    text = raw.strip()
+    if text.startswith("@"):
+        return text.lower()
+    try:
+        return netpol.parse_pattern(text).text()
+    except netpol.PatternError:
+        return text
+
+
+def _edit_hosts(args: Args, action: str | None) -> int:
+    from ..policy import config, load
+    from ..policy import network as netpol
+    from ..session.store import write_json_atomic
+
+    raw = str(args.host)
+    flag = f"{'deny' if action == 'deny' else 'allow'} --host"
+    try:  # its form first: a bad pattern names itself before any session is looked up
+        netpol.check_raw(raw)
+    except netpol.PatternError as e:
+        raise UsageError(f"{flag}: {e}; expected HOST[:PORT], *.DOMAIN, an IP address or CIDR, or @preset") from None
+    key = _host_key(raw)
+    project = _project(args)
+    sdir, sid = _session_dir(args, project, create=True)
+    assert sdir is not None and sid is not None
+    if action is not None and key.startswith("@"):
+        presets = load(project, sdir, None, strict=False).network.preset_table()
+        try:
+            netpol.expand(key, presets)
+        except netpol.PatternError as e:
+            raise UsageError(f"{flag}: {e}") from None
+    ppath = config.session_policy_path(sdir)
+    src = config.read_json("session", ppath)  # validates: a broken file is reported, not overwritten
+    data: dict[str, Any] = dict(src.data) if src else {}
+    data["schema_version"] = config.SESSION_SCHEMA_VERSION
+    old = list(data.get("hosts", []))
+    hosts = [h for h in old if _host_key(h["host"]) != key]  # one rule per host: the new one replaces it
+    if action is None:
+        if len(hosts) == len(old):
+            raise UsageError(f"session {sid} has no host rule for {key}; see `stockade allow --list --session {sid}`")
+        done = "removed the session's host rule for"
+    else:
+        hosts.append({"host": key, "action": action, "added_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        done = "allowed host" if action == "allow" else "denied host"
+    data["hosts"] = hosts
+    write_json_atomic(ppath, data)
+    print(f"session {sid}: {done} {key} (effective for the next connection of a running --net allow run, and the next run)")
+    return 0
+
+
+def cmd_allow_list(args: Args) -> int:
+    from ..policy import config
+
+    if getattr(args, "path", None) is not None or getattr(args, "host", None) is not None or args.rw or args.remove:
+        raise UsageError("allow --list takes no PATH, --host, --rw or --remove")
+    project = _project(args)
+    sdir, sid = _session_dir(args, project, create=True)
+    assert sdir is not None
+    ppath = config.session_policy_path(sdir)
+    src = config.read_json("session", ppath)
+    data: dict[str, Any] = dict(src.data) if src else {}
+    paths = [{"path": p["path"], "access": p.get("access", "ro"), "added_at": p.get("added_at")} for p in data.get("paths", [])]
+    hosts = [{"host": h["host"], "action": h["action"], "added_at": h.get("added_at")} for h in data.get("hosts", [])]
+    if args.json:
+        print(json.dumps({"session": sid, "file": str(ppath), "paths": paths, "hosts": hosts}, indent=1))
+        return 0
+    print(f"session {sid}  ({ppath})")
+    if not paths and not hosts:
+        print("no session rules (add them with `stockade allow PATH`, `stockade allow --host HOST`, `stockade deny ...`)")
+        return 0
+    if paths:
+        print(_table([[p["access"], p["path"], p["added_at"] or ""] for p in paths], ["ACCESS", "PATH", "ADDED"]))
+    if hosts:
+        if paths:
+            print()
+        print(_table([[h["action"], h["host"], h["added_at"] or ""] for h in hosts], ["ACTION", "HOST", "ADDED"]))
+    return 0
+
+
+def _edit_path(args: Args, access: str | None) -> int:
     from ..policy import config, deny_refusal
     from ..policy.rules import is_under
 
@@ -223,6 +393,10 @@ def _norm(raw: str, project: Path) -> str:
 
 
 def cmd_allow(args: Args) -> int:
+    if getattr(args, "list_rules", False):
+        return cmd_allow_list(args)
+    if getattr(args, "json", False):
+        raise UsageError("allow: --json is for --list")
     return _edit_session(args, None if args.remove else ("rw" if args.rw else "ro"))
 
 

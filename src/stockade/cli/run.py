@@ -81,6 +81,8 @@ def run_kwargs(args: Args, default_cmd: list[str] | None = None) -> dict[str, An
         "root": args.root,
         "user": args.user,
         "network": args.net,
+        "allow_hosts": tuple(args.allow_hosts),
+        "forward": tuple(args.forward),
         "pass_fds": tuple(args.pass_fd),
         "seccomp": args.seccomp,
         "landlock": not args.no_landlock,

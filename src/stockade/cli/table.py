@@ -169,13 +169,24 @@ POLICY = Group(
         help="refuse a top-level command by argv prefix, e.g. 'git push' (advisory)"),
 )
 
+NETWORK = Group(
+    "network",
+    Arg("--net", default=None, choices=("none", "allow", "host"), keep=True,
+        help="none (the default: own network namespace, lo only), allow (only the hosts the policy allows, "
+             "through a proxy) or host (the host's network); default: [network] mode, else none"),
+    Arg("--allow-host", dest="allow_hosts", action="append", default=[], metavar="HOST[:PORT]", keep=True,
+        help="with --net allow: also allow HOST (a name, *.domain, an IP address or CIDR, or @pypi, @npm, "
+             "@github, @debian); repeatable"),
+    Arg("--forward", action="append", default=[], metavar="PORT", keep=True,
+        help="let the sandbox reach the host's localhost:PORT (with --net none or allow); repeatable"),
+)
+
 RUN_ARGS: tuple[Arg | Group, ...] = (
     Arg("--project", "-p", default=".", metavar="DIR", keep=True, help="project directory (default: .)"),
     Arg("--session", "-s", metavar="NAME", keep=True, help="reuse or create the named session"),
     Arg("--cwd", metavar="DIR", keep=True, help="working directory inside the project"),
     Arg("--root", action="store_true", keep=True, help="appear as uid 0 inside (keeping chown/setuid capabilities in its own namespace where a range of ids is mapped)"),
     Arg("--user", type=_natural("a uid such as 1000"), metavar="UID", help="(real root only) run as this uid instead of the project's owner"),
-    Arg("--net", default="none", choices=("none", "host"), keep=True, help="network: none (own netns, lo only) or host"),
     Arg("--pass-fd", type=_natural("an open file descriptor number such as 3"), action="append", default=[], metavar="N",
         help="pass file descriptor N through"),
     Arg("--seccomp", default="default", metavar="NAME|PATH", keep=True, help="seccomp profile (default, strict, permissive, a JSON file, or off)"),
@@ -183,6 +194,7 @@ RUN_ARGS: tuple[Arg | Group, ...] = (
     Arg("--allow-degraded", action="append", default=[], metavar="WHAT",
         help="run without a layer the kernel or a container refuses: landlock, seccomp, limits, proc, hostname"),
     Arg("--no-wait", action="store_true", keep=True, help="fail instead of waiting when the session is busy"),
+    NETWORK,
     LIMITS,
     POLICY,
     Arg("command", nargs=REMAINDER, help="-- CMD [ARGS...]"),
@@ -240,16 +252,26 @@ VERBS: tuple[Verb, ...] = (
     Verb("policy", "show the effective policy and why a path is visible", None, sub_dest="policy_cmd", sub=(
         Verb("show", "effective rules with their source layer", Handler("policy", "cmd_policy_show"),
              _JSON, _PROJECT, _POLICY_SESSION, POLICY),
-        Verb("why", "which rule decides a path, from which layer", Handler("policy", "cmd_policy_why"),
-             Arg("path", metavar="PATH"), _JSON, _PROJECT, _POLICY_SESSION, POLICY),
+        Verb("why", "which rule decides a path (or --host HOST[:PORT]), from which layer", Handler("policy", "cmd_policy_why"),
+             Arg("path", metavar="PATH", nargs="?", default=None),
+             Arg("--host", default=None, metavar="HOST[:PORT]", help="which host rule decides HOST (port 443 unless given)"),
+             _JSON, _PROJECT, _POLICY_SESSION, POLICY),
         Verb("env", "which of your environment variables would pass", Handler("policy", "cmd_policy_env"),
              _JSON, _PROJECT, _POLICY_SESSION, POLICY),
     )),
-    Verb("allow", "session-level: make a path visible (next run)", Handler("policy", "cmd_allow"),
-         Arg("path", metavar="PATH"), Arg("--rw", action="store_true", help="read-write (default read-only)"),
-         Arg("--remove", action="store_true", help="remove the session's rule for PATH"), _PROJECT, _POLICY_SESSION),
-    Verb("deny", "session-level: hide a path (beats earlier allows)", Handler("policy", "cmd_deny"),
-         Arg("path", metavar="PATH"), _PROJECT, _POLICY_SESSION),
+    Verb("allow", "session-level: make a path visible, or a host reachable (next run; a running one's proxy too)",
+         Handler("policy", "cmd_allow"),
+         Arg("path", metavar="PATH", nargs="?", default=None), Arg("--rw", action="store_true", help="read-write (default read-only)"),
+         Arg("--host", default=None, metavar="HOST[:PORT]", help="allow a host for --net allow (a name, *.domain, IP, CIDR, @preset)"),
+         Arg("--remove", action="store_true", help="remove the session's rule for PATH (or --host)"),
+         Arg("--list", dest="list_rules", action="store_true", help="the session's path and host rules"),
+         Arg("--json", action="store_true", help="with --list: machine-readable"),
+         _PROJECT, _POLICY_SESSION),
+    Verb("deny", "session-level: hide a path, or refuse a host (beats allows)", Handler("policy", "cmd_deny"),
+         Arg("path", metavar="PATH", nargs="?", default=None),
+         Arg("--host", default=None, metavar="HOST[:PORT]", help="refuse a host for --net allow (deny wins)"),
+         Arg("--remove", action="store_true", help="remove the session's rule for PATH (or --host)"),
+         _PROJECT, _POLICY_SESSION),
     # the audit log
     Verb("log", "a session's audit log", Handler("log", "cmd_log"),
          Arg("session_name", nargs="?", default=None, metavar="S"), Arg("--blocked-only", action="store_true"),

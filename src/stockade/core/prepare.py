@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ..audit import MaskedFact, PolicyFacts
     from ..cgroups.base import Limits, Manager
     from ..policy import CliPolicy, Effective
+    from ..policy.network import NetPolicy
 
 # proc, hostname: walls a container engine can refuse (linux/walls.py)
 _DEGRADABLE = frozenset({"landlock", "seccomp", "limits", "cgroups", "proc", "hostname"})
@@ -106,6 +107,7 @@ class PlanInputs:
     user: int | None
     read_only: bool
     network: str
+    forward: tuple[int, ...]  # host loopback ports the sandbox reaches (through the proxy's listeners)
     keep_fds: tuple[int, ...]
     masked: tuple[tuple[str, bool], ...]
     grants: tuple[tuple[str, bool], ...]
@@ -130,6 +132,7 @@ class Resolved:
     timeout: float | None
     audit: AuditFacts
     deps: Deps | None = None  # None: cannot be revalidated, so never kept across processes
+    net: NetPolicy | None = None  # as Prepared.net
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,8 @@ class Prepared:
     limits: Limits
     timeout: float | None
     audit: AuditFacts
+    # the run's proxy policy: mode allow, or mode none with forwarded ports; None: no proxy
+    net: NetPolicy | None = None
 
 
 # --------------------------------------------------------------------------- the cache hook
@@ -176,6 +181,7 @@ def _key(req: RunRequest, project: Path) -> CacheKey | None:
         "run", str(project), None if req.cwd is None else os.fspath(req.cwd), req.timeout, req.shell, req.root,
         req.user, req.read_only, req.network, tuple(req.pass_fds), req.seccomp, tuple(req.allow_degraded),
         req.landlock, None if req.policy is None else req.policy.key, None if not req.env else tuple(sorted(req.env.items())),
+        tuple(req.allow_hosts), tuple(str(p) for p in req.forward),
     )
     if not {"proc", "hostname"}.isdisjoint(req.allow_degraded):
         from ..linux import walls
@@ -222,7 +228,7 @@ def finish(resolved: Resolved, sess: store.Session, argv: tuple[str, ...], *, fo
     if len(i.keep_fds) > 64:
         raise UsageError(f"--pass-fd: at most 64 descriptors can be passed, not {len(i.keep_fds)}")
     _check_pass_fds(i.keep_fds)
-    return Prepared(plan, resolved.cg_manager, resolved.limits, resolved.timeout, resolved.audit)
+    return Prepared(plan, resolved.cg_manager, resolved.limits, resolved.timeout, resolved.audit, resolved.net)
 
 
 def base_plan(resolved: Resolved) -> planmod.Plan:
@@ -240,7 +246,8 @@ def _request(i: PlanInputs, argv: tuple[str, ...], lower: tuple[Path, ...], uppe
     return planmod.Request(
         argv=argv, project=i.project, cwd=i.cwd, env=i.env, lower_layers=lower, upper=upper, work=work,
         foreign_stdin=foreign_stdin,
-        root=i.root, user=i.user, read_only=i.read_only, network=i.network, keep_fds=i.keep_fds, masked=i.masked,
+        root=i.root, user=i.user, read_only=i.read_only, network=i.network, forward=i.forward, keep_fds=i.keep_fds,
+        masked=i.masked,
         grants=i.grants, exec_allow=i.exec_allow, etc_extra=i.etc_extra, landlock=i.landlock,
         seccomp_name=i.seccomp_name, seccomp_bpf=i.seccomp_bpf, rlimits=i.rlimits, degraded=i.degraded,
     )
@@ -271,7 +278,7 @@ def _build(req: planmod.Request) -> planmod.Plan:
         owner = (st.st_uid, st.st_gid)
     key = (
         req.argv, str(req.project), str(req.cwd), tuple(req.env.items()), req.lower_layers, req.upper, req.work,
-        req.root, req.user, req.read_only, req.network, req.hostname, req.keep_fds, req.masked, req.grants,
+        req.root, req.user, req.read_only, req.network, req.forward, req.hostname, req.keep_fds, req.masked, req.grants,
         req.exec_allow, req.etc_extra, req.landlock, req.seccomp_name, req.seccomp_bpf, req.rlimits,
         req.degraded, req.stage_dir, req.foreign_stdin, owner, passwd_sig(),
     )
@@ -404,7 +411,8 @@ def clear_caches() -> None:
 
 
 def load_policy(project: Path, sess: store.Session | None, cli: CliSpec | CliPolicy | None,
-                env: Mapping[str, str] | None) -> Effective:
+                env: Mapping[str, str] | None, req: RunRequest | None = None) -> Effective:
+    """The merged policy; ``req``'s network options are its command-line tier (as --env's)."""
     from .. import policy as polmod
 
     if isinstance(cli, CliSpec):
@@ -413,13 +421,18 @@ def load_policy(project: Path, sess: store.Session | None, cli: CliSpec | CliPol
         cli = polmod.CliPolicy(env=dict(env)) if env else None
     elif env:
         cli = dataclasses.replace(cli, env={**cli.env, **env})
+    if req is not None and (req.network is not None or req.allow_hosts or req.forward):
+        cli = dataclasses.replace(cli or polmod.CliPolicy(), net_mode=req.network, allow_hosts=tuple(req.allow_hosts),
+                                  forward=tuple(req.forward))
     return polmod.load_cached(project, sess.dir if sess is not None else None, cli)
 
 
 def _check_options(req: RunRequest, argv: tuple[str, ...]) -> frozenset[str]:
     """Bad options: a one-line UsageError before anything is read or made."""
-    if req.network not in ("none", "host"):
-        raise UsageError(f"--net {req.network!r} is not a network mode; use none or host")
+    if req.network not in (None, "none", "allow", "host"):
+        raise UsageError(f"--net {req.network!r} is not a network mode; use none, allow or host")
+    if isinstance(req.allow_hosts, str) or isinstance(req.forward, str | int):
+        raise UsageError("allow_hosts and forward take a list (allow_hosts=['pypi.org'], forward=[5432])")
     degraded_ok = frozenset(req.allow_degraded)
     unknown = degraded_ok - _DEGRADABLE
     if unknown:
@@ -459,7 +472,8 @@ def resolve(sess: store.Session, project: Path, req: RunRequest, argv: tuple[str
 
     # environment
     has_session = not explain_only or os.path.exists(os.path.join(sess.dir, "meta.json"))
-    pol = load_policy(project, sess if has_session else None, req.policy, req.env)
+    pol = load_policy(project, sess if has_session else None, req.policy, req.env, req)
+    net = _network(pol, req)
     run_env, removed = pol.env(os.environ)
     if pol.read_only:
         read_only = True
@@ -520,7 +534,7 @@ def resolve(sess: store.Session, project: Path, req: RunRequest, argv: tuple[str
 
     inputs = PlanInputs(
         project=project, cwd=wd, env=run_env, root=req.root, user=req.user, read_only=read_only,
-        network=req.network, keep_fds=tuple(req.pass_fds),
+        network=net.mode, forward=net.forward if net.mode != "host" else (), keep_fds=tuple(req.pass_fds),
         masked=tuple((str(m.path), bool(m.is_dir)) for m in grant_masks if not m.is_symlink),
         grants=tuple((str(g.host_path), bool(g.writable)) for g in pol.grants),
         exec_allow=tuple(pol.exec_allow) if pol.exec_allow is not None else None,
@@ -530,7 +544,21 @@ def resolve(sess: store.Session, project: Path, req: RunRequest, argv: tuple[str
     audit = AuditFacts(policy=pol, masked=tuple(masked_l + grant_masks), removed=tuple(removed), read_only=read_only,
                        project=str(project), unenforced=tuple(unenforced))
     deps = None if explain_only else _deps(pol, project, req.seccomp, hard)
-    return Resolved(inputs, cg_manager, lim, timeout, audit, deps)
+    proxied = net.mode == "allow" or (net.mode == "none" and bool(net.forward))
+    return Resolved(inputs, cg_manager, lim, timeout, audit, deps, net if proxied else None)
+
+
+def _network(pol: Effective, req: RunRequest) -> NetPolicy:
+    """The run's network policy (every tier, the request's options on top), refusing
+    options that cannot take effect: host rules given for a run without ``--net allow``,
+    ports forwarded into a run with the host's network."""
+    net = pol.network
+    if req.allow_hosts and net.mode != "allow":
+        raise UsageError(f"--allow-host needs --net allow (the network mode is {net.mode}); "
+                         "add --net allow, or set [network] mode = \"allow\"")
+    if req.forward and net.mode == "host":
+        raise UsageError("--forward: the host's network already reaches its ports; forward with --net none or allow")
+    return net
 
 
 def _deps(pol: Effective, project: Path, seccomp: str, hard: tuple[tuple[int, int], ...]) -> Deps | None:

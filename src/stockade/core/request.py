@@ -34,7 +34,9 @@ class RunRequest:
     root: bool = False
     user: int | None = None
     read_only: bool = False
-    network: str = "none"
+    network: str | None = None  # none | allow | host; None: the config's [network] mode, else none
+    allow_hosts: Sequence[str] = ()  # --allow-host: HOST[:PORT], *.DOMAIN, IP, CIDR, @preset (needs mode allow)
+    forward: Sequence[int | str] = ()  # --forward: host loopback ports the sandbox reaches (modes none, allow)
     pass_fds: Sequence[int] = ()
     seccomp: str = "default"
     allow_degraded: Sequence[str] = ()

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from ..core.prepare import CacheKey, Resolved
     from ..session.store import Session
 
-VERSION = 1
+VERSION = 2  # 2: inputs.forward, net
 # Entries decoded ahead by a CLI server (``preload``), for the supervisors it forks:
 # path -> (the file's signature, its data, a plan of its base (``core.prepare.base_plan``),
 # limits and manager).
@@ -217,6 +217,8 @@ def save(key: CacheKey, resolved: Resolved) -> bool:
         "manager": manager,
         "limits": _enc(resolved.limits),
         "timeout": resolved.timeout,
+        # the run's network policy, as data (policy.network rebuilds it; its rules are re-checked)
+        "net": None if resolved.net is None else resolved.net.to_json(),
         "audit": {
             "digest": pol.digest,
             "files": tuple(tuple(f) for f in pol.files),
@@ -248,7 +250,7 @@ def save(key: CacheKey, resolved: Resolved) -> bool:
 
 # PlanInputs' fields kept as they are (marshal-able); project, cwd and env are converted
 _INPUT_FIELDS = (
-    "root", "user", "read_only", "network", "keep_fds", "masked", "grants", "exec_allow", "etc_extra", "landlock",
+    "root", "user", "read_only", "network", "forward", "keep_fds", "masked", "grants", "exec_allow", "etc_extra", "landlock",
     "seccomp_name", "seccomp_bpf", "rlimits", "degraded", "mask_items", "mask_mode",
 )
 
@@ -353,7 +355,12 @@ def _decoded(data: dict[str, Any]) -> Resolved:
     a = data["audit"]
     audit = AuditFacts(policy=_Policy(a), masked=tuple(_Masked(*m) for m in a["masked"]), removed=tuple(a["removed"]),
                        read_only=a["run_read_only"], project=a["project"], unenforced=tuple(a["unenforced"]))
-    return Resolved(inputs, _manager(data["manager"]), _dec(data["limits"], cgbase), data["timeout"], audit)
+    net = None
+    if data.get("net") is not None:
+        from ..policy.network import NetPolicy
+
+        net = NetPolicy.from_json(data["net"])
+    return Resolved(inputs, _manager(data["manager"]), _dec(data["limits"], cgbase), data["timeout"], audit, net=net)
 
 
 def preload(path: str) -> Any:

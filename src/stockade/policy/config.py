@@ -74,6 +74,16 @@ class Item:
 
 
 @dataclass(frozen=True)
+class HostEntry:
+    """One host pattern of a tier as written (``@preset`` not yet expanded)."""
+
+    raw: str
+    action: str  # allow | deny
+    origin: Origin
+    key: str  # where it was given: "network.allow[2]", "hosts[0].host", "--allow-host"
+
+
+@dataclass(frozen=True)
 class CommandEntry:
     argv: tuple[str, ...]
     origin: Origin
@@ -100,6 +110,12 @@ class Layer:
     commands_deny: list[CommandEntry] = field(default_factory=list)
     etc_extra: list[Item] = field(default_factory=list)
     limits: dict[str, tuple[int | float | None, str, Origin]] = field(default_factory=dict)  # name -> (value, as written, origin)
+    # [network] (and a session's "hosts"): policy/network.py builds the run's NetPolicy from them
+    net_mode: tuple[str, Origin] | None = None
+    net_rules: list[HostEntry] = field(default_factory=list)
+    net_forward: list[tuple[int, Origin]] = field(default_factory=list)
+    net_resolver: tuple[tuple[str, int], Origin] | None = None
+    net_presets: dict[str, tuple[tuple[str, ...], Origin]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -109,6 +125,7 @@ class Layer:
 # node (array), a dict of key -> node (table), or the marker MAP_STR (str -> str table)
 # or STR_OR_ARGV (a command: "git push" or ["git", "push"]).
 MAP_STR = "map-of-strings"
+MAP_STR_LIST = "map-of-string-arrays"  # [network.presets]: name = ["host", ...]
 STR_OR_ARGV = "string-or-argv"
 SCALAR = "string-or-number"  # a limit: "512M", 256, 1.5, "none"
 
@@ -129,9 +146,19 @@ SCHEMA: dict[str, Any] = {
     "etc": {"extra": [str]},
     # the README's `limits = { memory = "512M", pids = 256 }` (or a [limits] table)
     "limits": {n: SCALAR for n in ("memory", "cpus", "pids", "timeout", "cpu_time", "max_file_size", "nofile")},
+    "network": {
+        "mode": ("none", "allow", "host"),
+        "allow": [str],
+        "deny": [str],
+        "forward": [SCALAR],  # 5432 or "5432"
+        "resolver": str,
+        "presets": MAP_STR_LIST,
+    },
 }
-SESSION_SCHEMA: dict[str, Any] = {"schema_version": int, **SCHEMA}
-REQUIRED_IN_TABLE: dict[str, tuple[str, ...]] = {"paths": ("path",)}
+# a session's host rules (`stockade allow --host`, `deny --host`)
+SESSION_SCHEMA: dict[str, Any] = {"schema_version": int, **SCHEMA,
+                                  "hosts": [{"host": str, "action": ("allow", "deny"), "added_at": str}]}
+REQUIRED_IN_TABLE: dict[str, tuple[str, ...]] = {"paths": ("path",), "hosts": ("host", "action")}
 
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENV_PATTERN_RE = re.compile(r"^[A-Za-z0-9_*?\[\]!-]+$")
@@ -150,6 +177,8 @@ def _type_name(node: Any) -> str:
         return "an array of " + _type_name(node[0]).removeprefix("a ").removeprefix("an ") + "s"
     if node == MAP_STR:
         return "a table of strings"
+    if node == MAP_STR_LIST:
+        return "a table of arrays of strings"
     if node == STR_OR_ARGV:
         return "a string or an array of strings"
     if node == SCALAR:
@@ -299,6 +328,12 @@ def validate(data: Any, schema: Mapping[str, Any], file: str, loc: Locator) -> N
         elif node == MAP_STR:
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
                 raise fail(path, f"expected {_type_name(node)}")
+        elif node == MAP_STR_LIST:
+            if not isinstance(value, dict):
+                raise fail(path, f"expected {_type_name(node)}")
+            for k, v in value.items():
+                if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                    raise fail([*path, k], "expected an array of strings")
         elif node == STR_OR_ARGV:
             ok = isinstance(value, str) or (
                 isinstance(value, list) and value and all(isinstance(v, str) for v in value)
@@ -580,7 +615,62 @@ def layer_from_source(src: Source, *, project: Path, cwd: Path | None = None) ->
         o = origin(["limits", name])
         where = f"{file}:{o.line}" if o.line else file
         lay.limits[name] = (parse_limit(name, raw, source=where), str(raw), o)
+    if "network" in d or "hosts" in d:
+        _network_from_source(d, lay, file, origin)
     return lay
+
+
+def _network_from_source(d: Mapping[str, Any], lay: Layer, file: str, origin: Any) -> None:
+    """[network] (and a session's "hosts"), checked pattern by pattern: a bad one names
+    its file, line and key. Presets are expanded once every tier is read."""
+    from . import network as netpol
+
+    net = d.get("network", {})
+    if "mode" in net:
+        lay.net_mode = (net["mode"], origin(["network", "mode"]))
+    for action in ("allow", "deny"):
+        for i, raw in enumerate(net.get(action, [])):
+            o = origin(["network", action, i], raw)
+            key = f"network.{action}[{i}]"
+            try:
+                netpol.check_raw(raw)
+            except netpol.PatternError as e:
+                raise _err(file, o.line, key, str(e)) from None
+            lay.net_rules.append(HostEntry(raw.strip(), action, o, key))
+    for i, raw in enumerate(net.get("forward", [])):
+        o = origin(["network", "forward", i])
+        try:
+            lay.net_forward.append((netpol.parse_forward(raw), o))
+        except netpol.PatternError as e:
+            raise _err(file, o.line, f"network.forward[{i}]", str(e)) from None
+    if "resolver" in net:
+        o = origin(["network", "resolver"])
+        try:
+            lay.net_resolver = (netpol.parse_resolver(net["resolver"]), o)
+        except netpol.PatternError as e:
+            raise _err(file, o.line, "network.resolver", str(e)) from None
+    for name, pats in net.get("presets", {}).items():
+        o = origin(["network", "presets", name])
+        key = f"network.presets.{name}"
+        try:
+            netpol.check_preset_name(name)
+            for p in pats:
+                if p.strip().startswith("@"):
+                    raise netpol.PatternError(f"{p!r}: a preset lists hosts, not other presets")
+                netpol.parse_pattern(p)
+        except netpol.PatternError as e:
+            raise _err(file, o.line, key, str(e)) from None
+        if not pats:
+            raise _err(file, o.line, key, "an empty preset; list its hosts, e.g. [\"artifacts.example.org:443\"]")
+        lay.net_presets[name.lower()] = (tuple(p.strip() for p in pats), o)
+    for i, ent in enumerate(d.get("hosts", [])):
+        o = origin(["hosts", i], ent["host"])
+        key = f"hosts[{i}].host"
+        try:
+            netpol.check_raw(ent["host"])
+        except netpol.PatternError as e:
+            raise _err(file, o.line, key, str(e)) from None
+        lay.net_rules.append(HostEntry(ent["host"].strip(), ent["action"], o, key))
 
 
 def _check_pattern(pat: str, file: str, line: int | None, key: str) -> None:

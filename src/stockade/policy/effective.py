@@ -4,6 +4,7 @@ tiers and merges them."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ from .view import deny_refusal, sandbox_sees, why_outside
 if TYPE_CHECKING:
     from ..cgroups.base import Limits
     from ..pathsig import Consulted
+    from .network import HostDecision, NetPolicy
     from .secrets import Matcher, PatternRule
 
 
@@ -113,6 +115,7 @@ class Effective:
         for lay in layers:
             self.limits_set.update(lay.limits)
         self.etc_extra: list[str] = sorted({i.value for i in self.etc_items})
+        self._network: NetPolicy = network_of(layers)
 
         self.paths: PathResolution = resolve_paths(e for lay in layers for e in lay.paths)
         for d in self.paths.denies:
@@ -186,8 +189,26 @@ class Effective:
             "commands_deny": self.commands_deny,
             "etc_extra": self.etc_extra,
             "limits": sorted((k, v[0]) for k, v in self.limits_set.items()),
+            "network": self._network.digest,
         }
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+    # ---- network -------------------------------------------------------------------
+    @property
+    def network(self) -> NetPolicy:
+        """The run's network policy: every tier's [network] and host rules, the command
+        line's --net/--allow-host/--forward, and STOCKADE_NET_RESOLVER (read now)."""
+        from .network import env_resolver
+
+        res = env_resolver()
+        if res is None or res == self._network.resolver:
+            return self._network
+        return dataclasses.replace(self._network, resolver=res)
+
+    def why_host(self, host: str, port: int) -> HostDecision:
+        """Which host rule decides ``host:port`` (whatever the mode: the mode is said apart)."""
+        net = self.network
+        return dataclasses.replace(net, mode="allow").decide(host, port)
 
     # ---- environment -------------------------------------------------------------
     def env_filter(self) -> EnvFilter:
@@ -353,6 +374,18 @@ class Effective:
             out.append(Rule("etc", "allow", i.value, i.origin))
         for name, (_v, raw, o) in sorted(self.limits_set.items()):
             out.append(Rule("setting", "set", f"limits.{name} = {raw}", o))
+        net = self._network
+        last = _last_mode(self.layers)
+        for lay in self.layers:
+            if lay.net_mode is not None:  # the last one set is in force
+                out.append(Rule("setting", "set", f"network.mode = {json.dumps(lay.net_mode[0])}", lay.net_mode[1],
+                                lay.net_mode[1] is last))
+        for h in net.rules:
+            o = Origin(h.tier, None if h.source in ("command line", h.tier) else h.source, h.line)
+            out.append(Rule("host", h.action, h.pattern, o, note=f"preset {h.preset}" if h.preset else ""))
+        for p in net.forward:
+            out.append(Rule("forward", "allow", f"localhost:{p}", next(
+                (o for lay in self.layers for q, o in lay.net_forward if q == p), Origin("cli"))))
         return out
 
     # ---- limits --------------------------------------------------------------------
@@ -458,9 +491,55 @@ class Effective:
             "exec_allow": self.exec_allow,
             "commands_deny": self.commands_deny,
             "etc_extra": self.etc_extra,
+            "network": self.network.to_json(),
             "rules": [r.to_json() for r in self.rules()],
             "warnings": self.warnings,
         }
+
+
+def _last_mode(layers: list[Layer]) -> Origin | None:
+    found: Origin | None = None
+    for lay in layers:
+        if lay.net_mode is not None:
+            found = lay.net_mode[1]
+    return found
+
+
+def network_of(layers: list[Layer]) -> NetPolicy:
+    """The NetPolicy the tiers state: the last mode set (else none), every tier's host
+    rules with @presets expanded (the presets of every tier, a later one replacing an
+    earlier one of the same name), the forwarded ports of every tier, the last resolver."""
+    from . import network as netpol
+
+    presets = dict(netpol.BUILTIN_PRESETS)
+    for lay in layers:
+        presets.update({k: v[0] for k, v in lay.net_presets.items()})
+    mode = "none"
+    resolver = None
+    rules: list[netpol.HostRule] = []
+    forward: list[int] = []
+    for lay in layers:
+        if lay.net_mode is not None:
+            mode = lay.net_mode[0]
+        if lay.net_resolver is not None:
+            resolver = lay.net_resolver[0]
+        for e in lay.net_rules:
+            o = e.origin
+            try:
+                pairs = netpol.expand(e.raw, presets)
+            except netpol.PatternError as err:
+                if o.layer == "cli":
+                    raise PolicyError(f"{e.key}: {err}") from None
+                where = o.file if o.line is None else f"{o.file}:{o.line}"
+                raise PolicyError(f"{where}: {e.key}: {err}") from None
+            source = "command line" if o.layer == "cli" else (o.file or o.layer)
+            for pat, preset in pairs:
+                rules.append(netpol.HostRule(pat, e.action, o.layer, source, preset, o.line))
+        for p, _o in lay.net_forward:
+            if p not in forward:
+                forward.append(p)
+    return netpol.NetPolicy(mode=mode, rules=tuple(rules), forward=tuple(forward), resolver=resolver,
+                            presets=tuple(sorted(presets.items())))
 
 
 def load(project: Path, session_dir: Path | None, cli: CliPolicy | None = None, *, strict: bool = True) -> Effective:

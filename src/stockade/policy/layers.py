@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import PolicyError
 from . import config as _config
-from .config import CommandEntry, Item, Layer, Origin, PathEntry
+from .config import CommandEntry, HostEntry, Item, Layer, Origin, PathEntry
 from .env import DEFAULT_ALLOW as ENV_DEFAULT_ALLOW
 from .env import DEFAULT_BLOCK as ENV_DEFAULT_BLOCK
 from .rules import is_under
@@ -38,6 +38,9 @@ class CliPolicy:
     exec_allow: tuple[str, ...] | None = None  # --exec-allow DIR (repeatable)
     commands_deny: tuple[str, ...] = ()  # --deny-command "git push"
     cwd: str | None = None  # base for relative paths (default: os.getcwd())
+    net_mode: str | None = None  # --net none|allow|host (None: the config's mode, else none)
+    allow_hosts: tuple[str, ...] = ()  # --allow-host HOST[:PORT] | @preset
+    forward: tuple[int | str, ...] = ()  # --forward PORT
 
 
 
@@ -114,7 +117,29 @@ def _cli_layer(cli: CliPolicy, project: Path) -> Layer:
     for name in cli.env:
         if not _config._ENV_NAME_RE.match(name):
             raise PolicyError(f"--env: {name!r} is not a valid environment variable name")
+    if cli.net_mode is not None or cli.allow_hosts or cli.forward:
+        _cli_network(cli, lay)
     return lay
+
+
+def _cli_network(cli: CliPolicy, lay: Layer) -> None:
+    from . import network as netpol
+
+    if cli.net_mode is not None:
+        if cli.net_mode not in netpol.MODES:
+            raise PolicyError(f"--net {cli.net_mode!r} is not a network mode; use none, allow or host")
+        lay.net_mode = (cli.net_mode, Origin("cli", "--net"))
+    for raw in cli.allow_hosts:
+        try:
+            netpol.check_raw(raw)
+        except netpol.PatternError as e:
+            raise PolicyError(f"--allow-host: {e}; expected HOST[:PORT], *.DOMAIN, an IP address or CIDR, or @preset") from None
+        lay.net_rules.append(HostEntry(raw.strip(), "allow", Origin("cli", "--allow-host"), "--allow-host"))
+    for port in cli.forward:
+        try:
+            lay.net_forward.append((netpol.parse_forward(port), Origin("cli", "--forward")))
+        except netpol.PatternError as e:
+            raise PolicyError(f"--forward: {e}") from None
 
 
 def read_layers(project: Path, session_dir: Path | None, cli: CliPolicy) -> tuple[list[Layer], list[str]]:
