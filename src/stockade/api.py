@@ -79,7 +79,13 @@ def run(
     session: str | None = None,
     **kwargs: Any,
 ) -> RunResult:
-    """Run ``args`` sandboxed, like ``subprocess.run``; the result also has ``.session``."""
+    """Run ``args`` sandboxed, like ``subprocess.run``; the result also has ``.session``.
+
+    Network: ``network="none"`` (the default unless the config's ``[network] mode``
+    says otherwise), ``"allow"`` (only the hosts the policy allows, through a proxy:
+    ``allow_hosts=["pypi.org", "@github"]`` adds to the config's) or ``"host"``;
+    ``forward=[5432]`` lets the sandbox reach the host's ``localhost:5432``. Bad values
+    raise ``UsageError`` before anything runs."""
     from .core.execute import execute
 
     # a new session each call: the next one's directories are made while this sandbox starts

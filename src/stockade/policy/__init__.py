@@ -4,7 +4,7 @@
 session < cli; :mod:`.layers`), merges them (settings: the later layer wins; paths and
 patterns: deny wins, see :mod:`.rules`) and returns an :class:`Effective` policy
 (:mod:`.effective`) the plan builder turns into mounts, Landlock rules and an
-environment. ``load_cached`` (:mod:`.cache`) keeps it per process, revalidated.
+environment, and the network policy of ``--net allow`` (:mod:`.network`). ``load_cached`` (:mod:`.cache`) keeps it per process, revalidated.
 :mod:`.view` says what the sandbox sees of the host outside its trees.
 """
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .cache import clear_cache, load_cached
     from .effective import Effective, Grant, Masked, load
     from .layers import CliPolicy, read_layers
+    from .network import HostDecision, HostRule, LiveNetPolicy, NetPolicy
     from .rules import Decision, Rule
     from .view import deny_refusal, sandbox_sees
 
@@ -29,6 +30,7 @@ _HOME = {
     "clear_cache": "cache", "load_cached": "cache",
     "Effective": "effective", "Grant": "effective", "Masked": "effective", "load": "effective",
     "CliPolicy": "layers", "read_layers": "layers",
+    "HostDecision": "network", "HostRule": "network", "LiveNetPolicy": "network", "NetPolicy": "network",
     "Decision": "rules", "Rule": "rules",
     "deny_refusal": "view", "sandbox_sees": "view",
 }
@@ -48,7 +50,11 @@ __all__ = [
     "Decision",
     "Effective",
     "Grant",
+    "HostDecision",
+    "HostRule",
+    "LiveNetPolicy",
     "Masked",
+    "NetPolicy",
     "PolicyError",
     "Rule",
     "clear_cache",
