@@ -1,0 +1,293 @@
+"""The tunnel between a client inside the sandbox and the server it reached: splice(2)
+from one socket into a pipe and from the pipe into the other socket, so the bytes never
+enter Python; one thread a direction (blocking sockets, no event loop in the way),
+byte counts, half-close on EOF, and an end on request (``Relays.close``)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import functools
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+PIPE_SIZE = 1 << 20  # a splice moves up to this much per call (the pipe's capacity)
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+# (bytes client -> server, bytes server -> client, the error that ended it or None)
+Done = Callable[[int, int, str | None], None]
+
+
+@dataclass(eq=False)
+class Tunnel:
+    client: socket.socket
+    server: socket.socket
+    first: bytes  # bytes the handshake read past the request: the server gets them first
+    out_limit: int | None  # client -> server: forward this many bytes (after ``first``), drop the rest
+    plain_http: bool  # one request, one response: the response head gets Connection: close, the server's EOF ends it
+    done: Done
+    bytes_out: int = 0
+    bytes_in: int = 0
+    error: str | None = None
+    _left: int = 2
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def abort(self) -> None:
+        """Wake both directions: a thread blocked in splice on either socket returns."""
+        for s in (self.client, self.server):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.job: Callable[[], None] | None = None
+        self.wake = threading.Event()
+        self.thread: threading.Thread | None = None
+
+
+class _Pool:
+    """Relay threads kept for the next tunnel: handing a direction to a parked thread
+    costs a wake-up, starting a thread several times that (the per-connection budget is
+    a millisecond). A thread idle for IDLE seconds ends."""
+
+    IDLE = 30.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[_Worker] = []
+        self._all: set[_Worker] = set()
+        self._closed = False
+
+    def run(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("relay pool closed")
+            w = self._idle.pop() if self._idle else None
+            new = w is None
+            if w is None:
+                w = _Worker()
+                w.thread = threading.Thread(target=self._loop, args=(w,), name="stockade-relay", daemon=True)
+                self._all.add(w)
+            w.job = job
+            w.wake.set()
+        if new:
+            assert w.thread is not None
+            w.thread.start()
+
+    def _loop(self, w: _Worker) -> None:
+        while True:
+            w.wake.wait(self.IDLE)
+            with self._lock:
+                job, w.job = w.job, None
+                w.wake.clear()
+                if job is None:  # idle too long, or the pool closed
+                    if w in self._idle:
+                        self._idle.remove(w)
+                    self._all.discard(w)
+                    return
+            try:
+                job()
+            except Exception:  # a bug of ours in one tunnel: the thread serves the next
+                pass
+            with self._lock:
+                if self._closed:
+                    self._all.discard(w)
+                    return
+                self._idle.append(w)
+
+    def close(self, deadline: float) -> None:
+        with self._lock:
+            self._closed = True
+            workers = list(self._all)
+            for w in self._idle:
+                w.wake.set()
+            self._idle.clear()
+        for w in workers:
+            if w.thread is not None and w.thread.ident is not None:
+                w.thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class Relays:
+    """The open tunnels of one proxy."""
+
+    def __init__(self) -> None:
+        self._tunnels: set[Tunnel] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pool = _Pool()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._tunnels)
+
+    def start(self, client: socket.socket, server: socket.socket, done: Done, *, first: bytes = b"",
+              out_limit: int | None = None, plain_http: bool = False) -> None:
+        """Relay between the two connected sockets (now the tunnel's: it closes them) and
+        call ``done`` once, from a relay thread, when both directions ended. After
+        ``close`` the sockets are closed at once and ``done`` reports the refusal."""
+        t = Tunnel(client, server, first, out_limit, plain_http, done)
+        with self._lock:
+            if self._closed:
+                refused = True
+            else:
+                refused = False
+                self._tunnels.add(t)
+        if refused:
+            client.close()
+            server.close()
+            done(0, 0, "the proxy is closing")
+            return
+        for s in (client, server):
+            s.setblocking(True)
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for outward in (True, False):
+            try:
+                self._pool.run(functools.partial(self._pump, t, outward))
+            except RuntimeError:  # closed since the check above: this direction never runs
+                t.abort()
+                self._finish(t, outward, "the proxy is closing")
+
+    def _pump(self, t: Tunnel, outward: bool) -> None:
+        src, dst = (t.client, t.server) if outward else (t.server, t.client)
+        err: str | None = None
+        try:
+            if outward and t.first:
+                dst.sendall(t.first)
+                _add(t, outward, len(t.first))
+            if not outward and t.plain_http:
+                head = _close_response(src)  # the client learns the connection ends with the response
+                dst.sendall(head)
+                _add(t, outward, len(head))
+            _splice_all(src, dst, t.out_limit if outward else None, lambda n: _add(t, outward, n))
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)  # half-close: the other direction goes on
+            if not outward and t.plain_http:
+                # the response is over: nothing more goes to this server (the client's
+                # side stays until it closes, so its last bytes are never reset away)
+                with contextlib.suppress(OSError):
+                    t.server.shutdown(socket.SHUT_RDWR)
+        except OSError as e:
+            # a reset or a broken pipe on either side ends both directions
+            if e.errno not in (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ESHUTDOWN):
+                err = f"{'client -> server' if outward else 'server -> client'}: {e.strerror or e}"
+            t.abort()
+        self._finish(t, outward, err)
+
+    def _finish(self, t: Tunnel, outward: bool, err: str | None) -> None:
+        with t._lock:
+            if err and not t.error:
+                t.error = err
+            t._left -= 1
+            last = t._left == 0
+        if last:
+            t.client.close()
+            t.server.close()
+            with self._lock:
+                self._tunnels.discard(t)
+            t.done(t.bytes_out, t.bytes_in, t.error)
+
+    def close(self, timeout: float = 1.0) -> None:
+        """End every open tunnel and join its threads until the deadline; no tunnel
+        starts after this."""
+        with self._lock:
+            self._closed = True
+            tunnels = list(self._tunnels)
+        for t in tunnels:
+            t.abort()
+        self._pool.close(time.monotonic() + timeout)
+
+
+_DROP_IN_RESPONSE = (b"connection:", b"keep-alive:", b"proxy-connection:")
+
+
+def _close_response(src: socket.socket, limit: int = 64 * 1024) -> bytes:
+    """The server's response head(s) with ``Connection: close`` in the final one (1xx
+    heads pass unchanged), and whatever body bytes came with it. A head that does not
+    end within ``limit`` bytes, or EOF first, passes as read."""
+    buf = b""
+    out = b""
+    while True:
+        i = buf.find(b"\r\n\r\n")
+        while i < 0:
+            if len(buf) > limit:
+                return out + buf
+            chunk = src.recv(65536)
+            if not chunk:
+                return out + buf
+            buf += chunk
+            i = buf.find(b"\r\n\r\n")
+        head, buf = buf[:i], buf[i + 4 :]
+        status = head.split(b"\r\n", 1)[0].split(b" ")
+        if len(status) > 1 and status[1][:1] == b"1" and status[1] != b"101":
+            out += head + b"\r\n\r\n"
+            continue
+        lines = [ln for ln in head.split(b"\r\n") if not ln.lower().startswith(_DROP_IN_RESPONSE)]
+        return out + b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n" + buf
+
+
+def _add(t: Tunnel, outward: bool, n: int) -> None:
+    # running totals (read by the tunnel's end); a plain int add under the GIL is enough
+    if outward:
+        t.bytes_out += n
+    else:
+        t.bytes_in += n
+
+
+def _splice_all(src: socket.socket, dst: socket.socket, limit: int | None, add: Callable[[int], None]) -> int:
+    """Move bytes from ``src`` to ``dst`` until EOF; past ``limit`` bytes read and drop
+    the rest. The count moved."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)  # above /proc/sys/fs/pipe-max-size: keep 64 KiB
+        chunk = fcntl.fcntl(w, getattr(fcntl, "F_GETPIPE_SZ", 1032))
+        sfd, dfd = src.fileno(), dst.fileno()
+        total = 0
+        while True:
+            want = chunk if limit is None else min(chunk, limit - total)
+            if want <= 0:
+                while src.recv(65536):  # the rest is not the request's: read and drop it
+                    pass
+                return total
+            try:
+                n = os.splice(sfd, w, want, flags=os.SPLICE_F_MOVE)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                return total + _copy(src, dst, limit if limit is None else limit - total, add)
+            if n == 0:
+                return total
+            while n:
+                m = os.splice(r, dfd, n, flags=os.SPLICE_F_MOVE)
+                n -= m
+                total += m
+                add(m)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _copy(src: socket.socket, dst: socket.socket, limit: int | None, add: Callable[[int], None]) -> int:
+    """The same through user space, for a socket splice refuses (EINVAL)."""
+    buf = bytearray(1 << 16)
+    view = memoryview(buf)
+    total = 0
+    while True:
+        want = len(buf) if limit is None else min(len(buf), limit - total)
+        if want <= 0:
+            while src.recv(65536):
+                pass
+            return total
+        n = src.recv_into(view, want)
+        if n == 0:
+            return total
+        dst.sendall(view[:n])
+        total += n
+        add(n)
