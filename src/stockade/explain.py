@@ -17,4 +17,8 @@ def explain(**kw: Any) -> str:
     for name, how in mgr.enforcement(lim).items():
         value = getattr(lim, name, None)
         out.append(f"  {name:<14} {'-' if value is None else value!s:<14} {how}")
+    net = prep.net
+    if net is not None:
+        out.append("network rules (checked by the proxy per connection; deny wins; session rules are re-read live):")
+        out.extend(f"  {ln}" for ln in net.explain_lines())
     return "\n".join(out)

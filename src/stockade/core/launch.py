@@ -128,7 +128,7 @@ class Launch:
         # child waits for Stage.ATTACHED before exec. So it does while the proxy's
         # listeners are made in its network namespace.
         attach = place is not None and place.attach
-        net_policy = getattr(prep, "net", None)
+        net_policy = prep.net
         hold = attach or net_policy is not None
         child = self.child = launch.start(plan, (self.stdin_fd, self.out_w, self.err_w), place.clone_fd if place else None,
                                           pty=self.io.pty, console_sock=self.console[1], hold_before_exec=hold,

@@ -53,8 +53,8 @@ class NetSummary:
         host = first.rsplit(":", 1)[0] if self.blocked_targets else first
         if host.startswith("[") and host.endswith("]"):
             host = host[1:-1]
-        return (f"network: {'; '.join(parts)}: stockade allow --host {host} allows the first "
-                "(`stockade log --blocked-only` lists them)")
+        return (f"network: {'; '.join(parts)}; to allow: stockade allow --host {host} "
+                "(`stockade log --blocked-only` lists every one)")
 
 
 def _target(host: str, port: int) -> str:
