@@ -70,7 +70,7 @@ def make_ca(d: Path, names: Iterable[str] = NAMES, ip: str = SERVER_IP) -> TestC
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    ossl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+    ossl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "testca.crt", "-days", "2",
          "-subj", "/CN=stockade test CA", "-addext", "basicConstraints=critical,CA:TRUE",
          "-addext", "keyUsage=critical,keyCertSign,cRLSign")
     ossl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=files.test")
@@ -78,11 +78,11 @@ def make_ca(d: Path, names: Iterable[str] = NAMES, ip: str = SERVER_IP) -> TestC
     (d / "ext.cnf").write_text(
         f"subjectAltName={san}\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
         "extendedKeyUsage=serverAuth\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
-    ossl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+    ossl("x509", "-req", "-in", "server.csr", "-CA", "testca.crt", "-CAkey", "ca.key", "-CAcreateserial",
          "-out", "server.pem", "-days", "2", "-extfile", "ext.cnf")
     for p in d.iterdir():
         p.chmod(0o644)
-    return TestCA(d, d / "ca.pem", d / "server.pem", d / "server.key")
+    return TestCA(d, d / "testca.crt", d / "server.pem", d / "server.key")
 
 
 # ---------------------------------------------------------------- web servers
@@ -545,11 +545,16 @@ class FakeDNS:
         with self.lock:
             return [q.name for q in self.questions]
 
-    def asked(self, fragment: str) -> list[Question]:
-        """The questions whose name contains ``fragment`` (case-insensitive)."""
+    def mark(self) -> int:
+        """A point in the record, for ``asked(..., since=mark)``."""
+        with self.lock:
+            return len(self.questions)
+
+    def asked(self, fragment: str, since: int = 0) -> list[Question]:
+        """The questions (since ``since``) whose name contains ``fragment`` (case-insensitive)."""
         f = fragment.lower()
         with self.lock:
-            return [q for q in self.questions if f in q.name]
+            return [q for q in self.questions[since:] if f in q.name]
 
     def close(self) -> None:
         self.udp.close()
@@ -796,11 +801,11 @@ PY = "/usr/bin/python3"  # the system Python (the sandbox sees /usr); it has pip
 
 
 def net_setup(user: Any, project: Path, world: NetWorld, *, resolver_via: str = "config") -> dict[str, str]:
-    """The project gets the test CA (``ca.pem``) and the probe script (``probe.py``,
+    """The project gets the test CA (``testca.crt``) and the probe script (``probe.py``,
     PROBE); the user's global config names the
     fake DNS server as the proxy's resolver (``resolver_via="env"``: the returned
     environment does, through STOCKADE_NET_RESOLVER). Returns extra env for the CLI."""
-    shutil.copy(world.ca.ca, project / "ca.pem")
+    shutil.copy(world.ca.ca, project / "testca.crt")
     (project / "probe.py").write_text(PROBE)
     extra: dict[str, str] = {}
     if resolver_via == "config":

@@ -53,7 +53,7 @@ import json, ssl, sys, urllib.request
 out = {}
 for name, url in json.loads(sys.argv[1]).items():
     try:
-        ctx = ssl.create_default_context(cafile="ca.pem")
+        ctx = ssl.create_default_context(cafile="testca.crt")
         with urllib.request.urlopen(url, timeout=30, context=ctx) as r:
             out[name] = r.read().decode()
     except Exception as e:
@@ -70,12 +70,12 @@ def test_curl_and_urllib_over_https_and_http(user: User, project: Path, world: N
     """curl (HTTPS: CONNECT; plain HTTP: absolute-URI) and urllib through the proxy's
     environment variables, nothing configured inside; the servers saw the requests."""
     env = {**net_setup(user, project, world), **START[start]}
-    before_s, before_p = world.https.connections, world.http.connections
+    before_s, before_p, mark = world.https.connections, world.http.connections, world.dns.mark()
     https = world.https.url("files.test", "/files/hello.txt")
     http = world.http.url("files.test", "/files/hello.txt")
     (project / "fetch.py").write_text(FETCH)
     user.own(project)
-    script = (f"set -e; curl -sS --cacert ca.pem {https}; curl -sS {http}; "
+    script = (f"set -e; curl -sS --cacert testca.crt {https}; curl -sS {http}; "
               f"{PY} fetch.py '{json.dumps({'https': https, 'http': http})}'")
     rc, out, err = run(user, project, allow("files.test"), ["bash", "-c", script], env)
     assert rc == 0, (out, err)
@@ -84,7 +84,7 @@ def test_curl_and_urllib_over_https_and_http(user: User, project: Path, world: N
     assert json.loads(lines[2]) == {"https": HELLO, "http": HELLO}, out
     # host side: both servers accepted connections (from the proxy) and served files.test
     assert world.https.connections >= before_s + 2 and world.http.connections >= before_p + 2
-    assert world.dns.asked("files.test"), world.dns.names()
+    assert world.dns.asked("files.test", mark), world.dns.names()
 
 
 @pytest.mark.cli_paths
@@ -94,7 +94,7 @@ def test_pip_install_from_a_local_index(user: User, project: Path, world: NetWor
     env = net_setup(user, project, world)
     index = world.https.url("pypi.test", "/simple/")
     before = len(world.https.paths("pypi.test"))
-    script = (f"set -e; {PY} -m pip install -q --disable-pip-version-check --no-cache-dir --cert ca.pem "
+    script = (f"set -e; {PY} -m pip install -q --disable-pip-version-check --no-cache-dir --cert testca.crt "
               f"--index-url {index} --target site demo-pkg; "
               f"PYTHONPATH=site {PY} -c 'import demo_pkg; print(demo_pkg.VALUE)'")
     rc, out, err = run(user, project, allow("pypi.test"), ["bash", "-c", script], env, timeout=300)
@@ -148,7 +148,7 @@ def test_npm_install_from_a_local_registry(user: User, project: Path, world: Net
     env = net_setup(user, project, world)
     reg = world.https.url("npm.test", "/npm/")
     before = len(world.https.paths("npm.test"))
-    script = (f"set -e; npm install --registry {reg} --cafile ca.pem --cache /tmp/npm-cache --no-audit --no-fund "
+    script = (f"set -e; npm install --registry {reg} --cafile testca.crt --cache /tmp/npm-cache --no-audit --no-fund "
               "--no-update-notifier --loglevel=error demo-npm-pkg; "
               "node -e 'console.log(require(\"demo-npm-pkg\"))'")
     rc, out, err = run(user, project, allow("npm.test"), ["bash", "-c", script], env, timeout=300)
@@ -164,6 +164,7 @@ def test_names_on_the_list_resolve_inside_and_others_do_not(user: User, project:
     getaddrinfo see the allowed name's address; a name off the list does not resolve,
     and the upstream DNS server (host side) was never asked for it."""
     env = net_setup(user, project, world)
+    mark = world.dns.mark()
     tag = f"{user.name}-{user.path}-off"
     probes = [["gai", "files.test"], ["gai", f"{tag}.test"], ["gai", "evil.test"]]
     script = (f"getent hosts files.test; echo \"getent-files $?\"; getent hosts {tag}.test; echo \"getent-off $?\"; "
@@ -176,7 +177,7 @@ def test_names_on_the_list_resolve_inside_and_others_do_not(user: User, project:
     got = json.loads(lines[3])
     assert got[0] == {"addresses": ["127.0.0.2"]}, got
     assert "addresses" not in got[1] and "addresses" not in got[2], got
-    assert world.dns.asked("files.test")
+    assert world.dns.asked("files.test", mark)
     assert world.dns.asked(tag) == [] and world.dns.asked("evil.test") == [], world.dns.names()
 
 
@@ -187,7 +188,7 @@ def test_project_config_and_explain(user: User, project: Path, world: NetWorld) 
     env = net_setup(user, project, world)
     (project / ".stockade.toml").write_text('[network]\nmode = "allow"\nallow = ["files.test", "127.0.0.2"]\n')
     user.own(project)
-    rc, out, err = run(user, project, [], ["curl", "-sS", "--cacert", "ca.pem", world.https.url("files.test", "/files/hello.txt")], env)
+    rc, out, err = run(user, project, [], ["curl", "-sS", "--cacert", "testca.crt", world.https.url("files.test", "/files/hello.txt")], env)
     assert rc == 0, (out, err)
     assert out == HELLO
     r = user.cli(["explain", "--", "true"], cwd=project, env=env)
@@ -199,11 +200,11 @@ def test_project_config_and_explain(user: User, project: Path, world: NetWorld) 
 API = r'''
 import json, sys, stockade
 spec = json.loads(sys.argv[1])
-r = stockade.run(["curl", "-sS", "--cacert", "ca.pem", spec["url"]], project=spec["project"], network="allow",
+r = stockade.run(["curl", "-sS", "--cacert", "testca.crt", spec["url"]], project=spec["project"], network="allow",
                  allow_hosts=["files.test", "127.0.0.2"], capture_output=True, text=True)
 print(json.dumps({"rc": r.returncode, "out": r.stdout, "err": r.stderr}))
 with stockade.Sandbox(spec["project"], network="allow", allow_hosts=["files.test", "127.0.0.2"]) as sb:
-    r = sb.run(["curl", "-sS", "--cacert", "ca.pem", spec["url"]], capture_output=True, text=True)
+    r = sb.run(["curl", "-sS", "--cacert", "testca.crt", spec["url"]], capture_output=True, text=True)
 print(json.dumps({"rc": r.returncode, "out": r.stdout, "err": r.stderr}))
 '''
 
