@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import SandboxError
@@ -104,9 +105,9 @@ def make(pidfd: int, pid: int, *, proxy: bool, forward: tuple[int, ...] = ()) ->
     if "error" in reply or not msg:
         for s in got:
             s.close()
-        e = reply.get("error") or {"step": "set up the sandbox's network (helper)", "errno": 0, "path": None}
-        raise SandboxError(e["step"], path=e.get("path"), errno=int(e.get("errno") or 0), remedy=e.get("remedy"),
-                           detail=e.get("detail"))
+        info = reply.get("error") or {"step": "set up the sandbox's network (helper)", "errno": 0, "path": None}
+        raise SandboxError(info["step"], path=info.get("path"), errno=int(info.get("errno") or 0),
+                           remedy=info.get("remedy"), detail=info.get("detail"))
     out = Sockets()
     for role, s in zip(reply["roles"], got, strict=True):
         if role.startswith("forward:"):
@@ -167,7 +168,7 @@ class _Failed(Exception):
         self.info = {"step": step, "path": path, "errno": err, "remedy": remedy, "detail": detail}
 
 
-def _send_error(conn: socket.socket, info: dict[str, object]) -> None:
+def _send_error(conn: socket.socket, info: Mapping[str, object]) -> None:
     try:
         conn.send(json.dumps({"error": info}).encode())
     except OSError:
