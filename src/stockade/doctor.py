@@ -8,6 +8,11 @@ when everything the default policy needs is present.
 
 Live probes fork a child that unshares a user and mount namespace (no Python
 threads are started, and the child only makes syscalls before ``os._exit``).
+
+The network section (``--net allow`` and ``--forward``; the default ``--net none``
+needs none of it) takes the steps net/netns.py's helper takes, for real: one child
+makes a user and network namespace and brings lo up over netlink (pyroute2), a
+sibling of this uid joins both with setns and binds 127.0.0.1:53 and :3128 there.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import ctypes.util
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -25,11 +31,13 @@ from typing import Any
 
 from .linux import libc
 
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 REQUIRED = ("userns", "proc", "hostname", "overlay", "landlock", "seccomp", "self-test")
+NETWORK = "network"  # the section of the probes --net allow and --forward need
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWPID = 0x20000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
@@ -54,6 +62,7 @@ class Probe:
     # (the same words a run's error uses: linux/remedies.py)
     cause: str | None = None
     environment: str | None = None
+    section: str | None = None  # NETWORK, or None: what every run needs
 
     @property
     def required(self) -> bool:
@@ -72,16 +81,26 @@ class Report:
     def get(self, name: str) -> Probe | None:
         return next((p for p in self.probes if p.name == name), None)
 
+    @property
+    def network_missing(self) -> list[str]:
+        return [p.name for p in self.probes if p.section == NETWORK and p.status == "missing"]
+
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": self.exit_status == 0,
             "cached": self.cached,
+            "network": {"ok": not self.network_missing, "missing": self.network_missing},
             "probes": [{**asdict(p), "required": p.required} for p in self.probes],
         }
 
     def format(self) -> str:
         out = []
+        section = None
         for p in self.probes:
+            if p.section != section:
+                section = p.section
+                if section == NETWORK:
+                    out.append("network (--net allow and --forward; the default --net none needs none of it):")
             first, *more = p.detail.split("\n")
             out.append(f"{p.status.upper():<9} {p.name:<12} {first}")
             out.extend(f"{'':<22}{ln}" for ln in more)
@@ -95,6 +114,9 @@ class Report:
         else:
             missing = [p.name for p in self.probes if p.required and p.status == "missing"]
             out.append("stockade cannot run with its default policy: missing " + ", ".join(missing) + ".")
+        if self.network_missing:
+            out.append("--net allow and --forward cannot run here: missing " + ", ".join(self.network_missing)
+                       + " (--net none and --net host can).")
         return "\n".join(out)
 
 
@@ -163,10 +185,11 @@ def _check(rc: int, step: str) -> None:
         raise err
 
 
-def _enter_userns() -> None:
-    """unshare(NEWUSER|NEWNS), map the caller's ids to themselves... as root inside."""
+def _enter_userns(other: int = CLONE_NEWNS) -> None:
+    """unshare(NEWUSER|``other``), map the caller's ids to themselves... as root inside."""
     uid, gid = os.getuid(), os.getgid()
-    _check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
+    names = "|".join(n for n, f in (("CLONE_NEWNS", CLONE_NEWNS), ("CLONE_NEWNET", CLONE_NEWNET)) if other & f)
+    _check(libc.unshare(CLONE_NEWUSER | other), f"unshare(CLONE_NEWUSER|{names})")
     try:
         with open("/proc/self/setgroups", "w") as f:
             f.write("deny")
@@ -178,7 +201,8 @@ def _enter_userns() -> None:
                 f.write(line)
         except OSError as e:
             _check_errno(e.errno or 0, f"write /proc/self/{name}")
-    _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount(/, MS_PRIVATE)")
+    if other & CLONE_NEWNS:
+        _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount(/, MS_PRIVATE)")
 
 
 # --------------------------------------------------------------------------- probes
@@ -668,6 +692,246 @@ def probe_interpreter(python: str | None = None) -> Probe:
                  {"closed": closed})
 
 
+# --------------------------------------------------------------------------- network
+
+
+CONNECTOR = Path(__file__).resolve().parent / "stockade-connect"  # plan.connector_path's file
+_NET_PORTS = ((socket.SOCK_DGRAM, 53, "udp"), (socket.SOCK_STREAM, 53, "tcp"), (socket.SOCK_STREAM, 3128, "tcp"))
+
+
+def _net_holder() -> dict[str, Any]:
+    """Child A: a sandbox's network side, as the launcher makes it: a new user and
+    network namespace, lo brought up over netlink (pyroute2)."""
+    _enter_userns(CLONE_NEWNET)
+    try:
+        from pyroute2 import IPRoute
+    except ImportError as e:
+        return {"ok": False, "step": "import pyroute2", "errno": 0, "error": str(e)}
+    try:
+        with IPRoute() as ipr:
+            links = {str(link.get_attr("IFLA_IFNAME")): link for link in ipr.get_links()}
+            lo = links.get("lo")
+            if lo is None:
+                return {"ok": False, "step": "netlink: find lo", "errno": 0, "error": "no lo in a new network namespace"}
+            ipr.link("set", index=lo["index"], state="up")
+            up = bool(ipr.get_links(lo["index"])[0]["flags"] & 1)  # IFF_UP
+            routes = [r.get_attr("RTA_DST") for fam in (socket.AF_INET, socket.AF_INET6)
+                      for r in ipr.get_routes(family=fam, table=254) if r.get_attr("RTA_OIF") != lo["index"]]
+    except OSError as e:
+        return {"ok": False, "step": "netlink: bring lo up", "errno": e.errno or 0, "error": e.strerror or str(e)}
+    if not up:
+        return {"ok": False, "step": "netlink: bring lo up", "errno": 0, "error": "lo is still down after RTM_NEWLINK"}
+    return {"ok": True, "links": sorted(links), "routes_out": [str(r) for r in routes]}
+
+
+def _net_join(pid: int) -> dict[str, Any]:
+    """Child B, a sibling of A and of this uid: net/netns.py's helper. Joins A's user and
+    network namespaces (a pidfd, else the namespace files), binds the proxy's and DNS's
+    ports there and connects to one over lo."""
+    import errno as E
+
+    before = os.stat("/proc/self/ns/net").st_ino
+    how = "a pidfd"
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError as e:
+        if e.errno != E.ENOSYS:
+            _check_errno(e.errno or 0, f"pidfd_open({pid})")
+        fd = -1
+    rc = libc.setns(fd, CLONE_NEWUSER | CLONE_NEWNET) if fd >= 0 else -1
+    err = libc.errno() if fd >= 0 else E.EINVAL
+    if fd >= 0:
+        os.close(fd)
+    if rc != 0:
+        if err != E.EINVAL:
+            _check_errno(err, "setns(pidfd, CLONE_NEWUSER|CLONE_NEWNET)")
+        how = "the namespace files"  # a kernel before 5.8 takes no pidfd: user first, then net
+        for kind, flag in (("user", CLONE_NEWUSER), ("net", CLONE_NEWNET)):
+            nsfd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                _check(libc.setns(nsfd, flag), f"setns(/proc/{pid}/ns/{kind})")
+            finally:
+                os.close(nsfd)
+    if os.stat("/proc/self/ns/net").st_ino == before:
+        return {"ok": False, "step": "setns", "errno": 0, "error": "still in another network namespace after setns"}
+    socks = []
+    try:
+        for typ, port, proto in _NET_PORTS:
+            s = socket.socket(socket.AF_INET, typ)
+            socks.append(s)
+            try:
+                s.bind(("127.0.0.1", port))
+                if typ == socket.SOCK_STREAM:
+                    s.listen(1)
+            except OSError as e:
+                return {"ok": False, "step": f"bind 127.0.0.1:{port}/{proto}", "port": port, "how": how,
+                        "errno": e.errno or 0, "error": e.strerror or str(e)}
+        try:
+            c = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+            c.close()
+        except OSError as e:
+            return {"ok": False, "step": "connect 127.0.0.1:3128 over lo", "port": 3128, "how": how,
+                    "errno": e.errno or 0, "error": e.strerror or str(e)}
+    finally:
+        for s in socks:
+            s.close()
+    return {"ok": True, "how": how, "ports": [f"{port}/{proto}" for _t, port, proto in _NET_PORTS]}
+
+
+def _net_live() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Child A holds a namespace like a sandbox's until child B, its sibling, has tried to
+    join it: (A's result, B's result)."""
+    ra, wa = os.pipe()  # A -> us: its result
+    rg, wg = os.pipe()  # us -> A: EOF when it may end
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(ra)
+            os.close(wg)
+            try:
+                res = _net_holder()
+            except OSError as e:
+                res = {"ok": False, "errno": e.errno, "error": f"{e.strerror}", "step": getattr(e, "step", "")}
+            except BaseException as e:  # report anything, never return into the parent's code
+                res = {"ok": False, "errno": 0, "error": repr(e), "step": ""}
+            os.write(wa, json.dumps(res).encode())
+            os.close(wa)
+            os.read(rg, 1)  # hold the namespace for the sibling
+        finally:
+            os._exit(0)
+    os.close(wa)
+    os.close(rg)
+    try:
+        chunks = []
+        while b := os.read(ra, 65536):
+            chunks.append(b)
+        try:
+            a: dict[str, Any] = json.loads(b"".join(chunks) or b"{}")
+        except ValueError:
+            a = {}
+        if not a:
+            a = {"ok": False, "error": "probe child died", "errno": 0, "step": ""}
+        b_res = _child_result(lambda: _net_join(pid)) if a.get("ok") else {"ok": False, "skipped": True}
+    finally:
+        os.close(ra)
+        os.close(wg)
+        os.waitpid(pid, 0)
+    return a, b_res
+
+
+def analyze_network(a: dict[str, Any], b: dict[str, Any], env: Any, *, uid: int,
+                    max_net: str | None = None) -> list[Probe]:
+    """The three live network probes from the two children's results (pure given
+    ``env``; unit-tested): each failure names its cause and fix (linux/remedies.py)."""
+    import errno as E
+
+    from .linux import remedies
+
+    where = env.describe()
+
+    def failed(name: str, live: dict[str, Any], rem: Any) -> Probe:
+        err = int(live.get("errno") or 0)
+        ename = E.errorcode.get(err, str(err)) if err else (live.get("error") or "failed")
+        return Probe(name, "missing", f"{live.get('step') or name}: {ename}: {rem.cause}", rem.fix, {"live": live},
+                     cause=rem.cause, environment=where, section=NETWORK)
+
+    def not_tried(name: str, what: str, because: str) -> Probe:
+        return Probe(name, "missing", f"{what}: not tried, {because}", None, {}, environment=where, section=NETWORK)
+
+    out = []
+    step = str(a.get("step") or "")
+    err = int(a.get("errno") or 0)
+    if a.get("ok"):
+        out.append(Probe("net-ns", "ok", "a new network namespace (in a new user namespace) gets lo up over netlink "
+                         f"(pyroute2); links: {', '.join(a.get('links') or [])}", None, {"live": a},
+                         environment=where, section=NETWORK))
+    else:
+        if step == "import pyroute2":
+            rem = remedies.pyroute2_missing(str(a.get("error")))
+        elif step.startswith("netlink"):
+            rem = remedies.netlink(err, env)
+        elif step.startswith("unshare"):
+            rem = remedies.netns(err, env, max_net)
+        else:
+            rem = _remedy_for(step, err, env) or remedies.netns(err, env, max_net)
+        out.append(failed("net-ns", a, rem))
+        return [*out, not_tried("net-setns", "join a sandbox's namespaces", "no namespace to join (net-ns)"),
+                not_tried("net-ports", "bind 127.0.0.1:53 and :3128 inside", "no namespace to join (net-ns)")]
+    step = str(b.get("step") or "")
+    err = int(b.get("errno") or 0)
+    if b.get("ok") or step.startswith(("bind", "connect")):
+        out.append(Probe("net-setns", "ok", f"a process of uid {uid} joins a sandbox's user and network namespaces "
+                         f"(setns with {b.get('how')}), as --net allow's helper does", None, {"live": b},
+                         environment=where, section=NETWORK))
+    else:
+        out.append(failed("net-setns", b, remedies.setns(err, env)))
+        return [*out, not_tried("net-ports", "bind 127.0.0.1:53 and :3128 inside", "the namespace was not joined "
+                                "(net-setns)")]
+    if b.get("ok"):
+        out.append(Probe("net-ports", "ok", "127.0.0.1:53 (UDP, TCP) and 127.0.0.1:3128 bind in the joined namespace "
+                         "(CAP_NET_BIND_SERVICE there), and a connection over its lo reaches them", None, {"live": b},
+                         environment=where, section=NETWORK))
+    elif step.startswith("connect"):
+        out.append(failed("net-ports", b, remedies.netlink(err, env)))
+    else:
+        out.append(failed("net-ports", b, remedies.low_port(err, env, int(b.get("port") or 0))))
+    return out
+
+
+def probe_network(env: Any = None) -> list[Probe]:
+    from .linux import remedies
+
+    env = env or remedies.detect()
+    a, b = _net_live()
+    return analyze_network(a, b, env, uid=os.getuid(), max_net=_read(Path("/proc/sys/user/max_net_namespaces")))
+
+
+def _elf_interp(path: Path) -> bool | None:
+    """Whether an ELF executable names a program interpreter (dynamic), None: not ELF."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if head[:4] != b"\x7fELF" or head[4] != 2:  # 64-bit only; others: unknown
+                return None
+            end = "<" if head[5] == 1 else ">"
+            phoff, = struct.unpack_from(end + "Q", head, 0x20)
+            phentsize, phnum = struct.unpack_from(end + "HH", head, 0x36)
+            f.seek(phoff)
+            ph = f.read(phentsize * phnum)
+    except (OSError, struct.error):
+        return None
+    return any(struct.unpack_from(end + "I", ph, i * phentsize)[0] == 3 for i in range(phnum))  # PT_INTERP
+
+
+def probe_connector(path: Path = CONNECTOR) -> Probe:
+    """stockade-connect, which a --net allow sandbox gets as /run/stockade/connect (ssh's
+    ProxyCommand, git's GIT_PROXY_COMMAND): present, and it runs (its usage error)."""
+    import subprocess
+
+    fix = ("rebuild stockade's native parts: `make native` in a checkout (or "
+           "`python setup.py build_ext --inplace`), else reinstall the package")
+    if not path.exists():
+        return Probe("net-connect", "missing", f"{path} is missing: --net allow refuses to start without it", fix,
+                     section=NETWORK)
+    if not os.access(path, os.X_OK):
+        return Probe("net-connect", "missing", f"{path} is not executable by uid {os.getuid()}",
+                     f"`chmod 755 {path}`, or {fix}", section=NETWORK)
+    try:
+        r = subprocess.run([str(path)], capture_output=True, timeout=10, env={})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return Probe("net-connect", "missing", f"{path} does not run: {e}", fix, section=NETWORK)
+    if r.returncode != 2 or not r.stderr.startswith(b"stockade-connect: "):
+        return Probe("net-connect", "missing", f"{path} does not behave as stockade-connect (exit {r.returncode}, "
+                     f"{r.stderr[:120]!r})", fix, section=NETWORK)
+    dynamic = _elf_interp(path)
+    kind = {True: "dynamically linked: it uses the libc the sandbox sees in /usr", False: "static",
+            None: "not an ELF file"}[dynamic]
+    return Probe("net-connect", "ok", f"{path} runs ({kind})", None, {"path": str(path), "dynamic": dynamic},
+                 section=NETWORK)
+
+
 def run_self_test(timeout: float = 30.0) -> Probe:
     """A short real sandbox: `true` through stockade.api.run. Always live."""
     try:
@@ -748,7 +1012,7 @@ def cached_probes(state: Path, *, refresh: bool = False) -> tuple[list[Probe], b
     env = remedies.detect()
     probes = [probe_environment(), *probe_userns(), probe_clone3(env), probe_setgroups(env), probe_proc(env),
               probe_hostname(env), probe_overlay(state), probe_landlock(), probe_seccomp(), probe_cgroups(),
-              probe_apparmor(), probe_capabilities()]
+              probe_apparmor(), probe_capabilities(), *probe_network(env)]
     try:
         state.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_name(f".doctor.{os.getpid()}.tmp")
@@ -763,11 +1027,15 @@ def run(*, refresh: bool = False, self_test: bool = True) -> Report:
     """Every probe (cached unless ``refresh``) plus the live self-test."""
     from .paths import state_dir
 
-    probes, cached = cached_probes(Path(state_dir()), refresh=refresh)
+    found, cached = cached_probes(Path(state_dir()), refresh=refresh)
+    probes = [p for p in found if p.section != NETWORK]
     probes.append(probe_interpreter())
     probes.append(probe_id_range())
     if self_test:
         probes.append(run_self_test())
+    # the network section last, its live connector check with it
+    probes += [p for p in found if p.section == NETWORK]
+    probes.append(probe_connector())
     return Report(probes, cached)
 
 

@@ -518,3 +518,97 @@ def other(step: str, err: int, env: Env) -> Remedy:
     return Remedy(f"the sandbox's {step} step failed ({E.errorcode.get(err, err)})",
                   "`strace -f -e trace=%process,%file stockade run ...` shows the refused call; "
                   "`stockade explain` prints the plan")
+
+
+# --------------------------------------------------------------------------- network (--net allow, --forward)
+# The steps of net/netns.py's helper: join the sandbox's user and network namespaces,
+# bring lo up with netlink (pyroute2), bind the proxy's and DNS's ports there.
+# `stockade doctor` tries each step for real and words a failure with these.
+
+
+def netns(err: int, env: Env, max_net: str | None = None) -> Remedy:
+    """unshare(CLONE_NEWNET) (with a new user namespace, as a sandbox's)."""
+    if err == E.ENOSPC:
+        if max_net == "0":
+            return Remedy("network namespaces are disabled (user.max_net_namespaces = 0)",
+                          "`sudo sysctl -w user.max_net_namespaces=15000` (persist it in /etc/sysctl.d/), "
+                          "or run with --net host")
+        return Remedy(f"the network namespace limit is reached (user.max_net_namespaces = {max_net or '?'})",
+                      "raise it: `sudo sysctl -w user.max_net_namespaces=15000`, or end other sandboxes")
+    if err == E.EINVAL:
+        return Remedy("the kernel has no network namespaces (CONFIG_NET_NS)",
+                      "use a kernel built with CONFIG_NET_NS, or run with --net host")
+    return userns(err, env)
+
+
+def netlink(err: int, env: Env) -> Remedy:
+    """Bringing lo up and reading links and routes over rtnetlink (pyroute2), in the
+    sandbox's namespace."""
+    if err in (E.EAFNOSUPPORT, E.EPROTONOSUPPORT):
+        if env.seccomp == 2:
+            return seccomp_remedy(env, "netlink sockets (AF_NETLINK)")
+        return Remedy("this kernel offers no rtnetlink sockets (AF_NETLINK, NETLINK_ROUTE)",
+                      "run where the kernel has netlink (gVisor-like kernels lack it), or use --net none / --net host")
+    if err in (E.EPERM, E.EACCES):
+        aa = _apparmor_userns(env, err)
+        if aa is not None:
+            return aa
+        if env.seccomp == 2:
+            return seccomp_remedy(env, "netlink requests (bringing lo up)")
+        return Remedy(f"bringing lo up was refused ({E.errorcode.get(err, err)}): a security module denies "
+                      "CAP_NET_ADMIN in the sandbox's own network namespace",
+                      "run stockade outside that confinement, or use --net none / --net host")
+    return Remedy(f"a netlink request in the sandbox's network namespace failed ({E.errorcode.get(err, err)})",
+                  "`unshare -Urn ip link set lo up` takes the same step and shows the kernel's refusal")
+
+
+def pyroute2_missing(error: str) -> Remedy:
+    """pyroute2 (the netlink library, a dependency) cannot be imported."""
+    return Remedy(f"pyroute2, which does the netlink work of --net allow and --forward, cannot be imported ({error})",
+                  f"install it into stockade's environment: {sys.executable} -m pip install 'pyroute2>=0.7' "
+                  "(or reinstall stockade, which depends on it)")
+
+
+def setns(err: int, env: Env) -> Remedy:
+    """A helper of this uid joining the sandbox's user and network namespaces (setns)."""
+    if err == E.EPERM or err == E.EACCES:
+        aa = _apparmor_userns(env, err)
+        if aa is not None:
+            return aa
+        if env.seccomp == 2:
+            return seccomp_remedy(env, "setns")
+        if env.apparmor_label and "unconfined" not in env.apparmor_label:
+            return Remedy(f"this process's AppArmor profile {env.apparmor_label} denies joining namespaces (setns)",
+                          _engine_flag(env, "--security-opt apparmor=unconfined", "--security-opt apparmor=unconfined",
+                                       "container.apparmor.security.beta.kubernetes.io annotation: unconfined")
+                          if env.engine else "allow setns (`userns,` and `capability sys_admin,`) in that profile")
+        return Remedy(f"joining the sandbox's user namespace was refused ({E.errorcode.get(err, err)}): "
+                      "a security module (SELinux, Yama, an LSM policy) denies setns to a process of this uid",
+                      "allow it in that policy, or use --net none / --net host; "
+                      "`nsenter -U -n -t <pid> --preserve-credentials true` takes the same step")
+    if err == E.ENOSYS:
+        if env.seccomp == 2:
+            return seccomp_remedy(env, "setns")
+        return Remedy("this kernel has no setns", "use a 5.8+ kernel")
+    if err == E.EINVAL:
+        return Remedy("the kernel refused setns into the user namespace (EINVAL: a pidfd is not taken before "
+                      "Linux 5.8, and a multithreaded process may not join a user namespace)",
+                      "use a 5.8+ kernel; `stockade doctor --json` shows the failing call")
+    return Remedy(f"joining the sandbox's namespaces failed ({E.errorcode.get(err, err)})",
+                  "`nsenter -U -n -t <pid> --preserve-credentials true` takes the same step and shows the refusal")
+
+
+def low_port(err: int, env: Env, port: int) -> Remedy:
+    """Binding 127.0.0.1:``port`` (53, 3128, a forwarded port) in the sandbox's namespace."""
+    if err in (E.EACCES, E.EPERM):
+        if env.seccomp == 2 and err == E.EPERM:
+            return seccomp_remedy(env, "bind")
+        return Remedy(f"binding 127.0.0.1:{port} in the sandbox's network namespace was refused: the helper that "
+                      "joined it lacks CAP_NET_BIND_SERVICE there, or a security module (SELinux name_bind) "
+                      "denies the port",
+                      "allow the bind in that policy, or use --net none / --net host")
+    if err == E.EADDRINUSE:
+        return Remedy(f"127.0.0.1:{port} is already taken in the sandbox's network namespace",
+                      "pick another --forward port (3128 and 53 are the proxy's and DNS's)")
+    return Remedy(f"binding 127.0.0.1:{port} in the sandbox's network namespace failed ({E.errorcode.get(err, err)})",
+                  "use --net none / --net host, and report this with `stockade doctor --json`")
