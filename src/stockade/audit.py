@@ -258,16 +258,69 @@ def is_blocked(rec: Mapping[str, Any]) -> bool:
     return rec.get("result") in BLOCKED_RESULTS
 
 
+def is_network(rec: Mapping[str, Any]) -> bool:
+    """A network event: a connection attempt or DNS name through a run's proxy
+    (net-connect, net-dns), or the network rule a run started with (net)."""
+    op = str(rec.get("operation", ""))
+    return op == "net" or op.startswith("net-")
+
+
 # printed after `log --blocked-only`: what the log can and cannot hold
 BLOCKED_NOTE = (
-    "note: these are stockade's own decisions and the rules each run started with; a single "
-    "denied call (Landlock EACCES, seccomp EPERM/ENOSYS) is not reported to stockade by the kernel: "
+    "note: these are stockade's own decisions: the rules each run started with, and each connection "
+    "and DNS name the proxy of a --net allow run refused (one line each); a single denied call "
+    "(Landlock EACCES, seccomp EPERM/ENOSYS) is not reported to stockade by the kernel: "
     "`stockade explain -- CMD` shows the rules, strace -f inside shows the call"
 )
 
 
+def _size(n: Any) -> str:
+    try:
+        v = float(n)
+    except (TypeError, ValueError):
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if v < 1024 or unit == "GiB":
+            return f"{int(v)} {unit}" if unit == "B" else f"{v:.1f} {unit}"
+        v /= 1024
+    return f"{v:.1f} GiB"
+
+
+def _duration(ms: Any) -> str:
+    try:
+        v = float(ms)
+    except (TypeError, ValueError):
+        return "?"
+    return f"{v:.0f} ms" if v < 1000 else f"{v / 1000:.2f} s"
+
+
+def _format_net(rec: Mapping[str, Any], head: list[str]) -> str:
+    """A proxy's event: ``host:port -> address  ALLOWED  [rule]  how, bytes, time  reason``."""
+    target = str(rec.get("target", ""))
+    if rec.get("address"):
+        target += f" -> {rec['address']}"
+    parts = [*head, target, str(rec.get("result", "")).upper()]
+    if rec.get("policy"):
+        parts.append(f"[{rec['policy']}]")
+    facts = [str(rec["kind"])] if rec.get("kind") and rec.get("operation") != "net-dns" else []
+    if rec.get("url"):
+        facts.append(str(rec["url"]))
+    if rec.get("operation") == "net-connect" and (rec.get("bytes_out") or rec.get("bytes_in")):
+        facts.append(f"{_size(rec.get('bytes_out') or 0)} out, {_size(rec.get('bytes_in') or 0)} in")
+    if rec.get("operation") == "net-connect" and rec.get("duration_ms") is not None:
+        facts.append(_duration(rec["duration_ms"]))
+    if facts:
+        parts.append(", ".join(facts))
+    if rec.get("reason"):
+        parts.append(str(rec["reason"]))
+    return "  ".join(parts)
+
+
 def format_event(rec: Mapping[str, Any]) -> str:
     ts = str(rec.get("timestamp", ""))
+    run = rec.get("run")
+    if rec.get("operation") in ("net-connect", "net-dns"):
+        return _format_net(rec, [ts, f"run {run}" if run is not None else "-", str(rec["operation"])])
     run = rec.get("run")
     parts = [ts, f"run {run}" if run is not None else "-", str(rec.get("operation", "")),
              str(rec.get("target", "")), str(rec.get("result", "")).upper()]

@@ -22,6 +22,8 @@ def cmd_log(args: Args) -> int:
     def out(rec: dict[str, Any]) -> None:
         if args.blocked_only and not audit.is_blocked(rec):
             return
+        if getattr(args, "net", False) and not audit.is_network(rec):
+            return
         line = json.dumps(rec, ensure_ascii=False) if args.json else audit.format_event(rec)
         print(line, flush=True)
 

@@ -275,6 +275,7 @@ VERBS: tuple[Verb, ...] = (
     # the audit log
     Verb("log", "a session's audit log", Handler("log", "cmd_log"),
          Arg("session_name", nargs="?", default=None, metavar="S"), Arg("--blocked-only", action="store_true"),
+         Arg("--net", action="store_true", help="only network events (connections, DNS names, the network rule)"),
          Arg("--json", action="store_true", help="raw JSON lines"),
          Arg("--follow", "-f", action="store_true", help="keep printing new events"),
          Arg("--project", default=SUPPRESS, metavar="DIR")),
