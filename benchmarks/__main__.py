@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-MODULES = ["bench_runtime", "bench_confinement", "bench_cgroups", "bench_changes", "bench_policy"]
+MODULES = ["bench_runtime", "bench_confinement", "bench_cgroups", "bench_changes", "bench_policy", "bench_net"]
 
 
 def main() -> int:
