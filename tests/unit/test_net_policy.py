@@ -379,11 +379,14 @@ def test_bad_cli_network_options(env: dict[str, Path], cli: CliPolicy, says: str
 
 def test_resolver_from_the_environment_per_run(env: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     env["ws"].write_text('[network]\nresolver = "127.0.0.1:5353"\n')
-    eff = policy.load_cached(env["proj"], None, CliPolicy())
+    monkeypatch.setenv("STOCKADE_NET_RESOLVER", "resolver.example")
+    assert policy.load_cached(env["proj"], None, CliPolicy()).network.mode == "none"  # not read without a proxy
+    monkeypatch.delenv("STOCKADE_NET_RESOLVER")
+    eff = policy.load_cached(env["proj"], None, CliPolicy(net_mode="allow"))
     assert eff.network.resolver == ("127.0.0.1", 5353)
     monkeypatch.setenv("STOCKADE_NET_RESOLVER", "[::1]:5300")
     assert eff.network.resolver == ("::1", 5300)  # read when asked, not when loaded
-    assert policy.load_cached(env["proj"], None, CliPolicy()).network.resolver == ("::1", 5300)
+    assert policy.load_cached(env["proj"], None, CliPolicy(net_mode="allow")).network.resolver == ("::1", 5300)
     monkeypatch.setenv("STOCKADE_NET_RESOLVER", "10.0.0.1")
     assert eff.network.resolver == ("10.0.0.1", 53)
     monkeypatch.setenv("STOCKADE_NET_RESOLVER", "resolver.example")

@@ -200,6 +200,8 @@ class Effective:
         line's --net/--allow-host/--forward, and STOCKADE_NET_RESOLVER (read now)."""
         from .network import env_resolver
 
+        if self._network.mode != "allow":
+            return self._network  # the variable is the proxy's: a run without one never reads it
         res = env_resolver()
         if res is None or res == self._network.resolver:
             return self._network
