@@ -287,20 +287,32 @@ def test_allowed_name_resolving_to_a_special_address_is_refused(rigs: Callable[.
 
 def test_explicit_address_rule_allows_a_private_address_and_only_checked_ones_are_dialled(
         rigs: Callable[..., Rig], echo: TcpListener, names: FakeDNS) -> None:
-    rig = rigs("svc.test", "mixed.test", resolver=names)
+    rig = rigs("svc.test", resolver=names)
     _c, head = rig.connect_tunnel(f"svc.test:{echo.port}")
     assert head.startswith(b"HTTP/1.1 403") and echo.connections == 0
-    rig2 = rigs("svc.test", "mixed.test", "127.0.0.0/30", resolver=names)
+    rig2 = rigs("svc.test", "127.0.0.0/30", resolver=names)  # a range rule names it
     c, head = rig2.connect_tunnel(f"svc.test:{echo.port}")
     assert head.startswith(b"HTTP/1.1 200"), head
     c.close()
-    # mixed.test resolves to the metadata address first, then 127.0.0.2: only the checked one is dialled
-    c, head = rig2.connect_tunnel(f"mixed.test:{echo.port}")
-    assert head.startswith(b"HTTP/1.1 200"), head
-    c.close()
-    evs = rig2.wait_events(2)
-    assert [e.address for e in evs] == [UP, UP]
-    assert echo.connections == 2
+    assert echo.connections == 1
+    # mixed.test resolves to 127.0.0.3 first, then 127.0.0.2: only the address a rule
+    # names is dialled, the other's listener never sees a connection
+    inner = TcpListener("127.0.0.3", echo=True)
+    try:
+        names.records["mixed.test"] = ["127.0.0.3", UP]
+        rig3 = rigs("mixed.test", UP, resolver=names)
+        for _ in range(2):
+            c, head = rig3.connect_tunnel(f"mixed.test:{echo.port}")
+            assert head.startswith(b"HTTP/1.1 200"), head
+            c.close()
+        code, c = rig3.socks_name("mixed.test", inner.port)
+        assert code == 0x05  # 127.0.0.2 has nothing on that port; 127.0.0.3 is not tried
+        c.close()
+        evs = rig3.wait_events(3)
+        assert [e.address for e in evs] == [UP, UP, UP]
+        assert echo.connections == 3 and inner.connections == 0
+    finally:
+        inner.close()
 
 
 def test_deny_wins(rigs: Callable[..., Rig], echo: TcpListener, names: FakeDNS) -> None:
@@ -586,6 +598,7 @@ def test_forwarded_port_reaches_host_loopback_then_ipv6(rigs: Callable[..., Rig]
         pytest.skip("the IPv6 service's port is taken on 127.0.0.1")
     finally:
         probe.close()
+    decoy = TcpListener(UP, svc4.port)  # the same port on another host address: never reached
     try:
         rig = rigs(forward=(svc4.port, svc6.port))
         for port, svc in ((svc4.port, svc4), (svc6.port, svc6)):
@@ -597,7 +610,9 @@ def test_forwarded_port_reaches_host_loopback_then_ipv6(rigs: Callable[..., Rig]
         assert sorted((e.kind, e.host, e.port, e.address, e.allowed) for e in evs) == sorted([
             ("forward", "localhost", svc4.port, "127.0.0.1", True), ("forward", "localhost", svc6.port, "::1", True)])
         assert all(e.bytes_out == 8 and e.bytes_in == 8 for e in evs)
+        assert decoy.connections == 0
     finally:
+        decoy.close()
         svc4.close()
         svc6.close()
 
