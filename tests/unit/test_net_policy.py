@@ -229,6 +229,12 @@ def test_a_deny_rule_blocks_a_public_address_and_a_range_rule_needs_its_port() -
     assert net.decide_address("10.9.9.9", 5432).allowed
     assert not net.decide_address("10.9.9.9", 22).allowed
     assert not net.decide_address("not-an-ip", 1).allowed
+    # a DNS answer has no port yet (0 or None): a port-limited rule lets the address be answered,
+    # a port-limited deny does not hide it
+    assert net.decide_address("10.9.9.9", 0).allowed and net.decide_address("10.9.9.9", None).allowed
+    assert not net.decide_address("1.1.1.1", 0).allowed
+    assert not net.decide_address("127.0.0.1", 0).allowed
+    assert NetPolicy("allow", (rule("8.8.8.8:53", "deny"),)).decide_address("8.8.8.8", 0).allowed
 
 
 def test_modes() -> None:

@@ -545,10 +545,12 @@ class NetPolicy:
             return HostDecision(True, best, f"{name} is allowed by {best.describe()}")
         return HostDecision(False, None, f"no rule allows {name} (stockade allow --host {name})")
 
-    def decide_address(self, ip: str | IPAddress, port: int) -> HostDecision:
+    def decide_address(self, ip: str | IPAddress, port: int | None) -> HostDecision:
         """May the proxy dial ``ip`` (a resolved address of an allowed name) at ``port``?
         A deny rule covering it: no. An address in a special range (loopback, private,
-        link-local, metadata, ...): only when an allow rule covers it. Else yes."""
+        link-local, metadata, ...): only when an allow rule covers it. Else yes.
+        ``port`` None or 0 (a DNS answer: no port yet): a rule of any port counts."""
+        port = port or None
         try:
             addr = canonical_address(ip)
         except ValueError:
@@ -558,7 +560,8 @@ class NetPolicy:
         if refused is not None:
             return refused
         for r in self.denies:
-            if r.covers_address(addr, port):
+            # without a port (DNS), a deny of one port leaves the address to the others
+            if (port is not None or r.port is None) and r.covers_address(addr, port):
                 return HostDecision(False, r, f"{target} is denied by {r.describe()}")
         kind = special_range(addr)
         if kind is None:
