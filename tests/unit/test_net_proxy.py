@@ -793,3 +793,52 @@ def test_session_rule_added_during_the_run_applies_to_the_next_connection(tmp_pa
         assert ask() == b"HTTP/1.1 200"
     finally:
         p.close()
+
+
+_AS_USER = r'''
+import os, socket, threading
+from stockade.net.proxy import Listeners, Proxy
+from stockade.policy.network import HostRule, LiveNetPolicy, NetPolicy
+
+up = socket.socket(); up.bind(("127.0.0.2", 0)); up.listen(8)
+def serve():
+    c, _ = up.accept()
+    while d := c.recv(65536):
+        c.sendall(d)
+    c.close()
+server = threading.Thread(target=serve, daemon=True)
+server.start()
+fds = set(os.listdir("/proc/self/fd"))
+lst = socket.socket(); lst.bind(("127.0.0.1", 0)); lst.listen(8)
+events = []
+p = Proxy(LiveNetPolicy(NetPolicy(mode="allow", rules=(HostRule("127.0.0.2", "allow", "cli", "x"),)), None), events.append)
+p.start(Listeners([lst], [], []))
+c = socket.create_connection(lst.getsockname())
+c.sendall(b"\x05\x01\x00\x05\x01\x00\x01" + socket.inet_aton("127.0.0.2") + up.getsockname()[1].to_bytes(2, "big"))
+r = b""
+while len(r) < 12:
+    r += c.recv(12 - len(r))
+assert r == b"\x05\x00\x05\x00\x00\x01" + bytes(6), r
+data = os.urandom(1 << 20)
+threading.Thread(target=c.sendall, args=(data,), daemon=True).start()
+got = b""
+while len(got) < len(data):
+    got += c.recv(1 << 20)
+assert got == data
+stats = p.close()
+c.close()
+assert stats.bytes_out == stats.bytes_in == 1 << 20, stats
+server.join(5)  # its connection ends with the proxy's close
+assert not [t for t in threading.enumerate() if t.name.startswith("stockade-")]
+left = {f: os.readlink("/proc/self/fd/" + f) for f in set(os.listdir("/proc/self/fd")) - fds if os.path.exists("/proc/self/fd/" + f)}
+assert not left, left
+print("ok", os.getuid())
+'''
+
+
+def test_proxy_as_each_user(user: Any) -> None:
+    """The proxy runs in the supervisor, which is uid 65534 for an unprivileged caller:
+    the same relay (splice through pipes sized within that uid's limits), no leak."""
+    r = user.py(_AS_USER, timeout=60)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode().split() == ["ok", str(user.uid)]
