@@ -335,6 +335,18 @@ def test_cli_mode_beats_the_config(env: dict[str, Path]) -> None:
     assert policy.load(env["proj"], None, CliPolicy(net_mode="host")).network.mode == "host"
 
 
+def test_why_resolv_conf_follows_the_mode(env: dict[str, Path]) -> None:
+    if os.path.islink("/etc/resolv.conf"):
+        pytest.skip("/etc/resolv.conf is a symlink here: `why` answers for its target")
+    d = policy.load(env["proj"], None, CliPolicy()).why("/etc/resolv.conf")
+    assert not d.visible
+    d = policy.load(env["proj"], None, CliPolicy(net_mode="allow")).why("/etc/resolv.conf")
+    assert d.visible and "the proxy's DNS responder" in d.reason
+    if os.path.lexists("/etc/resolv.conf"):
+        d = policy.load(env["proj"], None, CliPolicy(net_mode="host")).why("/etc/resolv.conf")
+        assert d.visible and "the host's resolv.conf" in d.reason
+
+
 def test_presets_defined_and_replaced_in_the_config(env: dict[str, Path]) -> None:
     env["global"].write_text('[network.presets]\ncorp = ["artifacts.corp.example:443"]\n')
     env["ws"].write_text('[network]\nallow = ["@corp", "@pypi"]\n[network.presets]\npypi = ["mirror.corp.example:443"]\n')

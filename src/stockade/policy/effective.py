@@ -479,7 +479,8 @@ class Effective:
         return "rw" if grant.writable else "ro"
 
     def _why_outside(self, p: str, beaten: tuple[Rule, ...]) -> Decision:
-        return why_outside(p, beaten, project=str(self.project), home=self.home, etc_items=self.etc_items)
+        return why_outside(p, beaten, project=str(self.project), home=self.home, etc_items=self.etc_items,
+                           net_mode=self._network.mode)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -19,7 +19,8 @@ from ..sandbox_fs import (
 from .config import Item, Origin
 from .rules import Decision, Rule, is_under
 
-# /etc entries the runtime writes itself (resolv.conf only with --net host)
+# /etc entries the runtime writes itself (resolv.conf: the host's with --net host, the
+# proxy's DNS responder with --net allow, none with --net none)
 ETC_MADE = ("passwd", "group", "hostname", "hosts", "resolv.conf")
 # private in the sandbox: a host path beneath these is never what the sandbox sees there
 OWN_MOUNTS = ("/dev/shm", "/dev/mqueue")
@@ -53,7 +54,8 @@ def deny_refusal(p: str) -> str | None:
     return None
 
 
-def why_outside(p: str, beaten: tuple[Rule, ...], *, project: str, home: str, etc_items: Sequence[Item]) -> Decision:
+def why_outside(p: str, beaten: tuple[Rule, ...], *, project: str, home: str, etc_items: Sequence[Item],
+                net_mode: str = "none") -> Decision:
     """Why the host path ``p`` (resolved), outside the project and every grant, is or is
     not visible inside: a system dir, the curated /etc, the sandbox's own /proc and /dev."""
     dflt = Origin("default")
@@ -67,7 +69,12 @@ def why_outside(p: str, beaten: tuple[Rule, ...], *, project: str, home: str, et
             if is_under(p, i.value):
                 return Decision(p, True, "ro", Rule("etc", "allow", i.value, i.origin),
                                 f"visible read-only: etc.extra {i.value} from {i.origin}", beaten)
-        for n in (*ETC_MADE[:4], *ETC_ALLOW):  # resolv.conf: only with --net host
+        if is_under(p, "/etc/resolv.conf") and net_mode == "allow":
+            return Decision(p, True, "ro", None, "visible read-only: written by the runtime (--net allow): "
+                            "nameserver 127.0.0.1, the proxy's DNS responder (allowlisted names only)", beaten)
+        if is_under(p, "/etc/resolv.conf") and net_mode == "host" and os.path.lexists("/etc/resolv.conf"):
+            return Decision(p, True, "ro", None, "visible read-only: the host's resolv.conf (--net host)", beaten)
+        for n in (*ETC_MADE[:4], *ETC_ALLOW):  # resolv.conf: by the network mode, above
             if is_under(p, "/etc/" + n) and (n in ETC_MADE or os.path.lexists("/etc/" + n)):
                 made = n in ETC_MADE
                 return Decision(p, True, "ro", None,
