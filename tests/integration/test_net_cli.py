@@ -185,3 +185,28 @@ def test_mode_and_rules_reach_the_plan(user: User, project: Path) -> None:
     assert "network:     none" in explain("--net", "none")
     text = explain("--net", "host")
     assert "network:     host" in text and "5432" not in text.split("mounts")[0]
+
+
+@pytest.mark.parametrize("kw,says", [
+    ({"allow_hosts": ["pypi.org"]}, "--allow-host needs --net allow"),
+    ({"network": "allow", "allow_hosts": ["*"]}, "--allow-host: '*'"),
+    ({"network": "allow", "allow_hosts": ["@nope"]}, "unknown preset '@nope'"),
+    ({"network": "host", "forward": [5432]}, "--forward: the host's network already reaches its ports"),
+    ({"forward": [3128]}, "--forward: port 3128"),
+    ({"network": "open"}, "--net 'open' is not a network mode"),
+])
+def test_api_bad_network_input_creates_nothing(api_project: Path, state_dir: Path, kw: dict[str, object],
+                                               says: str) -> None:
+    """The API refuses what the command line refuses, with the same words, before a
+    session of its own is left behind (a named one, new, included)."""
+    import stockade
+    from stockade.errors import UsageError
+
+    assert stockade.run(["true"], project=api_project, session="existing").returncode == 0
+    for session in (None, "brandnew", "existing"):
+        before = listing(state_dir)
+        with pytest.raises(UsageError) as ei:
+            stockade.run(["true"], project=api_project, session=session, **kw)  # type: ignore[arg-type]
+        assert says in str(ei.value) and "\n" not in str(ei.value)
+        assert listing(state_dir) == before, session
+        assert not (state_dir / "sessions" / "brandnew").exists()
