@@ -20,12 +20,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.conftest import SRC, User
+from tests.conftest import SRC, User, need
 
 CONNECT = SRC / "stockade" / "stockade-connect"
 MB10 = 10 * 1024 * 1024
 
-pytestmark = pytest.mark.skipif(not CONNECT.exists(), reason="stockade-connect not built (setup.py build_ext --inplace)")
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    need(CONNECT.exists(), "stockade-connect not built (make native, or setup.py build_ext --inplace)")
 
 
 def _recv_exact(c: socket.socket, n: int) -> bytes:
