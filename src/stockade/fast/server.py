@@ -412,11 +412,26 @@ class Server:
             return
         manager.defer_removal = True  # the supervisor removes the run's after its reply
 
+    @staticmethod
+    def _net_ahead() -> None:
+        """When the likeliest next run proxies its network (--net allow, forwarded ports),
+        import and warm pyroute2 while no client waits: its helper forks from here."""
+        from . import warm
+
+        if not warm._preloaded:
+            return
+        plan = next(reversed(warm._preloaded.values()))[2]
+        if plan.network == "allow" or plan.forward:
+            from ..net import netns
+
+            netns.warm_netlink()
+
     def spare(self, lst: socket.socket, ctl: int, status: int) -> None:
         """Wait for a client (or retirement); serve it: decline, or become its supervisor."""
         from ..cgroups.base import flush_deferred
 
         self._cgroups_ahead()
+        self._net_ahead()
         conn = None
         try:
             poll = select.poll()

@@ -74,7 +74,7 @@ def make(pidfd: int, pid: int, *, proxy: bool, forward: tuple[int, ...] = ()) ->
     """Listening sockets in the network namespace of the held sandbox ``pid``: the proxy's
     (HTTP and SOCKS5 on one port) and the DNS responder's when ``proxy``, one pair per
     forwarded port. Raises SandboxError naming the step, the errno and the fix."""
-    _warm_netlink()
+    warm_netlink()
     specs = _specs(proxy, forward)
     try:
         join_user = _ns_ino(pid, "user") != _ns_ino("self", "user")
@@ -120,7 +120,7 @@ def make(pidfd: int, pid: int, *, proxy: bool, forward: tuple[int, ...] = ()) ->
 _warmed: list[bool] = []
 
 
-def _warm_netlink() -> None:
+def warm_netlink() -> None:
     """pyroute2 imported and its message classes built once in this process, before any
     fork: each helper would otherwise pay it again (a tenth of a second to import)."""
     if _warmed:
