@@ -366,6 +366,10 @@ int main(int argc, char **argv)
     else
         snprintf(target, sizeof(target), "%s:%ld", host, port);
     signal(SIGPIPE, SIG_IGN); /* a closed stdout or socket is an error return, not death */
+    /* a closed stdin or stdout would make the socket fd 0 or 1, relayed to itself */
+    for (int fd = 0; fd < 3; fd++)
+        if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) != fd)
+            die(1, "cannot open /dev/null for a closed fd %d: %s", fd, strerror(errno));
 
     int s = socks_connect(host, (int)port);
     relay(s);

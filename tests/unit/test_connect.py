@@ -15,6 +15,7 @@ import socket
 import struct
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -401,3 +402,30 @@ def test_default_address_in_a_network_namespace(user: User) -> None:
     r = user.py(NETNS_SCRIPT.replace("sys.argv[1]", repr(str(CONNECT))), timeout=60)
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode().strip() == "0 b'hello' b''"
+
+
+def test_reset_mid_stream_is_an_error() -> None:
+    """The destination resets the tunnel: what came before is relayed, then one line and exit 1."""
+    def reset(srv: Socks, c: socket.socket) -> None:
+        read_request(c)
+        ok_reply(c)
+        c.sendall(b"partial")
+        time.sleep(0.2)
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+    with socks(reset) as srv:
+        p = subprocess.Popen([str(CONNECT), "db.example", "5432"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env={"STOCKADE_CONNECT_PORT": str(srv.port)})
+        out, err = p.communicate(timeout=30)  # stdin closed at once: the relay waits for the remote
+        assert p.returncode == 1
+        assert out == b"partial"
+        assert err == b"stockade-connect: db.example:5432: receive: Connection reset by peer\n"
+
+
+def test_closed_stdio() -> None:
+    """Started with stdin and stdout closed: the socket must not take fd 0 or 1."""
+    with socks(_late_answer) as srv:
+        r = subprocess.run(["sh", "-c", 'exec "$0" h.example 1 <&- >&-', str(CONNECT)],
+                           env={"STOCKADE_CONNECT_PORT": str(srv.port)}, capture_output=True, timeout=30)
+        assert (r.returncode, r.stderr) == (0, b"")
+        srv.settle()
+        assert srv.requests == [(3, "h.example", 1)] and not srv.errors
