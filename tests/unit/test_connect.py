@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -429,3 +430,34 @@ def test_closed_stdio() -> None:
         assert (r.returncode, r.stderr) == (0, b"")
         srv.settle()
         assert srv.requests == [(3, "h.example", 1)] and not srv.errors
+
+
+def test_ssh_proxy_command() -> None:
+    """ssh's ProxyCommand, as a --net allow sandbox's GIT_SSH_COMMAND sets it: the name and
+    port reach the proxy as given, ssh's banner goes out and the server's comes back."""
+    ssh = shutil.which("ssh")
+    if ssh is None:
+        pytest.skip("no ssh client")
+
+    def sshd(srv: Socks, c: socket.socket) -> bytes:
+        srv.requests.append(read_request(c))
+        ok_reply(c)
+        c.sendall(b"SSH-2.0-stockade_test\r\n")
+        c.settimeout(10)
+        banner = b""
+        while not banner.endswith(b"\n"):
+            chunk = c.recv(1)
+            if not chunk:
+                break
+            banner += chunk
+        return banner  # then close: ssh reports the closed connection
+    with socks(sshd) as srv:
+        r = subprocess.run([ssh, "-F", "/dev/null", "-o", f"ProxyCommand={CONNECT} %h %p", "-o", "BatchMode=yes",
+                            "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+                            "-p", "2222", "git@git.example", "true"],
+                           env={"PATH": "/usr/bin:/bin", "STOCKADE_CONNECT_PORT": str(srv.port), "HOME": "/nonexistent"},
+                           capture_output=True, timeout=60)
+        srv.settle()
+        assert srv.requests == [(3, "git.example", 2222)], (srv.requests, r.stderr)
+        assert isinstance(srv.results[0], bytes) and srv.results[0].startswith(b"SSH-2.0-OpenSSH"), srv.results
+        assert r.returncode == 255 and b"closed" in r.stderr.lower(), r.stderr
