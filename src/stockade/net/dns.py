@@ -220,7 +220,10 @@ async def answer(data: bytes, lookup: Lookup, *, limit: int | None) -> bytes | N
         return None
     if (q.flags >> 11) & 0xF != 0:  # only standard queries
         return build_response(q, RCODE_NOTIMP)
-    rcode, addresses = await lookup(q)
+    try:
+        rcode, addresses = await lookup(q)
+    except Exception:  # a bug of ours answers SERVFAIL; the responder goes on
+        rcode, addresses = RCODE_SERVFAIL, []
     return build_response(q, rcode, addresses, limit=limit)
 
 

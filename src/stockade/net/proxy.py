@@ -59,7 +59,9 @@ class ConnEvent:
     kind: str  # "http-connect" | "http" | "socks5" | "forward" | "dns"
     host: str  # as the client asked (canonical), "" for a request too malformed to name one
     port: int
-    address: str | None  # the address dialled; for dns the addresses answered, comma-separated
+    # the address dialled (a refusal by address: the first the name resolved to); for dns
+    # the addresses answered, comma-separated
+    address: str | None
     allowed: bool
     rule: str | None  # the HostRule.pattern that decided, or None
     reason: str
