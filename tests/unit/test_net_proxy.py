@@ -842,3 +842,55 @@ def test_proxy_as_each_user(user: Any) -> None:
     r = user.py(_AS_USER, timeout=60)
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode().split() == ["ok", str(user.uid)]
+
+
+def _client_hello(server_name: str) -> bytes:
+    """A real TLS ClientHello (Python's ssl) naming ``server_name``."""
+    import ssl
+
+    ctx = ssl.create_default_context()
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=server_name)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def test_tls_server_name_must_be_allowed_too(rigs: Callable[..., Rig], echo: TcpListener, names: FakeDNS) -> None:
+    """Domain fronting: a tunnel to an allowed name whose ClientHello asks the front end
+    for another site ends before a byte reaches the server; the same name, another
+    allowed name, or a tunnel to an address a rule names go through."""
+    from stockade.net.addr import client_hello_sni
+
+    assert client_hello_sni(_client_hello("Evil.Test")) == "evil.test"
+    assert client_hello_sni(b"\x16\x03\x01\x00") is None and client_hello_sni(b"GET / HTTP/1.1\r\n") is None
+    rig = rigs("svc.test", "both.test", UP, deny=("denied.test",), resolver=names)
+    for sni in ("evil.test", "denied.test"):
+        c, head = rig.connect_tunnel(f"svc.test:{echo.port}")
+        assert head.startswith(b"HTTP/1.1 200")
+        c.sendall(_client_hello(sni))
+        assert _recv_all(c) == b""
+        c.close()
+        code, c = rig.socks_name("svc.test", echo.port)
+        assert code == 0
+        c.sendall(_client_hello(sni))
+        assert _recv_all(c) == b""
+        c.close()
+    assert echo.received == b""  # no ClientHello reached the server
+    evs = rig.wait_events(4)
+    assert [(e.kind, e.host, e.allowed, e.bytes_out) for e in evs] == [
+        ("http-connect", "evil.test", False, 0), ("socks5", "evil.test", False, 0),
+        ("http-connect", "denied.test", False, 0), ("socks5", "denied.test", False, 0)]
+    assert "TLS server name 'evil.test'" in evs[0].reason and evs[2].rule == "denied.test"
+    for target, sni in ((f"svc.test:{echo.port}", "svc.test"), (f"svc.test:{echo.port}", "both.test"),
+                        (f"{UP}:{echo.port}", "evil.test")):
+        hello = _client_hello(sni)
+        c, head = rig.connect_tunnel(target)
+        assert head.startswith(b"HTTP/1.1 200")
+        c.sendall(hello[:10])  # the record arrives in pieces
+        time.sleep(0.05)
+        c.sendall(hello[10:])
+        assert _recv_exact(c, len(hello)) == hello
+        c.close()
+    evs = rig.wait_events(7)
+    assert all(e.allowed for e in evs[4:])

@@ -95,3 +95,52 @@ def split_hostport(target: str, default_port: int | None = None) -> tuple[str, i
 def format_target(host: str, port: int) -> str:
     """``host:port`` with IPv6 literals in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+TLS_HEAD_MAX = 16384 + 5  # one TLS record
+
+
+def tls_record_wanted(data: bytes) -> int:
+    """How many bytes of ``data``'s start make its first TLS handshake record (0 when
+    ``data`` does not start like one: not TLS, nothing to wait for)."""
+    if not data or data[0] != 0x16:
+        return 0
+    if len(data) < 5:
+        return 5
+    if data[1] != 3:
+        return 0
+    return 5 + int.from_bytes(data[3:5], "big")
+
+
+def client_hello_sni(data: bytes) -> str | None:
+    """The server name (SNI) of the TLS ClientHello ``data`` starts with, as written
+    (lower case, no trailing dot); None when there is no ClientHello or no name in it."""
+    try:
+        if tls_record_wanted(data) == 0 or data[5] != 0x01:
+            return None
+        end = min(len(data), 5 + int.from_bytes(data[3:5], "big"))
+        pos = 9 + 2 + 32  # record head, handshake head, client_version, random
+        pos += 1 + data[pos]  # session id
+        pos += 2 + int.from_bytes(data[pos : pos + 2], "big")  # cipher suites
+        pos += 1 + data[pos]  # compression methods
+        ext_end = min(end, pos + 2 + int.from_bytes(data[pos : pos + 2], "big"))
+        pos += 2
+        while pos + 4 <= ext_end:
+            etype = int.from_bytes(data[pos : pos + 2], "big")
+            elen = int.from_bytes(data[pos + 2 : pos + 4], "big")
+            body = data[pos + 4 : pos + 4 + elen]
+            pos += 4 + elen
+            if etype != 0:  # server_name
+                continue
+            p = 2
+            while p + 3 <= len(body):
+                ntype, nlen = body[p], int.from_bytes(body[p + 1 : p + 3], "big")
+                name = body[p + 3 : p + 3 + nlen]
+                p += 3 + nlen
+                if ntype == 0 and len(name) == nlen:
+                    text = name.decode("latin-1").lower()
+                    return text[:-1] if text.endswith(".") else text
+            return None
+    except IndexError:
+        return None
+    return None

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..redact import redact_text
 from . import dns
-from .addr import format_target, ip_literal, normalize_host, split_hostport
+from .addr import client_hello_sni, format_target, ip_literal, normalize_host, split_hostport
 from .relay import Relays
 from .resolve import ResolveError, Resolver
 
@@ -317,16 +317,40 @@ class Proxy:
     def _tunnel(self, client: socket.socket, out: _Outcome, kind: str, host: str, port: int, started: float,
                 *, url: str | None = None, first: bytes = b"", out_limit: int | None = None,
                 plain_http: bool = False) -> None:
-        """Hand the pair to the relays; the event when the tunnel ends."""
+        """Hand the pair to the relays; the event when the tunnel ends. A tunnel to a
+        name (CONNECT, SOCKS5) has the client's TLS ClientHello checked first: a server
+        name (SNI) other than the name asked for must be one the policy allows too, or
+        the tunnel ends before any of it reaches the server (domain fronting: an allowed
+        name dialled, another site's name asked of a shared front end)."""
         assert out.sock is not None
+        sni: list[tuple[str, str | None]] = []  # (the name the ClientHello asked, the rule that refused it)
 
-        def done(bytes_out: int, bytes_in: int, error: str | None) -> None:
+        def inspect(data: bytes) -> str | None:
+            name = client_hello_sni(data)
+            if name is None:
+                return None
+            name = normalize_host(name) or name
+            if name == host:
+                return None
+            d = self.policy.current().decide(name, port)
+            if d.allowed:
+                return None
+            sni.append((name, d.rule.pattern if d.rule else None))
+            return (f"the TLS server name {name!r} in a tunnel to {format_target(host, port)} is refused: "
+                    f"{d.reason}")
+
+        def done(bytes_out: int, bytes_in: int, error: str | None, refused: str | None) -> None:
+            ms = (time.monotonic() - started) * 1000
+            if refused is not None and sni:
+                self._emit(ConnEvent(kind, sni[0][0], port, out.address, False, sni[0][1], refused, url,
+                                     bytes_out, bytes_in, ms))
+                return
             reason = out.reason if error is None else f"{out.reason}; ended: {error}"
-            self._emit(ConnEvent(kind, host, port, out.address, True, out.rule, reason, url, bytes_out, bytes_in,
-                                 (time.monotonic() - started) * 1000))
+            self._emit(ConnEvent(kind, host, port, out.address, True, out.rule, reason, url, bytes_out, bytes_in, ms))
 
+        check = kind in ("http-connect", "socks5") and ip_literal(host) is None
         self.relays.start(client, out.sock, done, first=first, out_limit=out_limit,
-                          plain_http=plain_http)
+                          plain_http=plain_http, inspect=inspect if check else None)
 
     def _refusal(self, out: _Outcome, kind: str, host: str, port: int, started: float, url: str | None = None) -> None:
         self._emit(ConnEvent(kind, host, port, out.address, out.allowed, out.rule, out.reason, url,

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .addr import TLS_HEAD_MAX, tls_record_wanted
+
 # a splice moves up to this much per call (the pipe's capacity). 256 KiB measured as fast
 # as 1 MiB on loopback (64 KiB, the default, about 30% slower), and an unprivileged
 # user's pipes count against its pipe-user-pages-soft (64 MiB): past it every new pipe of
@@ -23,8 +25,11 @@ from dataclasses import dataclass, field
 PIPE_SIZE = 1 << 18
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
-# (bytes client -> server, bytes server -> client, the error that ended it or None)
-Done = Callable[[int, int, str | None], None]
+# (bytes client -> server, bytes server -> client, the error that ended it or None,
+# the refusal of the inspection of the client's first bytes or None)
+Done = Callable[[int, int, str | None, str | None], None]
+# the client's first bytes (its TLS ClientHello, when it sends one) -> why the tunnel must end, or None
+Inspect = Callable[[bytes], str | None]
 
 
 @dataclass(eq=False)
@@ -35,6 +40,8 @@ class Tunnel:
     out_limit: int | None  # client -> server: forward this many bytes (after ``first``), drop the rest
     plain_http: bool  # one request, one response: the response head gets Connection: close, the server's EOF ends it
     done: Done
+    inspect: Inspect | None = None
+    refused: str | None = None
     bytes_out: int = 0
     bytes_in: int = 0
     error: str | None = None
@@ -131,11 +138,11 @@ class Relays:
             return len(self._tunnels)
 
     def start(self, client: socket.socket, server: socket.socket, done: Done, *, first: bytes = b"",
-              out_limit: int | None = None, plain_http: bool = False) -> None:
+              out_limit: int | None = None, plain_http: bool = False, inspect: Inspect | None = None) -> None:
         """Relay between the two connected sockets (now the tunnel's: it closes them) and
         call ``done`` once, from a relay thread, when both directions ended. After
         ``close`` the sockets are closed at once and ``done`` reports the refusal."""
-        t = Tunnel(client, server, first, out_limit, plain_http, done)
+        t = Tunnel(client, server, first, out_limit, plain_http, done, inspect)
         with self._lock:
             if self._closed:
                 refused = True
@@ -145,7 +152,7 @@ class Relays:
         if refused:
             client.close()
             server.close()
-            done(0, 0, "the proxy is closing")
+            done(0, 0, "the proxy is closing", None)
             return
         for s in (client, server):
             s.setblocking(True)
@@ -162,9 +169,18 @@ class Relays:
         src, dst = (t.client, t.server) if outward else (t.server, t.client)
         err: str | None = None
         try:
-            if outward and t.first:
-                dst.sendall(t.first)
-                _add(t, outward, len(t.first))
+            first = t.first
+            if outward and t.inspect is not None:
+                first = _first_record(src, first)
+                why = t.inspect(first)
+                if why is not None:  # nothing of it reaches the server
+                    t.refused = why
+                    t.abort()
+                    self._finish(t, outward, None)
+                    return
+            if outward and first:
+                dst.sendall(first)
+                _add(t, outward, len(first))
             if not outward and t.plain_http:
                 head = _close_response(src)  # the client learns the connection ends with the response
                 dst.sendall(head)
@@ -195,7 +211,7 @@ class Relays:
             t.server.close()
             with self._lock:
                 self._tunnels.discard(t)
-            t.done(t.bytes_out, t.bytes_in, t.error)
+            t.done(t.bytes_out, t.bytes_in, t.error, t.refused)
 
     def close(self, timeout: float = 1.0) -> None:
         """End every open tunnel and join its threads until the deadline; no tunnel
@@ -206,6 +222,21 @@ class Relays:
         for t in tunnels:
             t.abort()
         self._pool.close(time.monotonic() + timeout)
+
+
+def _first_record(src: socket.socket, first: bytes) -> bytes:
+    """``first`` and what the client sends next up to the end of its first TLS record
+    (read, not peeked: the caller forwards it). Bytes that do not start a TLS handshake
+    record end the wait at once; so does EOF."""
+    buf = first
+    if not buf:
+        buf = src.recv(TLS_HEAD_MAX)
+    while len(buf) < min(tls_record_wanted(buf), TLS_HEAD_MAX):
+        chunk = src.recv(TLS_HEAD_MAX)
+        if not chunk:
+            break
+        buf += chunk
+    return buf
 
 
 _DROP_IN_RESPONSE = (b"connection:", b"keep-alive:", b"proxy-connection:")
