@@ -124,11 +124,15 @@ def test_a_direct_ip_connect(user: User, project: Path, world: NetWorld) -> None
             ["connect", "127.0.0.3", lis.port],
             ["get", f"http://127.0.0.3:{lis.port}/"],
             ["socks", "127.0.0.3", lis.port],
-            ["connect", "192.0.2.1", 443],  # TEST-NET-1: a public-looking literal with no rule
+            # a public address no rule names: only the literal's own check stops it (no special
+            # range does), and the proxy would dial out if it passed
+            ["connect", "1.1.1.1", 443],
+            ["socks", "1.1.1.1", 443],
         ], *ALLOW)
         assert got[0]["connected"] is False and got[1]["connected"] is False, got
         assert got[2]["status"] == 403 and got[3]["status"] == 403 and got[5]["status"] == 403, got
-        assert got[4] == {"reply": SOCKS_NOT_ALLOWED}, got
+        assert got[4] == {"reply": SOCKS_NOT_ALLOWED} and got[6] == {"reply": SOCKS_NOT_ALLOWED}, got
+        assert "1.1.1.1" in str(got[5]["reason"]), got
         time.sleep(0.2)
         assert lis.connections == 0
         assert world.https.connections == before
