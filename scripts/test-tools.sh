@@ -5,7 +5,9 @@
 #  - CPython's own regression tests (the `test` package) for the compatibility suite
 #    (tests/compat), which runs them with /usr/bin/python3;
 #  - podman and bubblewrap: tests/integration/test_containers.py runs stockade inside a
-#    podman container with its default options.
+#    podman container with its default options;
+#  - curl, git (its http-backend and daemon), openssl, npm and the system Python's pip: the --net allow tests
+#    (tests/netfix.py, tests/integration/test_net_allow.py) run them inside and beside the sandbox.
 # Idempotent and silent when everything is present.
 set -e
 missing=""
@@ -17,6 +19,8 @@ command -v podman >/dev/null 2>&1 || missing="$missing podman"
 # runc: crun (podman's default runtime) refuses a hybrid cgroup host (v1 with controllers on v2)
 command -v runc >/dev/null 2>&1 || missing="$missing runc"
 command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
+for t in curl git openssl npm; do command -v $t >/dev/null 2>&1 || missing="$missing $t"; done
+[ -x /usr/bin/python3 ] && ! /usr/bin/python3 -c 'import pip' >/dev/null 2>&1 && missing="$missing python3-pip"
 [ -z "$missing" ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "bootstrap: installing test tools:$missing"
