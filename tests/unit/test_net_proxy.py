@@ -117,8 +117,8 @@ class Rig:
             c.sendall(raw)
             return _recv_all(c)
 
-    def connect_tunnel(self, target: str) -> tuple[socket.socket, bytes]:
-        c = self.connect()
+    def connect_tunnel(self, target: str, v6: bool = False) -> tuple[socket.socket, bytes]:
+        c = self.connect(v6)
         c.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
         head = b""
         while b"\r\n\r\n" not in head:
@@ -240,8 +240,15 @@ def test_connect_allowed_relays_both_ways_and_counts_bytes(rigs: Callable[..., R
     assert (ev.bytes_out, ev.bytes_in) == (100_004, 100_004)
     assert _settled(echo, 1) == 1
     assert [q.name for q in names.questions] and set(names.names()) == {"svc.test"}
+    # the proxy's IPv6 listener serves the same
+    c, head = rig.connect_tunnel(f"svc.test:{echo.port}", v6=True)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    c.sendall(b"six")
+    assert _recv_exact(c, 3) == b"six"
+    c.close()
+    rig.wait_events(2)
     stats = rig.proxy.close()
-    assert (stats.connections, stats.blocked, stats.bytes_out, stats.bytes_in) == (1, 0, 100_004, 100_004)
+    assert (stats.connections, stats.blocked, stats.bytes_out, stats.bytes_in) == (2, 0, 100_007, 100_007)
 
 
 def test_connect_blocked_gets_403_with_reason_and_nothing_resolved(rigs: Callable[..., Rig], echo: TcpListener,
