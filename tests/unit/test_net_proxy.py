@@ -913,3 +913,27 @@ def test_tls_server_name_must_be_allowed_too(rigs: Callable[..., Rig], echo: Tcp
         c.close()
     evs = rig.wait_events(7)
     assert all(e.allowed for e in evs[4:])
+
+
+def test_resolver_retries_a_truncated_answer_over_tcp(rigs: Callable[..., Rig], echo: TcpListener) -> None:
+    from tests.netfix import parse_question
+
+    class Truncating(FakeDNS):
+        def answer(self, msg: bytes, transport: str) -> bytes:
+            out = super().answer(msg, transport)
+            if transport != "udp":
+                return out
+            end = parse_question(msg)[4]
+            flags = struct.unpack("!H", out[2:4])[0] | 0x0200  # TC, no records
+            return out[:2] + struct.pack("!HHHHH", flags, 1, 0, 0, 0) + msg[12:end]
+
+    d = Truncating({"svc.test": [UP]})
+    try:
+        rig = rigs("svc.test", UP, resolver=d)
+        c, head = rig.connect_tunnel(f"svc.test:{echo.port}")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        c.close()
+        assert {(q.qtype, q.transport) for q in d.questions} == {
+            ("A", "udp"), ("AAAA", "udp"), ("A", "tcp"), ("AAAA", "tcp")}
+    finally:
+        d.close()
