@@ -67,8 +67,9 @@ HELLO = "hello from the test server\n"
 @pytest.mark.cli_paths
 @pytest.mark.parametrize("start", list(START))
 def test_curl_and_urllib_over_https_and_http(user: User, project: Path, world: NetWorld, start: str) -> None:
-    """curl (HTTPS: CONNECT; plain HTTP: absolute-URI) and urllib through the proxy's
-    environment variables, nothing configured inside; the servers saw the requests."""
+    """curl (HTTPS: CONNECT; plain HTTP: absolute-URI; ALL_PROXY: SOCKS5 with the name
+    resolved by the proxy) and urllib through the proxy's environment variables, nothing
+    configured inside; the servers saw the requests."""
     env = {**net_setup(user, project, world), **START[start]}
     before_s, before_p, mark = world.https.connections, world.http.connections, world.dns.mark()
     https = world.https.url("files.test", "/files/hello.txt")
@@ -76,14 +77,16 @@ def test_curl_and_urllib_over_https_and_http(user: User, project: Path, world: N
     (project / "fetch.py").write_text(FETCH)
     user.own(project)
     script = (f"set -e; curl -sS --cacert testca.crt {https}; curl -sS {http}; "
-              f"{PY} fetch.py '{json.dumps({'https': https, 'http': http})}'")
+              f"{PY} fetch.py '{json.dumps({'https': https, 'http': http})}'; "
+              f"curl -sS --cacert testca.crt --proxy \"$ALL_PROXY\" {https}")  # SOCKS5, name resolved by the proxy
     rc, out, err = run(user, project, allow("files.test"), ["bash", "-c", script], env)
     assert rc == 0, (out, err)
     lines = out.splitlines(keepends=True)
     assert lines[:2] == [HELLO, HELLO], out
     assert json.loads(lines[2]) == {"https": HELLO, "http": HELLO}, out
+    assert lines[3] == HELLO, out
     # host side: both servers accepted connections (from the proxy) and served files.test
-    assert world.https.connections >= before_s + 2 and world.http.connections >= before_p + 2
+    assert world.https.connections == before_s + 3 and world.http.connections == before_p + 2
     assert world.dns.asked("files.test", mark), world.dns.names()
 
 
