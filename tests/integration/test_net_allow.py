@@ -172,7 +172,7 @@ def test_names_on_the_list_resolve_inside_and_others_do_not(user: User, project:
     probes = [["gai", "files.test"], ["gai", f"{tag}.test"], ["gai", "evil.test"]]
     script = (f"getent hosts files.test; echo \"getent-files $?\"; getent hosts {tag}.test; echo \"getent-off $?\"; "
               f"{PY} probe.py '{json.dumps(probes)}'")
-    rc, out, err = run(user, project, allow("files.test"), ["bash", "-c", script], env)
+    rc, out, err = run(user, project, ["--session", "dns", *allow("files.test")], ["bash", "-c", script], env)
     assert rc == 0, (out, err)
     lines = out.splitlines()
     assert lines[0].split() == ["127.0.0.2", "files.test"], out
@@ -182,6 +182,12 @@ def test_names_on_the_list_resolve_inside_and_others_do_not(user: User, project:
     assert "addresses" not in got[1] and "addresses" not in got[2], got
     assert world.dns.asked("files.test", mark)
     assert world.dns.asked(tag) == [] and world.dns.asked("evil.test") == [], world.dns.names()
+    # each name once in the audit log, allowed or not, and the summary names the refused ones
+    r = user.cli(["log", "dns", "--json"], cwd=project)
+    assert r.returncode == 0, r.stderr
+    dns = {(e["target"], e["result"]) for e in map(json.loads, r.stdout.decode().splitlines()) if e.get("operation") == "net-dns"}
+    assert {("files.test", "allowed"), (f"{tag}.test", "blocked"), ("evil.test", "blocked")} <= dns, dns
+    assert f"{tag}.test" in err and "not resolved" in err, err
 
 
 @pytest.mark.cli_paths
