@@ -111,6 +111,8 @@ class _Server(ThreadingHTTPServer):
         if self.tls is not None:  # the handshake in the request's own thread, not in accept
             request.settimeout(30)
             request = self.tls.wrap_socket(request, server_side=True)
+            with self.owner.lock:
+                self.owner.handshakes += 1
         super().finish_request(request, client_address)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -215,6 +217,7 @@ class WebServer:
                  git_root: Path | None = None) -> None:
         self.lock = threading.Lock()
         self.connections = 0
+        self.handshakes = 0  # TLS handshakes completed (HTTPS)
         self.peers: list[str] = []
         self.requests: list[Request] = []
         self.srv = _Server((host, 0), _Handler)
@@ -722,6 +725,28 @@ def get(url):
     with s:
         s.sendall(f"GET {url} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
         return _head(s)
+
+def tls(host, port, sni, path):
+    """CONNECT host:port, then TLS asking for ``sni`` (the test CA) and GET path."""
+    import ssl
+    try:
+        s = socket.create_connection(PROXY, timeout=30)
+    except OSError as e:
+        return {"status": None, "errno": e.errno}
+    with s:
+        s.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+        head = _head(s)
+        if head["status"] != 200:
+            return head
+        try:
+            t = ssl.create_default_context(cafile="testca.crt").wrap_socket(s, server_hostname=sni)
+            t.sendall(f"GET {path} HTTP/1.1\r\nHost: {sni}\r\nConnection: close\r\n\r\n".encode())
+            data = b""
+            while (c := t.recv(65536)):
+                data += c
+            return {"status": 200, "body": data.split(b"\r\n\r\n", 1)[-1].decode()}
+        except (OSError, ssl.SSLError) as e:
+            return {"status": 200, "error": type(e).__name__}
 
 def socks(host, port):
     try:

@@ -109,6 +109,26 @@ def test_a_host_off_the_list(user: User, project: Path, world: NetWorld) -> None
     assert world.dns.asked("evil.test") == [], world.dns.names()
 
 
+def test_a_tls_server_name_off_the_list(user: User, project: Path, world: NetWorld) -> None:
+    """Domain fronting: a tunnel to an allowed name (files.test) whose TLS ClientHello asks
+    for another (evil.test, which the same server would serve: the certificate names it)
+    ends before the handshake reaches the server; the same tunnel asking for files.test
+    works. Host side: no handshake with the server, no request for evil.test; the audit
+    event names evil.test as blocked."""
+    env = net_setup(user, project, world)
+    before = world.https.handshakes
+    got, _ = probe(user, project, env, [
+        ["tls", "files.test", world.https.port, "evil.test", "/files/hello.txt"],
+        ["tls", "files.test", world.https.port, "files.test", "/files/hello.txt"],
+    ], *ALLOW, *hosts("files.test"), session="sni")
+    assert "body" not in got[0], got
+    assert got[1] == {"status": 200, "body": "hello from the test server\n"}, got
+    assert world.https.handshakes == before + 1  # the control's only
+    assert not [p for p in world.https.paths("evil.test")], world.https.requests
+    blocked = [e for e in net_events(events(user, project, "sni")) if e["result"] == "blocked"]
+    assert [str(e["target"]).split(":")[0] for e in blocked] == ["evil.test"], blocked
+
+
 def test_a_direct_ip_connect(user: User, project: Path, world: NetWorld) -> None:
     """Around the proxy: a TCP connect to the server's address fails inside (no route
     out of the sandbox's namespace). Through it: an IP literal no address rule names is
