@@ -6,7 +6,7 @@
 #    (tests/compat), which runs them with /usr/bin/python3;
 #  - podman and bubblewrap: tests/integration/test_containers.py runs stockade inside a
 #    podman container with its default options;
-#  - curl, git (its http-backend and daemon), openssl, npm and the system Python's pip: the --net allow tests
+#  - curl, git (its http-backend and daemon), openssl, npm, ssh and the system Python's pip: the --net allow tests
 #    (tests/netfix.py, tests/integration/test_net_allow.py) run them inside and beside the sandbox.
 # Idempotent and silent when everything is present.
 set -e
@@ -20,6 +20,7 @@ command -v podman >/dev/null 2>&1 || missing="$missing podman"
 command -v runc >/dev/null 2>&1 || missing="$missing runc"
 command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
 for t in curl git openssl npm; do command -v $t >/dev/null 2>&1 || missing="$missing $t"; done
+command -v ssh >/dev/null 2>&1 || missing="$missing openssh-client"
 [ -x /usr/bin/python3 ] && ! /usr/bin/python3 -c 'import pip' >/dev/null 2>&1 && missing="$missing python3-pip"
 [ -z "$missing" ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import User, need, world_tmpdir
-from tests.netfix import PY, NetWorld, add_commit, git, net_setup
+from tests.netfix import PY, SERVER_IP, NetWorld, TcpListener, add_commit, git, net_setup
 
 START = {"launcher": {}, "cold": {"STOCKADE_LAUNCHER": "0"}}
 SERVERS = ["--allow-host", "127.0.0.2"]  # the explicit address rule for the tests' own servers
@@ -143,6 +144,32 @@ def test_git_clone_over_git_protocol_through_socks(user: User, project: Path, wo
     assert lines[0] == "proxy: /run/stockade/connect", out
     assert lines[1] == git("rev-parse", "main", cwd=world.repo).strip()
     assert world.gitd.connections == before + 1
+
+
+@pytest.mark.cli_paths
+def test_git_over_ssh_reaches_the_server_through_the_connector(user: User, project: Path, world: NetWorld) -> None:
+    """git's ssh transport (GIT_SSH_COMMAND: ssh with the connector as ProxyCommand)
+    reaches the host's server by name: it gets the ssh client's banner. (No sshd here:
+    the test's server answers with a banner and hangs up, so the clone itself fails.)"""
+    need(shutil.which("ssh") is not None, "the ssh client is not installed")
+    env = net_setup(user, project, world)
+    got: list[bytes] = []
+
+    def banner(conn: socket.socket) -> None:
+        conn.settimeout(30)
+        conn.sendall(b"SSH-2.0-stockade_test\r\n")
+        got.append(conn.recv(256))
+
+    lis = TcpListener(SERVER_IP, on_conn=banner)
+    try:
+        rc, out, err = run(user, project, allow("git.test"),
+                           ["bash", "-c", f"echo \"$GIT_SSH_COMMAND\"; git clone -q ssh://git@git.test:{lis.port}/repo.git c"],
+                           env)
+        assert rc != 0 and "/run/stockade/connect" in out, (out, err)
+        assert lis.connections == 1, (out, err)
+        assert got and got[0].startswith(b"SSH-2.0-"), (got, err)
+    finally:
+        lis.close()
 
 
 @pytest.mark.cli_paths
