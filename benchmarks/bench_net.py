@@ -11,7 +11,9 @@ runs in this process, dialling the server in the host's namespace. The peer, Cla
 Code's sandbox runtime (npm `@anthropic-ai/sandbox-runtime`), is measured in the same
 run where it installs: its HTTP proxy (`createHttpProxyServer` with an allow-all host
 filter, no auth token) on a host loopback port, the client on the host. That is the
-peer's best case: on Linux its sandboxed clients also cross a socat bridge.
+peer's best case: on Linux its sandboxed clients also cross a socat bridge. So
+"stockade (host)" is stockade's proxy (the same code) on a host loopback listener with
+the client on the host: the like-for-like comparison.
 Direct and each proxy alternate round by round (3 rounds of 1 GiB), so background load
 hits them alike.
 """
@@ -24,8 +26,12 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ._util import bench_dir
+
+if TYPE_CHECKING:
+    from stockade.net.proxy import Proxy
 
 GIB = 1 << 30
 CONNS = 200
@@ -156,6 +162,24 @@ def _peer(base: Path) -> tuple[subprocess.Popen[str] | None, str]:
     return p, line
 
 
+def _host_proxy() -> tuple[Proxy, str]:
+    """stockade's proxy serving a listener on the host's loopback, as the peer's is: the
+    like-for-like comparison (the same code as a run's, without the sandbox's namespace)."""
+    import socket
+
+    from stockade.net.proxy import Listeners, Proxy
+    from stockade.policy.network import HostRule, LiveNetPolicy, NetPolicy
+
+    pol = NetPolicy("allow", (HostRule(SERVER_IP, "allow", "cli", "command line"),))
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(128)
+    port = str(ls.getsockname()[1])
+    proxy = Proxy(LiveNetPolicy(pol, None), lambda ev: None)
+    proxy.start(Listeners(proxy=[ls], dns_udp=[], dns_tcp=[]))
+    return proxy, port
+
+
 def main() -> None:
     import stockade
 
@@ -169,6 +193,7 @@ def main() -> None:
         assert server.stdout is not None
         bulk_port, hello_port = server.stdout.readline().split()
         peer, peer_port = _peer(base)
+        host_proxy, host_port = _host_proxy()
         if peer is None:
             print(f"peer: not measured: {peer_port}")
         try:
@@ -188,7 +213,10 @@ def main() -> None:
             def theirs(mode: str, port: str, *n: str) -> object:
                 return _client([py, client, mode, SERVER_IP, port, f"127.0.0.1:{peer_port}", *n])
 
-            cands = {"direct": direct, "stockade": ours}
+            def ours_on_host(mode: str, port: str, *n: str) -> object:
+                return _client([py, client, mode, SERVER_IP, port, f"127.0.0.1:{host_port}", *n])
+
+            cands = {"direct": direct, "stockade": ours, "stockade (host)": ours_on_host}
             if peer is not None:
                 cands["sandbox-runtime"] = theirs
             secs: dict[str, list[float]] = {k: [] for k in cands}
@@ -215,12 +243,16 @@ def main() -> None:
             if peer is not None:
                 ptp = statistics.median(secs["direct"]) / statistics.median(secs["sandbox-runtime"])
                 padded = (statistics.median(conns["sandbox-runtime"]) - statistics.median(conns["direct"])) * 1e3
-                verdict.append(f"vs sandbox-runtime: throughput {tp_ratio / ptp:.2f}x theirs, "
-                               f"added per connection {added:.3f} vs {padded:.3f} ms: "
-                               f"{'faster on both' if tp_ratio > ptp and added < padded else 'NOT faster on both'}")
+                for k in ("stockade", "stockade (host)"):
+                    tp = statistics.median(secs["direct"]) / statistics.median(secs[k])
+                    add = (statistics.median(conns[k]) - statistics.median(conns["direct"])) * 1e3
+                    verdict.append(f"{k} vs sandbox-runtime: throughput {tp / ptp:.2f}x theirs, "
+                                   f"added per connection {add:.3f} vs {padded:.3f} ms: "
+                                   f"{'faster on both' if tp > ptp and add < padded else 'NOT faster on both'}")
             for v in verdict:
                 print(v)
         finally:
+            host_proxy.close()
             if peer is not None:
                 peer.kill()
                 peer.wait()
