@@ -189,13 +189,17 @@ def test_npm_install_from_a_local_registry(user: User, project: Path, world: Net
 
 
 @pytest.mark.cli_paths
-def test_names_on_the_list_resolve_inside_and_others_do_not(user: User, project: Path, world: NetWorld) -> None:
+@pytest.mark.parametrize("resolver_via", ["config", "env"])
+def test_names_on_the_list_resolve_inside_and_others_do_not(user: User, project: Path, world: NetWorld,
+                                                            resolver_via: str) -> None:
     """Tools that resolve before they connect: getent (libc, /etc/resolv.conf) and
     getaddrinfo see the allowed name's address; a name off the list does not resolve,
-    and the upstream DNS server (host side) was never asked for it."""
-    env = net_setup(user, project, world)
+    and the upstream DNS server (host side) was never asked for it. The upstream named by
+    the global config's [network] resolver, or by STOCKADE_NET_RESOLVER in the CLI's
+    environment (a served run takes it from its client, as an in-process run does)."""
+    env = net_setup(user, project, world, resolver_via=resolver_via)
     mark = world.dns.mark()
-    tag = f"{user.name}-{user.path}-off"
+    tag = f"{user.name}-{user.path}-{resolver_via}-off"
     probes = [["gai", "files.test"], ["gai", f"{tag}.test"], ["gai", "evil.test"]]
     script = (f"getent hosts files.test; echo \"getent-files $?\"; getent hosts {tag}.test; echo \"getent-off $?\"; "
               f"{PY} probe.py '{json.dumps(probes)}'")
