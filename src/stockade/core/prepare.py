@@ -228,6 +228,8 @@ def finish(resolved: Resolved, sess: store.Session, argv: tuple[str, ...], *, fo
     if len(i.keep_fds) > 64:
         raise UsageError(f"--pass-fd: at most 64 descriptors can be passed, not {len(i.keep_fds)}")
     _check_pass_fds(i.keep_fds)
+    if i.network == "allow":
+        _no_host_sockets(i.keep_fds, foreign_stdin)
     return Prepared(plan, resolved.cg_manager, resolved.limits, resolved.timeout, resolved.audit, resolved.net)
 
 
@@ -318,6 +320,23 @@ def _check_pass_fds(pass_fds: Sequence[int]) -> None:
     for fd in pass_fds:
         if source(fd) is None:
             raise UsageError(f"--pass-fd {fd}: not an open file descriptor")
+
+
+def _no_host_sockets(pass_fds: Sequence[int], foreign_stdin: bool) -> None:
+    """--net allow: an IPv4/IPv6 socket of the caller's network handed in would reach any
+    address past the proxy (it may be disconnected and connected again; Landlock's TCP
+    rules name ports, never addresses, and UDP has none)."""
+    from ..callerfds import source
+    from .request import inet_socket
+
+    for n in pass_fds:
+        fd = source(n)
+        if fd is not None and inet_socket(fd):
+            raise UsageError(f"--pass-fd {n} is an IPv4/IPv6 socket of the host's network, which reaches any address "
+                             "past --net allow's proxy: pass a pipe or a Unix socket instead, or use --net host")
+    if foreign_stdin:
+        raise UsageError("stdin is an IPv4/IPv6 socket of the host's network, which reaches any address past --net "
+                         "allow's proxy: pipe it in instead (`... | stockade run ...`), or use --net host")
 
 
 # --------------------------------------------------------------------------- seccomp

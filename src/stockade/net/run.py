@@ -49,8 +49,10 @@ class NetSummary:
             n = len(self.names_refused)
             parts.append(f"{n}{'+' if n >= 10 else ''} name{'s' if n != 1 else ''} not resolved "
                          f"({', '.join(self.names_refused[:3])}{', ...' if n > 3 else ''})")
-        first = self.blocked_targets[0] if self.blocked_targets else self.names_refused[0]
+        first = self.blocked_targets[0] if self.blocked_targets else (self.names_refused or [""])[0]
         host = first.rsplit(":", 1)[0] if self.blocked_targets else first
+        if not host:
+            return f"network: {'; '.join(parts)} (`stockade log --blocked-only` lists every one)"
         if host.startswith("[") and host.endswith("]"):
             host = host[1:-1]
         return (f"network: {'; '.join(parts)}; to allow: stockade allow --host {host} "
@@ -59,6 +61,13 @@ class NetSummary:
 
 def _target(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# The audit log is the user's disk: a loop of attempts must not fill it. Per run, each
+# target gets this many events, then its repeats are only counted; past the total,
+# every further event is counted. ``close`` writes what was suppressed.
+PER_TARGET_EVENTS = 20
+RUN_EVENTS = 2000
 
 
 class NetRun:
@@ -72,6 +81,9 @@ class NetRun:
         self.proxy: Proxy | None = None
         self._lock = threading.Lock()
         self._dns_seen: set[tuple[str, bool]] = set()
+        self._per_target: dict[tuple[str, bool], int] = {}
+        self._logged = 0
+        self._suppressed: dict[tuple[str, bool], int] = {}
         self.summary = NetSummary(policy.mode, tuple(policy.forward))
 
     def start(self, pidfd: int, pid: int) -> None:
@@ -111,8 +123,14 @@ class NetRun:
             elif not ev.allowed:
                 s.blocked += 1
                 target = _target(ev.host, ev.port)
-                if len(s.blocked_targets) < 10 and target not in s.blocked_targets:
+                if ev.host and len(s.blocked_targets) < 10 and target not in s.blocked_targets:
                     s.blocked_targets.append(target)
+            key = (ev.host if ev.kind == "dns" else _target(ev.host, ev.port), ev.allowed)
+            n = self._per_target[key] = self._per_target.get(key, 0) + 1
+            if n > PER_TARGET_EVENTS or self._logged >= RUN_EVENTS:
+                self._suppressed[key] = self._suppressed.get(key, 0) + 1
+                return
+            self._logged += 1
         try:
             self.audit.event(
                 "net-dns" if ev.kind == "dns" else "net-connect",
@@ -129,4 +147,15 @@ class NetRun:
         if self.proxy is not None:
             self.proxy.close()
             self.proxy = None
+        with self._lock:
+            suppressed, self._suppressed = self._suppressed, {}
+        if suppressed:
+            top = sorted(suppressed.items(), key=lambda kv: -kv[1])[:20]
+            try:
+                self.audit.event("net-suppressed", f"{sum(suppressed.values())} events", "counted",
+                                 run=self.run_no, reason=f"past {PER_TARGET_EVENTS} events per target or "
+                                 f"{RUN_EVENTS} per run, further attempts are only counted",
+                                 counts={f"{t} {'allowed' if ok else 'blocked'}": c for (t, ok), c in top})
+            except OSError:
+                pass
         return self.summary
