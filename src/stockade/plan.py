@@ -557,9 +557,10 @@ def landlock_plan(
     handled_net = 0
     ports: tuple[int, ...] = ()
     if abi >= 4 and tcp_wall(network, foreign_fds):
-        # no bind rule: every port denied; connect only to the proxy's listeners (their
-        # ports also reach the caller's namespace through a handed-in socket: the loss is
-        # those ports of the caller's loopback, against no network at all)
+        # no bind rule: every port denied; connect only to the proxy's listeners. An inet
+        # socket handed in directly is refused with --net allow (prepare); this holds for
+        # one a passed Unix socket may still bring in (SCM_RIGHTS) on the listeners' ports,
+        # whose address Landlock cannot name
         handled_net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP
         ports = connect_ports
     scoped = (LL_SCOPE_ABSTRACT_UNIX | LL_SCOPE_SIGNAL) if (abi >= 6 and scope) else 0
