@@ -937,3 +937,15 @@ def test_resolver_retries_a_truncated_answer_over_tcp(rigs: Callable[..., Rig], 
             ("A", "udp"), ("AAAA", "udp"), ("A", "tcp"), ("AAAA", "tcp")}
     finally:
         d.close()
+
+
+def test_forwarded_port_whose_server_speaks_first(rigs: Callable[..., Rig]) -> None:
+    """ssh, SMTP, MySQL greet first: a forwarded port's connection is served before the
+    client has sent anything (the proxy port's accept waits for the client's first bytes)."""
+    svc = TcpListener("127.0.0.1", on_conn=lambda c: (c.sendall(b"220 hello\r\n"), c.recv(1)))
+    try:
+        rig = rigs(forward=(svc.port,))
+        with socket.create_connection(("127.0.0.1", rig.forward_port[svc.port]), timeout=3) as c:
+            assert _recv_exact(c, 11) == b"220 hello\r\n"
+    finally:
+        svc.close()

@@ -16,6 +16,7 @@ import functools
 import ipaddress
 import os
 import re
+import select
 import socket
 import struct
 import threading
@@ -194,6 +195,7 @@ class Proxy:
         self._closed = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._transports: list[asyncio.BaseTransport] = []
+        self._readers: list[int] = []  # listeners' fds the loop watches
 
     # -- life -----------------------------------------------------------------------------
 
@@ -256,6 +258,8 @@ class Proxy:
         pending = list(asyncio.all_tasks(loop))
         if pending:
             loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        for fd in self._readers:
+            loop.remove_reader(fd)
         for tr in self._transports:
             tr.close()
         for s in self._listeners:
@@ -269,12 +273,17 @@ class Proxy:
         for s in ls.all():
             s.setblocking(False)
         for s in ls.proxy:
-            self._spawn(self._accept(s, self._serve_proxy))
+            # HTTP and SOCKS5 clients speak first: the kernel hands over a connection once
+            # its first bytes are in (one wake-up of the loop per connection, not two).
+            # Not on forwarded ports: their servers may speak first (SMTP, MySQL, ssh)
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, int(HANDSHAKE_TIMEOUT))
+            self._accept_on(s, self._serve_proxy)
         for s in ls.dns_tcp:
-            self._spawn(self._accept(s, functools.partial(dns.serve_tcp_client, lookup=self._dns_lookup)))
+            self._accept_on(s, functools.partial(dns.serve_tcp_client, lookup=self._dns_lookup))
         for port, ss in ls.forward.items():
             for s in ss:
-                self._spawn(self._accept(s, functools.partial(self._serve_forward, port=port)))
+                self._accept_on(s, functools.partial(self._serve_forward, port=port))
         for s in ls.dns_udp:
             tr, _ = await loop.create_datagram_endpoint(lambda: dns.UdpResponder(self._dns_lookup, self._tasks), sock=s)
             self._transports.append(tr)
@@ -284,18 +293,32 @@ class Proxy:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def _accept(self, lst: socket.socket, handler: Callable[[socket.socket], Coroutine[Any, Any, Any]]) -> None:
+    def _accept_on(self, lst: socket.socket, handler: Callable[[socket.socket], Coroutine[Any, Any, Any]]) -> None:
+        """Accept from the loop's reader callback (no future, no coroutine to resume
+        first: a new connection's handler starts one loop turn after the accept)."""
         loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, _peer = await loop.sock_accept(lst)
-            except OSError as e:
-                if e.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
-                    return  # the listener is gone
-                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    await asyncio.sleep(0.1)  # out of fds: let some connections end
-                continue
-            self._spawn(handler(conn))
+
+        def ready() -> None:
+            for _ in range(64):  # a burst, then let the loop serve the others
+                try:
+                    conn, _peer = lst.accept()
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError as e:
+                    if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                        # out of fds: stop listening a moment, let some connections end
+                        loop.remove_reader(lst.fileno())
+                        loop.call_later(0.1, loop.add_reader, lst.fileno(), ready)
+                        return
+                    if e.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
+                        loop.remove_reader(lst.fileno())
+                        return
+                    continue  # ECONNABORTED and the like: that client is gone
+                conn.setblocking(False)
+                self._spawn(handler(conn))
+
+        loop.add_reader(lst.fileno(), ready)
+        self._readers.append(lst.fileno())
 
     # -- events ---------------------------------------------------------------------------
 
@@ -396,8 +419,7 @@ class Proxy:
             s = socket.socket(family, socket.SOCK_STREAM)
             s.setblocking(False)
             try:
-                async with asyncio.timeout(DIAL_TIMEOUT):
-                    await loop.sock_connect(s, (a, port))
+                await _connect(loop, s, (a, port))
             except BaseException as e:
                 s.close()
                 if not isinstance(e, (OSError, TimeoutError)):
@@ -683,6 +705,25 @@ class Proxy:
             return dns.RCODE_OK, [], False, refused.rule.pattern if refused.rule else None, \
                 f"{name} resolves to refused addresses: {refused.reason}"
         return dns.RCODE_OK, answer, True, rule, d.reason
+
+
+async def _connect(loop: asyncio.AbstractEventLoop, s: socket.socket, addr: tuple[str, int]) -> None:
+    """Connect the non-blocking ``s``; a connection the kernel completed within the
+    connect call (loopback, the host's own addresses) returns without a loop turn."""
+    try:
+        s.connect(addr)
+        return
+    except (BlockingIOError, InterruptedError):
+        pass
+    p = select.poll()
+    p.register(s, select.POLLOUT)
+    if p.poll(0):
+        err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            raise OSError(err, os.strerror(err))
+        return
+    async with asyncio.timeout(DIAL_TIMEOUT):
+        await loop.sock_connect(s, addr)  # EALREADY: it waits for the one in progress
 
 
 def _socks_reply(code: int) -> bytes:
