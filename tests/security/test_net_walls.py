@@ -386,7 +386,8 @@ sys.exit(1)
 
 def test_session_allow_applies_to_a_running_sandbox(user: User, project: Path, world: NetWorld) -> None:
     """A run retries late.test until it is allowed; `stockade allow --host late.test`
-    for its session, from the host while it runs, lets the next attempt through."""
+    for its session, from the host while it runs, lets the next attempt through. The rule
+    holds for the session's next run (`policy why` names it); a session deny then wins."""
     env = net_setup(user, project, world)
     (project / "retry.py").write_text(RETRY)
     user.own(project)
@@ -416,6 +417,18 @@ def test_session_allow_applies_to_a_running_sandbox(user: User, project: Path, w
     assert world.dns.asked("late.test", mark)
     r = user.cli(["allow", "--list", "--session", "live"], cwd=project)
     assert r.returncode == 0 and b"late.test" in r.stdout, (r.stdout, r.stderr)
+    # the session's rule holds for its next run, `policy why` names it, and a session deny wins
+    r = user.cli(["policy", "why", "--host", f"late.test:{world.https.port}", "--json", "--session", "live"],
+                 cwd=project, env=env)
+    assert r.returncode == 0 and b"late.test" in r.stdout and b"session" in r.stdout, (r.stdout, r.stderr)
+    got, _ = probe(user, project, env, [["connect", "late.test", world.https.port]], *ALLOW, session="live")
+    assert got[0]["status"] == 200, got
+    r = user.cli(["deny", "--host", "late.test", "--session", "live"], cwd=project)
+    assert r.returncode == 0, r.stderr
+    conns = world.https.connections
+    got, _ = probe(user, project, env, [["connect", "late.test", world.https.port]], *ALLOW, session="live")
+    assert got[0]["status"] == 403, got
+    assert world.https.connections == conns
 
 
 def _host_address() -> str | None:
