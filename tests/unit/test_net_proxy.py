@@ -949,3 +949,15 @@ def test_forwarded_port_whose_server_speaks_first(rigs: Callable[..., Rig]) -> N
             assert _recv_exact(c, 11) == b"220 hello\r\n"
     finally:
         svc.close()
+
+
+def test_a_start_that_fails_raises_and_leaves_nothing_behind() -> None:
+    fds = _fds()
+    bad = _listen()  # a TCP socket where a UDP one belongs
+    good = _listen()
+    p = Proxy(LiveNetPolicy(NetPolicy(mode="allow"), None), lambda e: None)
+    with pytest.raises(ValueError):
+        p.start(Listeners([good], [bad], []))
+    assert bad.fileno() == -1 and good.fileno() == -1  # the listeners it was given are closed
+    assert _proxy_threads() == []
+    assert _fds() - fds == set()
