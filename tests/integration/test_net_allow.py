@@ -65,6 +65,7 @@ print(json.dumps(out))
 HELLO = "hello from the test server\n"
 
 
+@pytest.mark.vm  # also under the second kernel (make test-vm: cgroup v2, Landlock ABI 2)
 @pytest.mark.cli_paths
 @pytest.mark.parametrize("start", list(START))
 def test_curl_and_urllib_over_https_and_http(user: User, project: Path, world: NetWorld, start: str) -> None:
