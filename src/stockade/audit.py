@@ -255,6 +255,9 @@ def read_events(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def is_blocked(rec: Mapping[str, Any]) -> bool:
+    if rec.get("operation") == "net-suppressed":  # repeats only counted: blocked ones among them
+        counts = rec.get("counts")
+        return isinstance(counts, Mapping) and any(str(k).endswith(" blocked") for k in counts)
     return rec.get("result") in BLOCKED_RESULTS
 
 
@@ -321,7 +324,10 @@ def format_event(rec: Mapping[str, Any]) -> str:
     run = rec.get("run")
     if rec.get("operation") in ("net-connect", "net-dns"):
         return _format_net(rec, [ts, f"run {run}" if run is not None else "-", str(rec["operation"])])
-    run = rec.get("run")
+    if rec.get("operation") == "net-suppressed" and isinstance(rec.get("counts"), Mapping):
+        # which targets' repeats were only counted, and how many
+        counts = ", ".join(f"{k} {v}x" for k, v in rec["counts"].items())
+        rec = {**rec, "reason": f"{rec.get('reason') or ''}: {counts}" if counts else rec.get("reason")}
     parts = [ts, f"run {run}" if run is not None else "-", str(rec.get("operation", "")),
              str(rec.get("target", "")), str(rec.get("result", "")).upper()]
     if rec.get("policy"):

@@ -144,3 +144,19 @@ def test_cli_blocked_only_and_net(state_dir: Path, session: str, server: str) ->
         ("net", "tcp bind/connect (every address and port)"), ("net-connect", "evil.example:443"),
         ("net-dns", "leak.evil.example"), ("net-connect", "internal.example:80")]
     assert recs[1]["reason"] == REASON_NO_RULE and recs[1]["kind"] == "http-connect"
+
+
+def test_suppressed_repeats(tmp_path: Path) -> None:
+    """A loop of attempts is capped by net/run.py and counted in one net-suppressed event:
+    it names the targets and counts, and --blocked-only keeps it when blocked ones are among them."""
+    log = audit.AuditLog(Sess(tmp_path))
+    log.event("net-suppressed", "500 events", "counted", run=3, reason="past 20 events per target or 2000 per run, "
+              "further attempts are only counted", counts={"evil.example:443 blocked": 480, "pypi.org:443 allowed": 20})
+    log.event("net-suppressed", "7 events", "counted", run=4, reason="past 20 events per target",
+              counts={"pypi.org:443 allowed": 7})
+    first, second = audit.read_events(log.path)
+    assert audit.format_event(first).split("  ", 1)[1] == (
+        "run 3  net-suppressed  500 events  COUNTED  past 20 events per target or 2000 per run, further attempts are "
+        "only counted: evil.example:443 blocked 480x, pypi.org:443 allowed 20x")
+    assert audit.is_network(first) and audit.is_blocked(first)
+    assert audit.is_network(second) and not audit.is_blocked(second)
