@@ -112,6 +112,115 @@ def tls_record_wanted(data: bytes) -> int:
     return 5 + int.from_bytes(data[3:5], "big")
 
 
+TLS_HELLO_MAX = 64 * 1024  # the first handshake message, across records, is read up to this
+
+
+class NotClientHello(ValueError):
+    """Bytes that start like a TLS handshake record but hold no complete, well-formed
+    ClientHello (a server would parse what we could not: refuse)."""
+
+
+def tls_hello_wanted(data: bytes) -> int:
+    """How many bytes of ``data``'s start hold its first TLS handshake message whole,
+    across as many records as it spans: 0 when ``data`` does not start like a TLS
+    handshake record (not TLS: nothing to wait for), ``<= len(data)`` when it is all
+    there, more when more must be read; -1 when it can never be (a record of another type
+    before its end, or longer than TLS_HELLO_MAX)."""
+    if not data or data[0] != 0x16:
+        return 0
+    pos, body = 0, 0  # bytes of records walked; handshake bytes in them
+    need: int | None = None  # the first handshake message's length with its 4-byte head
+    while True:
+        if pos + 5 > len(data):
+            return pos + 5
+        if data[pos] != 0x16 or data[pos + 1] != 3:
+            return -1
+        rlen = int.from_bytes(data[pos + 3 : pos + 5], "big")
+        pos += 5 + rlen
+        if pos > TLS_HELLO_MAX:
+            return -1
+        if pos > len(data):
+            return pos
+        body += rlen
+        if need is None and body >= 4:
+            hs = _handshake_bytes(data[:pos], 4)
+            need = 4 + int.from_bytes(hs[1:4], "big")
+            if need > TLS_HELLO_MAX:
+                return -1
+        if need is not None and body >= need:
+            return pos
+
+
+def _handshake_bytes(data: bytes, limit: int) -> bytes:
+    """The handshake payload of the records ``data`` starts with, up to ``limit`` bytes."""
+    out = b""
+    pos = 0
+    while len(out) < limit and pos + 5 <= len(data):
+        rlen = int.from_bytes(data[pos + 3 : pos + 5], "big")
+        out += data[pos + 5 : pos + 5 + rlen]
+        pos += 5 + rlen
+    return out[:limit]
+
+
+def tls_server_name(data: bytes) -> str | None:
+    """The server name (SNI) of the TLS ClientHello ``data`` starts with, reassembled
+    across records (lower case, no trailing dot); None when ``data`` does not start like a
+    TLS handshake record, or the ClientHello names no server. NotClientHello when it
+    starts like one but its first handshake message is incomplete, not a ClientHello, or
+    malformed: a server would read a name we could not check."""
+    wanted = tls_hello_wanted(data)
+    if wanted == 0:
+        return None
+    if wanted < 0 or wanted > len(data):
+        raise NotClientHello("incomplete or oversized TLS handshake")
+    hs = _handshake_bytes(data[:wanted], TLS_HELLO_MAX)
+    if hs[0] != 0x01:
+        raise NotClientHello(f"first TLS handshake message is type {hs[0]}, not a ClientHello")
+    msg = hs[4 : 4 + int.from_bytes(hs[1:4], "big")]
+
+    def take(pos: int, n: int) -> int:
+        if pos + n > len(msg):
+            raise NotClientHello("truncated ClientHello")
+        return pos + n
+
+    def vec(pos: int, width: int) -> tuple[int, int]:  # (start, end) of a length-prefixed vector
+        start = take(pos, width)
+        return start, take(start, int.from_bytes(msg[pos:start], "big"))
+
+    pos = take(0, 2 + 32)  # client_version, random
+    pos = vec(pos, 1)[1]  # session id
+    pos = vec(pos, 2)[1]  # cipher suites
+    pos = vec(pos, 1)[1]  # compression methods
+    if pos == len(msg):
+        return None  # no extensions
+    pos, ext_end = vec(pos, 2)
+    if ext_end != len(msg):
+        raise NotClientHello("bytes after the ClientHello's extensions")
+    name: str | None = None
+    seen = False
+    while pos < ext_end:
+        etype = int.from_bytes(msg[pos : take(pos, 2)], "big")
+        start, pos = vec(pos + 2, 2)
+        if etype != 0:  # not server_name
+            continue
+        if seen:
+            raise NotClientHello("two server_name extensions")
+        seen = True
+        lst, lend = vec(start, 2)
+        if lend != pos:
+            raise NotClientHello("malformed server_name extension")
+        entries = 0
+        while lst < lend:
+            ntype = msg[lst]
+            nstart, lst = vec(lst + 1, 2)
+            entries += 1
+            if ntype != 0 or entries > 1:  # servers differ on which entry they read: one host_name only
+                raise NotClientHello("server_name other than one host_name")
+            name = msg[nstart:lst].decode("latin-1").lower()
+            name = name[:-1] if name.endswith(".") else name
+    return name
+
+
 def client_hello_sni(data: bytes) -> str | None:
     """The server name (SNI) of the TLS ClientHello ``data`` starts with, as written
     (lower case, no trailing dot); None when there is no ClientHello or no name in it."""

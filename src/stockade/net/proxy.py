@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..redact import redact_text
 from . import dns
-from .addr import client_hello_sni, format_target, ip_literal, normalize_host, split_hostport
+from .addr import (
+    NotClientHello,
+    format_target,
+    ip_literal,
+    normalize_host,
+    split_hostport,
+    tls_server_name,
+)
 from .relay import Relays
 from .resolve import ResolveError, Resolver
 
@@ -349,7 +356,11 @@ class Proxy:
         sni: list[tuple[str, str | None]] = []  # (the name the ClientHello asked, the rule that refused it)
 
         def inspect(data: bytes) -> str | None:
-            name = client_hello_sni(data)
+            try:
+                name = tls_server_name(data)
+            except NotClientHello as e:  # a name split or hidden where we cannot read it
+                return (f"the tunnel to {format_target(host, port)} starts like TLS but not with a complete "
+                        f"ClientHello we can read ({e})")
             if name is None:
                 return None
             name = normalize_host(name) or name
@@ -364,8 +375,9 @@ class Proxy:
 
         def done(bytes_out: int, bytes_in: int, error: str | None, refused: str | None) -> None:
             ms = (time.monotonic() - started) * 1000
-            if refused is not None and sni:
-                self._emit(ConnEvent(kind, sni[0][0], port, out.address, False, sni[0][1], refused, url,
+            if refused is not None:
+                name, rule = sni[0] if sni else (host, None)
+                self._emit(ConnEvent(kind, name, port, out.address, False, rule, refused, url,
                                      bytes_out, bytes_in, ms))
                 return
             reason = out.reason if error is None else f"{out.reason}; ended: {error}"

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .addr import TLS_HEAD_MAX, tls_record_wanted
+from .addr import TLS_HEAD_MAX, tls_hello_wanted
 
 # a splice moves up to this much per call (the pipe's capacity). 256 KiB measured as fast
 # as 1 MiB on loopback (64 KiB, the default, about 30% slower), and an unprivileged
@@ -225,13 +225,15 @@ class Relays:
 
 
 def _first_record(src: socket.socket, first: bytes) -> bytes:
-    """``first`` and what the client sends next up to the end of its first TLS record
-    (read, not peeked: the caller forwards it). Bytes that do not start a TLS handshake
-    record end the wait at once; so does EOF."""
+    """``first`` and what the client sends next up to the end of its first TLS handshake
+    message, across as many records as it spans (read, not peeked: the caller forwards
+    it; a ClientHello split over records must be checked whole). Bytes that do not start
+    a TLS handshake record end the wait at once; so does EOF, or a message that can never
+    be whole (tls_hello_wanted -1, bounded by TLS_HELLO_MAX)."""
     buf = first
     if not buf:
         buf = src.recv(TLS_HEAD_MAX)
-    while len(buf) < min(tls_record_wanted(buf), TLS_HEAD_MAX):
+    while len(buf) < tls_hello_wanted(buf):
         chunk = src.recv(TLS_HEAD_MAX)
         if not chunk:
             break
