@@ -13,8 +13,16 @@ from typing import Any
 
 import pytest
 
-from tests.netfix import FakeDNS, TcpListener
-from tests.unit.test_net_proxy import UP, Rig, _client_hello, _recv_all, _recv_exact, _settled
+from tests.netfix import FakeDNS, TcpListener, build_query
+from tests.unit.test_net_proxy import (
+    UP,
+    Rig,
+    _client_hello,
+    _dns_parse,
+    _recv_all,
+    _recv_exact,
+    _settled,
+)
 
 
 @pytest.fixture
@@ -112,3 +120,80 @@ def test_non_tls_first_bytes_still_pass(rigs: Callable[..., Rig], echo: TcpListe
     assert _recv_exact(c, 21) == b"SSH-2.0-OpenSSH_9.2\r\n"
     c.close()
     assert _settled(echo, 1) == 1
+
+
+# ------------------------------------------------------------- 2. the host's own addresses
+
+
+def test_host_own_address_is_refused_like_loopback(rigs: Callable[..., Rig], names: FakeDNS) -> None:
+    """An allowed name resolving to an address of the proxy's own namespace (injected
+    here) is refused by CONNECT, SOCKS5 and DNS; a rule naming the address (or a range
+    holding it, as for loopback) lets it through."""
+    import ipaddress
+
+    from stockade.net.addr import LocalAddresses
+
+    rig = rigs("public.test", resolver=names)
+    rig.proxy.local = LocalAddresses(lambda: frozenset({ipaddress.ip_address("93.184.216.34")}))
+    c, head = rig.connect_tunnel("public.test:8080")
+    c.close()
+    assert head.startswith(b"HTTP/1.1 403"), head
+    assert b"address of the host itself" in head
+    code, c = rig.socks_name("public.test", 8080)
+    c.close()
+    assert code == 0x02
+    ans = rig.dns_udp(build_query("public.test", 1))
+    assert ans is not None and _dns_parse(ans)[2] == []
+    evs = rig.wait_events(3)
+    assert [e.allowed for e in evs] == [False] * 3
+    d = rig.proxy._decide_address(rig.policy, "93.184.216.34", 8080)
+    assert not d.allowed
+    for rule in ("93.184.216.34", "93.184.216.0/24"):
+        rig2 = rigs("public.test", rule, resolver=names)
+        rig2.proxy.local = rig.proxy.local
+        assert rig2.proxy._decide_address(rig2.policy, "93.184.216.34", 8080).allowed
+
+
+_NETNS = r'''
+import ipaddress, socket, sys
+from pyroute2 import IPRoute
+with IPRoute() as ipr:
+    lo = ipr.link_lookup(ifname="lo")[0]  # on lo: no dummy module needed, still a local address
+    ipr.link("set", index=lo, state="up")
+    ipr.addr("add", index=lo, address="93.184.216.34", prefixlen=32)
+sys.path.insert(0, ".")
+from tests.netfix import FakeDNS, TcpListener
+from tests.unit.test_net_proxy import Rig, _recv_exact
+svc = TcpListener("0.0.0.0", echo=True)  # a host service on every address (a published port)
+dns = FakeDNS({"public.test": ["93.184.216.34"]})
+rig = Rig(("public.test",), resolver=dns)
+c, head = rig.connect_tunnel(f"public.test:{svc.port}")
+c.close()
+rig.close()
+print("refused" if head.startswith(b"HTTP/1.1 403") and b"host itself" in head else f"through {head!r}")
+print("connections", svc.connections)
+rig = Rig(("public.test", "93.184.216.34"), resolver=dns)
+c, head = rig.connect_tunnel(f"public.test:{svc.port}")
+c.sendall(b"hi")
+print("named", head.split(b"\r\n")[0].decode(), _recv_exact(c, 2).decode())
+c.close()
+rig.close()
+'''
+
+
+def test_host_own_address_from_netlink_in_a_namespace(tmp_path: Any) -> None:
+    """End to end in a fresh network namespace holding a public address on an
+    interface: a service on 0.0.0.0 there is not reached through an allowed name that
+    resolves to that address (pyroute2 read the namespace's addresses), only once a rule
+    names the address."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import need
+
+    need(os.geteuid() == 0, "needs root to make a network namespace with a dummy interface")
+    r = subprocess.run(["unshare", "-n", sys.executable, "-c", _NETNS], capture_output=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode().split("\n")[:3] == ["refused", "connections 0", "named HTTP/1.1 200 Connection established hi"]

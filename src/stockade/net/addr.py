@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import threading
+import time
+from collections.abc import Callable
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -26,6 +29,62 @@ def ip_literal(host: str) -> IPAddress | None:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     return ip
+
+
+class LocalAddresses:
+    """The addresses configured on the interfaces of this process's network namespace
+    (for the proxy: the host's). A server of the host bound to 0.0.0.0 or :: answers on
+    every one of them, so an allowed name resolving to one (the host's public address)
+    reaches it as loopback would. Read over netlink (pyroute2), kept TTL seconds; a
+    failed read raises OSError (the caller refuses: we cannot tell what is local)."""
+
+    TTL = 3.0
+
+    def __init__(self, read: Callable[[], frozenset[IPAddress]] | None = None) -> None:
+        self._read = read or _netlink_addresses
+        self._lock = threading.Lock()
+        self._at = -1e9
+        self._set: frozenset[IPAddress] = frozenset()
+
+    def get(self) -> frozenset[IPAddress]:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._at > self.TTL:
+                self._set = self._read()
+                self._at = now
+            return self._set
+
+
+def _netlink_addresses() -> frozenset[IPAddress]:
+    # a thread of its own: pyroute2's IPRoute runs an event loop of its own, which it
+    # cannot from the proxy's loop thread
+    got: list[frozenset[IPAddress] | BaseException] = []
+    t = threading.Thread(target=lambda: got.append(_read_netlink()), name="stockade-netlink", daemon=True)
+    t.start()
+    t.join(5.0)
+    if not got:
+        raise OSError("reading this namespace's addresses over netlink (pyroute2 get_addr) timed out")
+    if isinstance(got[0], BaseException):
+        raise OSError(f"reading this namespace's addresses over netlink (pyroute2 get_addr) failed: {got[0]}")
+    return got[0]
+
+
+def _read_netlink() -> frozenset[IPAddress] | BaseException:
+    try:
+        from pyroute2 import IPRoute  # imported here: only a run with --net allow needs it
+
+        out: set[IPAddress] = set()
+        with IPRoute() as ipr:
+            for msg in ipr.get_addr():
+                # IFA_LOCAL is this end of a point-to-point link (IFA_ADDRESS its peer there)
+                a = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")
+                if a:
+                    ip = ip_literal(str(a))
+                    if ip is not None:
+                        out.add(ip)
+        return frozenset(out)
+    except Exception as e:  # pyroute2's netlink errors are not all OSError
+        return e
 
 
 def normalize_host(host: str) -> str | None:

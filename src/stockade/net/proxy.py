@@ -25,9 +25,11 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..policy.network import HostDecision
 from ..redact import redact_text
 from . import dns
 from .addr import (
+    LocalAddresses,
     NotClientHello,
     format_target,
     ip_literal,
@@ -39,7 +41,7 @@ from .relay import Relays
 from .resolve import ResolveError, Resolver
 
 if TYPE_CHECKING:
-    from ..policy.network import LiveNetPolicy
+    from ..policy.network import LiveNetPolicy, NetPolicy
 
 HANDSHAKE_TIMEOUT = 30.0  # the whole request (or SOCKS exchange) must arrive in this time
 DIAL_TIMEOUT = 10.0  # one address
@@ -191,6 +193,7 @@ class Proxy:
         self.policy = policy
         self.on_event = on_event
         self.resolver = Resolver()
+        self.local = LocalAddresses()  # the host's own addresses: loopback in all but name
         self.relays = Relays()
         self._lock = threading.Lock()
         self._stats = ProxyStats()
@@ -410,7 +413,7 @@ class Proxy:
         passed: list[str] = []
         first_refusal = None
         for a in addrs:
-            da = pol.decide_address(a, port)
+            da = self._decide_address(pol, a, port)
             if da.allowed:
                 passed.append(a)
             elif first_refusal is None:
@@ -421,6 +424,29 @@ class Proxy:
                             f"{format_target(host, port)} resolves to {', '.join(addrs)}: {first_refusal.reason}",
                             address=addrs[0])
         return await self._dial(passed, port, rule, reason)
+
+    def _decide_address(self, pol: NetPolicy, a: str | ipaddress.IPv4Address | ipaddress.IPv6Address,
+                        port: int) -> HostDecision:
+        """``pol.decide_address``, and an address of the host's own (any interface of the
+        proxy's namespace) refused like loopback unless an allow rule names it: every
+        host service bound to 0.0.0.0 answers there."""
+        d = pol.decide_address(a, port)
+        if not d.allowed or (d.rule is not None and d.rule.action == "allow"):
+            return d  # refused, or an address rule allowed it by name
+        ip = ipaddress.ip_address(str(a).split("%", 1)[0])
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        try:
+            local = ip in self.local.get()
+        except OSError as e:
+            return HostDecision(False, None, f"cannot tell whether {ip} is the host's own: {e}")
+        if not local:
+            return d
+        if any(r.covers_address(ip, port or None) for r in pol.allows):
+            return d
+        target = format_target(ip.compressed, port) if port else ip.compressed
+        return HostDecision(False, None, f"{ip} is an address of the host itself: refused unless a rule names it "
+                                         f"(stockade allow --host {target})")
 
     async def _dial(self, addrs: list[str], port: int, rule: str | None, reason: str) -> _Outcome:
         loop = asyncio.get_running_loop()
@@ -708,7 +734,7 @@ class Proxy:
             ip = ipaddress.ip_address(a.split("%", 1)[0])
             if ip.version != version:
                 continue
-            da = pol.decide_address(ip, 0)
+            da = self._decide_address(pol, ip, 0)
             if da.allowed:
                 answer.append(ip.compressed)
             elif refused is None:
