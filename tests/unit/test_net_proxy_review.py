@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -197,3 +199,99 @@ def test_host_own_address_from_netlink_in_a_namespace(tmp_path: Any) -> None:
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode().split("\n")[:3] == ["refused", "connections 0", "named HTTP/1.1 200 Connection established hi"]
+
+
+# ------------------------------------------------------------------- 3. bounded tunnels
+
+
+def test_tunnels_and_handshakes_are_capped(rigs: Callable[..., Rig], echo: TcpListener, names: FakeDNS) -> None:
+    """Past the cap of open tunnels a CONNECT gets 503 and SOCKS5 0x01, each with a
+    blocked event, and nothing is dialled; one tunnel ending frees a place. Past the cap
+    of connections mid-handshake a new one is answered 503 at once."""
+
+
+    rig = rigs("good.test", UP, resolver=names)
+    rig.proxy.max_tunnels = 3
+    held = []
+    for _ in range(3):
+        c, head = rig.connect_tunnel(f"good.test:{echo.port}")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        held.append(c)
+    assert _settled(echo, 3) == 3
+    c, head = rig.connect_tunnel(f"good.test:{echo.port}")
+    c.close()
+    assert head.startswith(b"HTTP/1.1 503 Service Unavailable"), head
+    assert b"too many open tunnels (3)" in head
+    code, c = rig.socks_name("good.test", echo.port)
+    c.close()
+    assert code == 0x01
+    assert _settled(echo, 3) == 3
+    evs = rig.wait_events(2)
+    assert [(e.kind, e.allowed) for e in evs] == [("http-connect", False), ("socks5", False)]
+    assert all("too many open tunnels" in e.reason for e in evs)
+    relay_threads = [t for t in threading.enumerate() if t.name == "stockade-relay" and t.is_alive()]
+    assert len(relay_threads) <= 6
+    held.pop().close()
+    rig.wait_events(3)
+    c, head = rig.connect_tunnel(f"good.test:{echo.port}")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    c.close()
+    for c in held:
+        c.close()
+
+    rig2 = rigs("good.test", UP, resolver=names)
+    rig2.proxy.max_handshakes = 2
+    waiting = [rig2.connect() for _ in range(2)]
+    for w in waiting:
+        w.sendall(b"CONNECT good.test")  # a request never finished
+    deadline = time.monotonic() + 5
+    while rig2.proxy._handshakes < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    head = rig2.http(f"CONNECT good.test:{echo.port} HTTP/1.1\r\n\r\n".encode())
+    assert head.startswith(b"HTTP/1.1 503"), head
+    assert b"too many connections waiting" in head
+    for w in waiting:
+        w.close()
+
+
+def _fin_wait1_to(port: int) -> int:
+    """Sockets of this namespace in FIN-WAIT-1 towards ``port`` (from /proc/net/tcp*)."""
+    n = 0
+    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(f) as fh:
+            for line in fh.readlines()[1:]:
+                parts = line.split()
+                if int(parts[2].rsplit(":", 1)[1], 16) == port and parts[3] == "04":
+                    n += 1
+    return n
+
+
+def test_close_resets_tunnels_with_queued_bytes(names: FakeDNS) -> None:
+    """A tunnel to a server that stopped reading, ended by the proxy's close, leaves no
+    socket in FIN-WAIT-1 with the bytes still queued for that server."""
+    stop = threading.Event()
+    stuck = TcpListener(UP, on_conn=lambda c: stop.wait(30))  # accepts, never reads
+    rig = Rig(("good.test", UP), resolver=names)
+    try:
+        c, head = rig.connect_tunnel(f"good.test:{stuck.port}")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        c.setblocking(False)
+        sent = 0
+        deadline = time.monotonic() + 10
+        idle = 0
+        while time.monotonic() < deadline and idle < 20:  # fill every buffer on the way
+            try:
+                sent += c.send(b"x" * 65536)
+                idle = 0
+            except BlockingIOError:
+                idle += 1
+                time.sleep(0.01)
+        assert sent > 0
+        rig.proxy.close()
+        time.sleep(0.2)
+        assert _fin_wait1_to(stuck.port) == 0
+        c.close()
+    finally:
+        rig.close()
+        stop.set()
+        stuck.close()

@@ -47,6 +47,10 @@ HANDSHAKE_TIMEOUT = 30.0  # the whole request (or SOCKS exchange) must arrive in
 DIAL_TIMEOUT = 10.0  # one address
 MAX_HEAD = 64 * 1024
 JOIN_TIMEOUT = 1.0
+# a run's tunnels cost the supervisor two threads and six fds each, outside the sandbox's
+# --pids/--nofile: past these the proxy answers 503 / SOCKS 0x01 (and a blocked event)
+MAX_TUNNELS = 256
+MAX_HANDSHAKES = 128  # connections (proxy, forwarded, DNS over TCP) not yet handed to a tunnel
 
 
 @dataclass
@@ -206,6 +210,10 @@ class Proxy:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._transports: list[asyncio.BaseTransport] = []
         self._readers: list[int] = []  # listeners' fds the loop watches
+        self.max_tunnels = MAX_TUNNELS
+        self.max_handshakes = MAX_HANDSHAKES
+        self._handshakes = 0  # handler coroutines running (loop thread only)
+        self._dialing = 0  # dials under way that count against max_tunnels (loop thread only)
 
     # -- life -----------------------------------------------------------------------------
 
@@ -288,12 +296,12 @@ class Proxy:
             # Not on forwarded ports: their servers may speak first (SMTP, MySQL, ssh)
             with contextlib.suppress(OSError):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, int(HANDSHAKE_TIMEOUT))
-            self._accept_on(s, self._serve_proxy)
+            self._accept_on(s, self._serve_proxy, "http")
         for s in ls.dns_tcp:
-            self._accept_on(s, functools.partial(dns.serve_tcp_client, lookup=self._dns_lookup))
+            self._accept_on(s, functools.partial(dns.serve_tcp_client, lookup=self._dns_lookup), "dns")
         for port, ss in ls.forward.items():
             for s in ss:
-                self._accept_on(s, functools.partial(self._serve_forward, port=port))
+                self._accept_on(s, functools.partial(self._serve_forward, port=port), "forward", port)
         for s in ls.dns_udp:
             tr, _ = await loop.create_datagram_endpoint(lambda: dns.UdpResponder(self._dns_lookup, self._tasks), sock=s)
             self._transports.append(tr)
@@ -303,7 +311,8 @@ class Proxy:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    def _accept_on(self, lst: socket.socket, handler: Callable[[socket.socket], Coroutine[Any, Any, Any]]) -> None:
+    def _accept_on(self, lst: socket.socket, handler: Callable[[socket.socket], Coroutine[Any, Any, Any]],
+                   kind: str, port: int = 0) -> None:
         """Accept from the loop's reader callback (no future, no coroutine to resume
         first: a new connection's handler starts one loop turn after the accept)."""
         loop = asyncio.get_running_loop()
@@ -325,10 +334,33 @@ class Proxy:
                         return
                     continue  # ECONNABORTED and the like: that client is gone
                 conn.setblocking(False)
-                self._spawn(handler(conn))
+                if self._handshakes >= self.max_handshakes:
+                    self._busy(conn, kind, port)
+                    continue
+                self._spawn(self._counted(handler(conn)))
 
         loop.add_reader(lst.fileno(), ready)
         self._readers.append(lst.fileno())
+
+    async def _counted(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._handshakes += 1
+        try:
+            await coro
+        finally:
+            self._handshakes -= 1
+
+    def _busy(self, conn: socket.socket, kind: str, port: int) -> None:
+        """Too many connections mid-handshake: answer what we can without waiting
+        (503, or SOCKS5 failure 0x01 when its first byte is already in) and close."""
+        reason = f"too many connections waiting on their handshake ({self.max_handshakes}): try again later"
+        with contextlib.suppress(OSError):
+            if kind == "http":
+                head = conn.recv(65536)  # read, so the close does not reset the answer away
+                conn.send(b"\x05\xff" if head[:1] == b"\x05" else _http_error(503, "Service Unavailable", reason))
+                conn.shutdown(socket.SHUT_WR)
+        conn.close()
+        if kind != "dns":
+            self._emit(ConnEvent(kind, "localhost" if kind == "forward" else "", port, None, False, None, reason))
 
     # -- events ---------------------------------------------------------------------------
 
@@ -449,6 +481,16 @@ class Proxy:
                                          f"(stockade allow --host {target})")
 
     async def _dial(self, addrs: list[str], port: int, rule: str | None, reason: str) -> _Outcome:
+        if len(self.relays) + self._dialing >= self.max_tunnels:
+            return _Outcome(None, False, None, f"too many open tunnels ({self.max_tunnels}) in this run: "
+                            "close some, or try again later", address=addrs[0], failure="busy")
+        self._dialing += 1
+        try:
+            return await self._dial_checked(addrs, port, rule, reason)
+        finally:
+            self._dialing -= 1
+
+    async def _dial_checked(self, addrs: list[str], port: int, rule: str | None, reason: str) -> _Outcome:
         loop = asyncio.get_running_loop()
         errors: list[str] = []
         kinds: list[str] = []
@@ -544,7 +586,9 @@ class Proxy:
             return False
 
     async def _http_refuse(self, conn: socket.socket, out: _Outcome) -> None:
-        if not out.allowed:
+        if out.failure == "busy":
+            data = _http_error(503, "Service Unavailable", out.reason)
+        elif not out.allowed:
             data = _http_error(403, "Forbidden", out.reason)
         else:
             data = _http_error(502, "Bad Gateway", out.reason)
@@ -675,7 +719,8 @@ class Proxy:
         out = await self._open(host, port)
         if out.sock is None:
             self._refusal(out, "socks5", host, port, started)
-            code = 0x02 if not out.allowed else {"refused": 0x05, "netunreach": 0x03}.get(out.failure or "", 0x04)
+            code = 0x01 if out.failure == "busy" else 0x02 if not out.allowed else \
+                {"refused": 0x05, "netunreach": 0x03}.get(out.failure or "", 0x04)
             await self._reply_and_close(conn, _socks_reply(code))
             return False
         try:

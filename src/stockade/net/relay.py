@@ -11,6 +11,7 @@ import fcntl
 import functools
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -48,10 +49,14 @@ class Tunnel:
     _left: int = 2
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def abort(self) -> None:
-        """Wake both directions: a thread blocked in splice on either socket returns."""
+    def abort(self, reset: bool = False) -> None:
+        """Wake both directions: a thread blocked in splice on either socket returns.
+        ``reset``: the close that follows resets (SO_LINGER 0), so bytes still queued for
+        a peer that stopped reading leave no socket behind in FIN-WAIT-1."""
         for s in (self.client, self.server):
             with contextlib.suppress(OSError):
+                if reset:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 s.shutdown(socket.SHUT_RDWR)
 
 
@@ -220,7 +225,7 @@ class Relays:
             self._closed = True
             tunnels = list(self._tunnels)
         for t in tunnels:
-            t.abort()
+            t.abort(reset=True)
         self._pool.close(time.monotonic() + timeout)
 
 
