@@ -295,3 +295,26 @@ def test_close_resets_tunnels_with_queued_bytes(names: FakeDNS) -> None:
         rig.close()
         stop.set()
         stuck.close()
+
+
+# ------------------------------------------------------------------ 4. secrets in events
+
+
+def test_secret_query_values_and_echoed_credentials_are_redacted(rigs: Callable[..., Rig],
+                                                                 names: FakeDNS) -> None:
+    from stockade.net.proxy import redact_url
+
+    red = redact_url("http://u:p@h.test/a?token=t0k3n&password=hunter2&sig=s1gn&X-Amz-Signature=abc"
+                     "&key=AIzaK&page=2#frag")
+    assert red == "http://***@h.test/a?token=***&password=***&sig=***&X-Amz-Signature=***&key=***&page=2#frag"
+    rig = rigs("good.test", resolver=names)
+    rig.http(b"GET http://evil.test/x?token=t0k3n&password=hunter2&sig=s1gn HTTP/1.1\r\nHost: evil.test\r\n\r\n")
+    head = rig.http(b"CONNECT carol:pa55word@good.test:8443 HTTP/1.1\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    head += rig.http(b"GET http://carol:pa55word@x/?token=t0k3n HTTP/1.1 junk\r\n\r\n")
+    evs = rig.wait_events(3)
+    text = repr(evs) + head.decode("latin-1")
+    for secret in ("t0k3n", "hunter2", "s1gn", "pa55word", "carol"):
+        assert secret not in text, (secret, text)
+    assert evs[0].url == "http://evil.test/x?token=***&password=***&sig=***"
+    assert "good.test:8443" in evs[1].reason

@@ -24,9 +24,10 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 from ..policy.network import HostDecision
-from ..redact import redact_text
+from ..redact import redact_text, secret_name
 from . import dns
 from .addr import (
     LocalAddresses,
@@ -174,8 +175,21 @@ def _http_error(code: int, status: str, reason: str) -> bytes:
             "Connection: close\r\n\r\n").encode("latin-1") + body
 
 
+# query parameters that carry a credential in URLs though their names pass secret_name
+# (made for environment variables): ?key= (API keys), signed URLs' ?sig= / X-Amz-Signature=
+_URL_SECRET_PARAMS = {"KEY", "APIKEY", "SIG", "SIGNATURE", "CODE", "PASS", "PWD", "SID", "SESSION", "SESSIONID",
+                      "JWT", "OTP", "CLIENT_SECRET", "PRIVATE_TOKEN"}
+
+
+def _secret_param(name: str) -> bool:
+    up = unquote(name).upper().replace("-", "_").replace(".", "_")
+    return secret_name(up) or up in _URL_SECRET_PARAMS or up.endswith(("_KEY", "_SIG", "SIGNATURE"))
+
+
 def redact_url(url: str) -> str:
-    """``url`` without its userinfo, token-looking parts of the rest replaced."""
+    """``url`` without its userinfo, the values of query parameters whose names look
+    secret (``?token=``, ``password``, ``sig``, ``key``...) replaced by ``***``, and
+    token-looking parts of the rest replaced."""
     scheme, sep, rest = url.partition("://")
     if sep:
         end = len(rest)
@@ -186,7 +200,28 @@ def redact_url(url: str) -> str:
         authority = rest[:end]
         if "@" in authority:
             rest = "***@" + authority.rpartition("@")[2] + rest[end:]
-    return redact_text(scheme + sep + rest)
+    rest, hsep, frag = rest.partition("#")
+    rest, qsep, query = rest.partition("?")
+    if qsep:
+        parts = []
+        for part in re.split(r"([&;])", query):
+            name, eq, _value = part.partition("=")
+            parts.append(f"{name}=***" if eq and _secret_param(name) else part)
+        rest += qsep + "".join(parts)
+    return redact_text(scheme + sep + rest + hsep + frag)
+
+
+def _echo(text: str) -> str:
+    """Part of a client's request quoted in a reason: URLs redacted (redact_url), a
+    ``user:password@`` before a host dropped, token-looking parts replaced."""
+    words = []
+    for w in text.split(" "):
+        if "://" in w:
+            w = redact_url(w)
+        elif "@" in w:
+            w = "***@" + w.rpartition("@")[2]
+        words.append(w)
+    return redact_text(" ".join(words))
 
 
 class Proxy:
@@ -564,14 +599,14 @@ class Proxy:
             lines = head[:-4].split(b"\r\n")
             parts = lines[0].split(b" ")
             if len(parts) != 3 or not _TOKEN.match(parts[0]) or parts[2] not in (b"HTTP/1.1", b"HTTP/1.0"):
-                raise _Malformed(f"not an HTTP/1 request line: {lines[0][:80]!r}")
+                raise _Malformed(f"not an HTTP/1 request line: {_echo(lines[0].decode('latin-1'))[:80]!r}")
             method, target_b, version = parts
             kind = "http-connect" if method == b"CONNECT" else "http"
             headers: list[tuple[str, str]] = []
             for line in lines[1:]:
                 name, sep, value = line.partition(b":")
                 if not sep or not _TOKEN.match(name):
-                    raise _Malformed(f"malformed header line {line[:80]!r}")
+                    raise _Malformed(f"malformed header line {_echo(line.decode('latin-1'))[:80]!r}")
                 headers.append((name.decode("ascii"), value.strip().decode("latin-1")))
             target = target_b.decode("latin-1")
             if method == b"CONNECT":
@@ -597,7 +632,7 @@ class Proxy:
     async def _http_connect(self, conn: socket.socket, rd: _Reader, target: str, started: float) -> bool:
         hp = split_hostport(target)
         if hp is None:
-            raise _Malformed(f"CONNECT target {target[:100]!r} is not host:port")
+            raise _Malformed(f"CONNECT target {_echo(target)[:100]!r} is not host:port")
         host, port = hp
         out = await self._open(host, port)
         if out.sock is None:
@@ -633,7 +668,7 @@ class Proxy:
         hostport = authority.rpartition("@")[2]
         hp = split_hostport(hostport, 80)
         if hp is None:
-            raise _Malformed(f"URL host {hostport[:100]!r} is not host[:port]")
+            raise _Malformed(f"URL host {_echo(hostport)[:100]!r} is not host[:port]")
         host, port = hp
         url = redact_url(f"http://{authority}{path}")
         # the body: a length we forward exactly (what follows is not this request's), or chunked until EOF
@@ -701,7 +736,7 @@ class Proxy:
                 raw = (await rd.exact(ln)).decode("latin-1")
                 canon = normalize_host(raw)
                 if canon is None:
-                    raise _Malformed(f"{raw[:100]!r} is not a host name")
+                    raise _Malformed(f"{_echo(raw)[:100]!r} is not a host name")
                 host = canon
             else:
                 raise _Malformed(f"address type {atyp}", socks_code=0x08)
