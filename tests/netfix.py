@@ -41,7 +41,7 @@ from tests.conftest import make_wheel
 
 SERVER_IP = "127.0.0.2"  # the tests' servers: loopback, allowed only by an explicit address rule
 NAMES = ("files.test", "pypi.test", "npm.test", "git.test", "late.test", "evil.test", "rebind.test",
-         "meta.test", "zero.test", "mapped.test")
+         "meta.test", "zero.test", "mapped.test", "self.test")
 
 
 @dataclass
@@ -613,6 +613,8 @@ class NetWorld:
             "meta.test": ["169.254.169.254"],  # and at the cloud metadata address
             "zero.test": ["0.0.0.0"],  # connect(0.0.0.0) reaches the host's own listeners
             "mapped.test": ["::ffff:127.0.0.1"],  # loopback in IPv4-mapped IPv6
+            # the host's own non-loopback address, where it has one: services bound to 0.0.0.0
+            **({"self.test": [ext]} if (ext := host_address()) else {}),
         })
         for p in [base, *base.rglob("*")]:  # uid 65534's supervisor reads nothing here, but the sandbox may
             if not p.is_symlink():
@@ -625,6 +627,19 @@ class NetWorld:
         for c in self.closers:
             c()
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+def host_address() -> str | None:
+    """A non-loopback IPv4 address of the host, if it has one."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("192.0.2.1", 9))  # no packet is sent: the kernel picks a source address
+        addr: str = s.getsockname()[0]
+        return None if addr.startswith("127.") else addr
+    except OSError:
+        return None
+    finally:
+        s.close()
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 10, step: float = 0.05) -> bool:

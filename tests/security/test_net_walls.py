@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import User, world_tmpdir
+from tests.conftest import User, need, world_tmpdir
 from tests.netfix import (
     PY,
     SERVER_IP,
@@ -43,6 +43,7 @@ from tests.netfix import (
     TcpListener,
     UdpListener,
     find_marked,
+    host_address,
     net_setup,
     socket_holders,
     tcp_listen_inodes,
@@ -160,17 +161,33 @@ def test_a_direct_ip_connect(user: User, project: Path, world: NetWorld) -> None
         lis.close()
 
 
-@pytest.mark.parametrize("name", ["rebind.test", "zero.test", "mapped.test", "meta.test"])
+@pytest.mark.parametrize("name", ["rebind.test", "zero.test", "mapped.test", "meta.test", "self.test"])
 def test_an_allowed_name_resolving_to_a_private_address(user: User, project: Path, world: NetWorld, name: str) -> None:
     """The name is on the list, its address is the host's loopback (127.0.0.1, 0.0.0.0,
-    ::ffff:127.0.0.1) or the cloud metadata address: refused by the proxy (HTTP and
-    SOCKS5) and absent from the answers of the DNS inside; the host's listener on
-    127.0.0.1 counts nothing. (169.254.169.254 cannot be bound here without changing the
-    host's network: for meta.test the evidence is the refusal, the audit event's reason
-    and the empty DNS answer.)"""
+    ::ffff:127.0.0.1), the host's own non-loopback address (self.test) or the cloud
+    metadata address: refused by the proxy (HTTP and SOCKS5) and absent from the answers
+    of the DNS inside; the host's listener (on 127.0.0.1; for self.test on that address)
+    counts nothing. (169.254.169.254 cannot be bound here without changing the host's
+    network: for meta.test the evidence is the refusal, the audit event's reason and the
+    empty DNS answer.)"""
     env = net_setup(user, project, world)
-    port = world.loop.port
-    before, mark = world.loop.connections, world.dns.mark()
+    lis = world.loop
+    if name == "self.test":
+        ext = host_address()
+        need(ext is not None, "the host has no non-loopback IPv4 address")
+        assert ext is not None
+        lis = TcpListener(ext)
+    try:
+        _refused_by_address(user, project, world, env, name, lis)
+    finally:
+        if lis is not world.loop:
+            lis.close()
+
+
+def _refused_by_address(user: User, project: Path, world: NetWorld, env: dict[str, str], name: str,
+                        lis: TcpListener) -> None:
+    port = lis.port
+    before, mark = lis.connections, world.dns.mark()
     got, _ = probe(user, project, env, [
         ["connect", name, port],
         ["get", f"http://{name}:{port}/"],
@@ -181,7 +198,7 @@ def test_an_allowed_name_resolving_to_a_private_address(user: User, project: Pat
     assert got[2]["reply"] in (SOCKS_NOT_ALLOWED, 0x04), got  # not allowed, or no address left: unreachable
     assert "addresses" not in got[3] or not got[3]["addresses"], got
     time.sleep(0.2)
-    assert world.loop.connections == before
+    assert lis.connections == before
     assert world.dns.asked(name, mark)  # resolved (it is allowed), then refused by address
     blocked = [e for e in net_events(events(user, project, "ssrf")) if e["result"] == "blocked" and name in str(e["target"])]
     assert blocked, "no blocked audit event"
@@ -192,7 +209,7 @@ def test_udp_out(user: User, project: Path, world: NetWorld) -> None:
     non-loopback address of the host where it has one."""
     env = net_setup(user, project, world)
     listeners = [UdpListener("127.0.0.1"), UdpListener(SERVER_IP)]
-    ext = _host_address()
+    ext = host_address()
     if ext:
         listeners.append(UdpListener(ext))
     try:
@@ -431,14 +448,3 @@ def test_session_allow_applies_to_a_running_sandbox(user: User, project: Path, w
     assert world.https.connections == conns
 
 
-def _host_address() -> str | None:
-    """A non-loopback IPv4 address of the host, if it has one."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        s.connect(("192.0.2.1", 9))  # no packet is sent: the kernel picks a source address
-        addr: str = s.getsockname()[0]
-        return None if addr.startswith("127.") else addr
-    except OSError:
-        return None
-    finally:
-        s.close()
