@@ -318,3 +318,54 @@ def test_secret_query_values_and_echoed_credentials_are_redacted(rigs: Callable[
         assert secret not in text, (secret, text)
     assert evs[0].url == "http://evil.test/x?token=***&password=***&sig=***"
     assert "good.test:8443" in evs[1].reason
+
+
+# ----------------------------------------------------------------- 5. chunked smuggling
+
+
+def test_chunked_body_ends_at_its_last_chunk(rigs: Callable[..., Rig], names: FakeDNS) -> None:
+    """A chunked POST reaches the server up to its last chunk and trailers; a second
+    request after it on the same connection never does."""
+    from tests.unit.test_net_proxy import HttpOrigin
+
+    origin = HttpOrigin()
+    try:
+        rig = rigs("good.test", UP, resolver=names)
+        body = b"5\r\nhello\r\n1;ext=1\r\n!\r\n0\r\nX-Trailer: t\r\n\r\n"
+        smuggled = b"GET http://secret.test/admin HTTP/1.1\r\nHost: secret.test\r\n\r\n"
+        with rig.connect() as c:
+            c.sendall(f"POST http://good.test:{origin.port}/up HTTP/1.1\r\nHost: good.test\r\n"
+                      "Transfer-Encoding: chunked\r\n\r\n".encode() + body[:9])
+            time.sleep(0.05)
+            c.sendall(body[9:] + smuggled)
+            got = b""
+            while b"hello" not in got:
+                chunk = c.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"hello"), got
+        deadline = time.monotonic() + 5
+        while not origin.after and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert origin.after == [body]
+        assert b"Transfer-Encoding: chunked" in origin.requests[0][0]
+        for te in (b"gzip, chunked", b"chunked, identity", b"chunked\r\nTransfer-Encoding: chunked"):
+            head = rig.http(b"POST http://good.test:%d/ HTTP/1.1\r\nTransfer-Encoding: %s\r\n\r\n0\r\n\r\n"
+                            % (origin.port, te))
+            assert head.startswith(b"HTTP/1.1 400"), head
+        assert len(origin.requests) == 1
+    finally:
+        origin.close()
+
+
+@pytest.mark.parametrize("body", [b"5\nhello\n0\n\n", b"zz\r\nhello\r\n0\r\n\r\n", b"2\r\nhello\r\n0\r\n\r\n"])
+def test_malformed_chunked_body_forwards_nothing_past_the_error(body: bytes) -> None:
+    from stockade.net.relay import ChunkedBody
+
+    p = ChunkedBody()
+    with pytest.raises(ValueError):
+        p.feed(body)
+    ok = ChunkedBody()
+    data = b"5\r\nhello\r\n0\r\n\r\nGET / HTTP/1.1\r\n\r\n"
+    assert ok.feed(data) == data.index(b"GET") and ok.done

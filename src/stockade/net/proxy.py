@@ -416,7 +416,7 @@ class Proxy:
 
     def _tunnel(self, client: socket.socket, out: _Outcome, kind: str, host: str, port: int, started: float,
                 *, url: str | None = None, first: bytes = b"", out_limit: int | None = None,
-                plain_http: bool = False) -> None:
+                plain_http: bool = False, chunked: bytes | None = None) -> None:
         """Hand the pair to the relays; the event when the tunnel ends. A tunnel to a
         name (CONNECT, SOCKS5) has the client's TLS ClientHello checked first: a server
         name (SNI) other than the name asked for must be one the policy allows too, or
@@ -455,7 +455,7 @@ class Proxy:
 
         check = kind in ("http-connect", "socks5") and ip_literal(host) is None
         self.relays.start(client, out.sock, done, first=first, out_limit=out_limit,
-                          plain_http=plain_http, inspect=inspect if check else None)
+                          plain_http=plain_http, inspect=inspect if check else None, chunked=chunked)
 
     def _refusal(self, out: _Outcome, kind: str, host: str, port: int, started: float, url: str | None = None) -> None:
         self._emit(ConnEvent(kind, host, port, out.address, out.allowed, out.rule, out.reason, url,
@@ -671,11 +671,15 @@ class Proxy:
             raise _Malformed(f"URL host {_echo(hostport)[:100]!r} is not host[:port]")
         host, port = hp
         url = redact_url(f"http://{authority}{path}")
-        # the body: a length we forward exactly (what follows is not this request's), or chunked until EOF
+        # the body: a length we forward exactly, or chunked to its last chunk (what follows
+        # is not this request's: forwarded, it would reach the server unchecked)
         names = {k.lower() for k, _ in headers}
         lengths = {v for k, v in headers if k.lower() == "content-length"}
         if "transfer-encoding" in names and lengths:
             raise _Malformed("both Transfer-Encoding and Content-Length")
+        codings = ",".join(v for k, v in headers if k.lower() == "transfer-encoding")
+        if "transfer-encoding" in names and codings.strip().lower() != "chunked":
+            raise _Malformed(f"Transfer-Encoding {codings[:60]!r}: only a single chunked coding is proxied")
         body_len: int | None = 0
         if lengths:
             if len(lengths) != 1 or not next(iter(lengths)).isdigit():
@@ -703,13 +707,14 @@ class Proxy:
             self._refusal(out, "http", host, port, started, url)
             await self._http_refuse(conn, out)
             return False
+        chunked = None
         if body_len is None:
-            first, limit = new_head + rd.buf, None
+            first, limit, chunked = new_head, None, rd.buf
         else:
             body = rd.buf[:body_len]
             first, limit = new_head + body, body_len - len(body)
         self._tunnel(conn, out, "http", host, port, started, url=url, first=first, out_limit=limit,
-                     plain_http=True)
+                     plain_http=True, chunked=chunked)
         return True
 
     # -- SOCKS5 ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import errno
 import fcntl
 import functools
 import os
+import re
 import socket
 import struct
 import threading
@@ -42,6 +43,7 @@ class Tunnel:
     plain_http: bool  # one request, one response: the response head gets Connection: close, the server's EOF ends it
     done: Done
     inspect: Inspect | None = None
+    chunked: bytes | None = None  # a chunked request body (its first bytes): forwarded to its last chunk, no further
     refused: str | None = None
     bytes_out: int = 0
     bytes_in: int = 0
@@ -143,11 +145,12 @@ class Relays:
             return len(self._tunnels)
 
     def start(self, client: socket.socket, server: socket.socket, done: Done, *, first: bytes = b"",
-              out_limit: int | None = None, plain_http: bool = False, inspect: Inspect | None = None) -> None:
+              out_limit: int | None = None, plain_http: bool = False, inspect: Inspect | None = None,
+              chunked: bytes | None = None) -> None:
         """Relay between the two connected sockets (now the tunnel's: it closes them) and
         call ``done`` once, from a relay thread, when both directions ended. After
         ``close`` the sockets are closed at once and ``done`` reports the refusal."""
-        t = Tunnel(client, server, first, out_limit, plain_http, done, inspect)
+        t = Tunnel(client, server, first, out_limit, plain_http, done, inspect, chunked=chunked)
         with self._lock:
             if self._closed:
                 refused = True
@@ -186,6 +189,8 @@ class Relays:
             if outward and first:
                 dst.sendall(first)
                 _add(t, outward, len(first))
+            if outward and t.chunked is not None:
+                _relay_chunked(src, dst, t.chunked, lambda n: _add(t, outward, n))
             if not outward and t.plain_http:
                 head = _close_response(src)  # the client learns the connection ends with the response
                 dst.sendall(head)
@@ -244,6 +249,78 @@ def _first_record(src: socket.socket, first: bytes) -> bytes:
             break
         buf += chunk
     return buf
+
+
+class ChunkedBody:
+    """Where a chunked request body ends (RFC 9112 7.1): ``feed`` says how many of the
+    bytes given are still the body's; ``done`` once its last chunk and trailer section
+    are in. Strict (CRLF line ends, hex sizes, bounded lines): a server must not read an
+    end elsewhere than we do, or what follows would reach it unchecked."""
+
+    LINE_MAX = 4096
+
+    def __init__(self) -> None:
+        self.state = "size"  # size | data | crlf | trailer
+        self.left = 0
+        self.line = b""
+        self.done = False
+
+    def feed(self, data: bytes) -> int:
+        i, n = 0, len(data)
+        while i < n and not self.done:
+            if self.state == "data":
+                take = min(self.left, n - i)
+                i += take
+                self.left -= take
+                if self.left == 0:
+                    self.state = "crlf"
+                continue
+            j = data.find(b"\n", i)
+            if j < 0 or j - i + len(self.line) > self.LINE_MAX:
+                self.line += data[i:]
+                if len(self.line) > self.LINE_MAX:
+                    raise ValueError("chunk line too long")
+                return n
+            line, self.line, i = self.line + data[i : j + 1], b"", j + 1
+            if not line.endswith(b"\r\n") or b"\r" in line[:-2]:
+                raise ValueError("a chunk line not ended by CRLF")
+            line = line[:-2]
+            if self.state == "size":
+                size = line.split(b";", 1)[0]
+                if not re.fullmatch(rb"[0-9A-Fa-f]{1,16}", size):
+                    raise ValueError(f"bad chunk size {size[:20]!r}")
+                self.left = int(size, 16)
+                self.state = "data" if self.left else "trailer"
+            elif self.state == "crlf":
+                if line:
+                    raise ValueError("chunk data longer than its size")
+                self.state = "size"
+            elif not line:
+                self.done = True
+            elif b":" not in line:
+                raise ValueError("malformed trailer line")
+        return i
+
+
+def _relay_chunked(src: socket.socket, dst: socket.socket, buf: bytes, add: Callable[[int], None]) -> None:
+    """Forward a chunked body (``buf`` first) up to its end, then read and drop what the
+    client sends after it (never this request's: a second request would pass unchecked)."""
+    body = ChunkedBody()
+    while True:
+        try:
+            n = body.feed(buf)
+        except ValueError as e:
+            raise OSError(errno.EPROTO, f"malformed chunked request body: {e}") from None
+        if n:
+            dst.sendall(buf[:n])
+            add(n)
+        if body.done:
+            break
+        buf = src.recv(65536)
+        if not buf:
+            return
+    while src.recv(65536):
+        pass
 
 
 _DROP_IN_RESPONSE = (b"connection:", b"keep-alive:", b"proxy-connection:")
