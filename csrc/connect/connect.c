@@ -68,7 +68,7 @@ static long parse_port(const char *s)
 static const char *reply_meaning(unsigned code, const char *host, char *buf, size_t n)
 {
     switch (code) {
-    case 0x01: return "general proxy failure";
+    case 0x01: return "general proxy failure (or too many open connections in this run)";
     case 0x02:
         snprintf(buf, n, "not allowed by the network policy: stockade allow --host %s", host);
         return buf;
@@ -141,9 +141,9 @@ static int socks_connect(const char *host, int port)
     if (rep[0] != 5)
         die(1, "the sandbox's proxy at 127.0.0.1:%d did not answer as a SOCKS5 server (first byte 0x%02x)", proxy_port,
             rep[0]);
-    if (rep[1] != 0)
-        die(1, "%s refused by the sandbox's proxy: it accepts no authentication method offered (0x%02x)", target,
-            rep[1]);
+    if (rep[1] != 0) /* the sandbox's proxy says 0xff at once when too many connections are mid-handshake */
+        die(1, "%s refused by the sandbox's proxy: it accepts no authentication method offered (0x%02x: too many "
+               "connections at once in this run, or not stockade's proxy)", target, rep[1]);
 
     /* request: version, CONNECT, reserved, the address (an IP literal as itself, a name
      * for the proxy to resolve), the port */
