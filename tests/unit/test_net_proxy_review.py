@@ -369,3 +369,37 @@ def test_malformed_chunked_body_forwards_nothing_past_the_error(body: bytes) -> 
     ok = ChunkedBody()
     data = b"5\r\nhello\r\n0\r\n\r\nGET / HTTP/1.1\r\n\r\n"
     assert ok.feed(data) == data.index(b"GET") and ok.done
+
+
+# ------------------------------------------------------------- 6. loose header parsing
+
+
+def test_non_ascii_length_and_bare_line_ends_are_400(rigs: Callable[..., Rig], names: FakeDNS) -> None:
+    """Content-Length in non-ASCII digits, a bare LF or CR inside a header value (a
+    second Host to a lenient server) or in the target: 400, nothing reaches the server;
+    the proxy stays up (no ValueError)."""
+    from stockade.net.addr import parse_port
+    from tests.unit.test_net_proxy import HttpOrigin
+
+    assert parse_port("8²") is None and parse_port("٣") is None
+    origin = HttpOrigin()
+    try:
+        rig = rigs("good.test", UP, resolver=names)
+        url = f"http://good.test:{origin.port}/".encode()
+        for raw in (b"POST " + url + " HTTP/1.1\r\nContent-Length: ²\r\n\r\nx".encode(),
+                    b"POST " + url + " HTTP/1.1\r\nContent-Length: ٣\r\n\r\nxyz".encode(),
+                    b"GET " + url + b" HTTP/1.1\r\nX-A: a\nHost: secret.test\r\n\r\n",
+                    b"GET " + url + b" HTTP/1.1\r\nX-A: a\rHost: secret.test\r\n\r\n",
+                    b"GET " + url + b"a\nHost:x HTTP/1.1\r\n\r\n",
+                    b"CONNECT good.test:44\xb2 HTTP/1.1\r\n\r\n",  # latin-1 '\u00b2': str.isdigit says yes
+                    b"GET http://good.test:44\xb2/ HTTP/1.1\r\n\r\n",
+                    b"POST " + url + b" HTTP/1.1\r\nContent-Length: \xb2\r\n\r\nx"):
+            head = rig.http(raw)
+            assert head.startswith(b"HTTP/1.1 400"), (raw, head)
+        evs = rig.wait_events(8)
+        assert all(e.reason.startswith("malformed request") for e in evs), evs
+        assert origin.listener.connections == 0
+        head = rig.http(b"GET " + url + b" HTTP/1.1\r\nX-A: a\tb\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+    finally:
+        origin.close()

@@ -116,7 +116,7 @@ def normalize_host(host: str) -> str | None:
 
 def parse_port(text: str) -> int | None:
     """A TCP port 1-65535 written in decimal, or None."""
-    if not text.isdigit() or len(text) > 5:
+    if not (text.isascii() and text.isdigit()) or len(text) > 5:  # str.isdigit takes '²'; int() does not
         return None
     port = int(text)
     return port if 0 < port < 65536 else None

@@ -160,6 +160,7 @@ class _Reader:
 
 
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
+_CTL = re.compile(rb"[\x00-\x1f\x7f]")  # never in a header value or request target (HTAB aside)
 _HOP = {"connection", "keep-alive", "te", "trailer", "upgrade", "proxy-connection"}
 
 
@@ -607,7 +608,12 @@ class Proxy:
                 name, sep, value = line.partition(b":")
                 if not sep or not _TOKEN.match(name):
                     raise _Malformed(f"malformed header line {_echo(line.decode('latin-1'))[:80]!r}")
+                if _CTL.search(value.strip(b" \t").replace(b"\t", b" ")):
+                    # a bare CR or LF is a line end to some servers: a header we never saw
+                    raise _Malformed(f"header {name.decode('ascii')[:40]!r} holds a CR, LF or control byte")
                 headers.append((name.decode("ascii"), value.strip().decode("latin-1")))
+            if _CTL.search(target_b):
+                raise _Malformed("request target holds a CR, LF or control byte")
             target = target_b.decode("latin-1")
             if method == b"CONNECT":
                 return await self._http_connect(conn, rd, target, started)
@@ -682,7 +688,7 @@ class Proxy:
             raise _Malformed(f"Transfer-Encoding {codings[:60]!r}: only a single chunked coding is proxied")
         body_len: int | None = 0
         if lengths:
-            if len(lengths) != 1 or not next(iter(lengths)).isdigit():
+            if len(lengths) != 1 or not re.fullmatch(r"[0-9]{1,18}", next(iter(lengths))):
                 raise _Malformed(f"bad Content-Length {sorted(lengths)!r}")
             body_len = int(next(iter(lengths)))
         elif "transfer-encoding" in names:
