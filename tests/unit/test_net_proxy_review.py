@@ -403,3 +403,81 @@ def test_non_ascii_length_and_bare_line_ends_are_400(rigs: Callable[..., Rig], n
         assert head.startswith(b"HTTP/1.1 200"), head
     finally:
         origin.close()
+
+
+# ------------------------------------------------------------ 7. CNAME through a denied name
+
+
+def _name(n: str) -> bytes:
+    return b"".join(bytes([len(p)]) + p.encode() for p in n.split(".")) + b"\0"
+
+
+class CnameDNS:
+    """A UDP DNS server: ``cnameok.test`` is a CNAME of ``mid.test``, itself a CNAME of
+    ``denied.test`` (address UP); ``plain.test`` has UP directly."""
+
+    def __init__(self) -> None:
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.udp.bind(("127.0.0.1", 0))
+        self.port: int = self.udp.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                msg, peer = self.udp.recvfrom(4096)
+            except OSError:
+                return
+            qid = msg[:2]
+            end = 12
+            while msg[end]:
+                end += 1 + msg[end]
+            labels, p = [], 12
+            while msg[p]:
+                labels.append(msg[p + 1:p + 1 + msg[p]].decode())
+                p += 1 + msg[p]
+            qname = ".".join(labels)
+            qtype = struct.unpack("!H", msg[end + 1:end + 3])[0]
+            question = msg[12:end + 5]
+            recs = b""
+            n = 0
+            if qname == "cnameok.test":
+                recs += b"\xc0\x0c" + struct.pack("!HHIH", 5, 1, 30, len(_name("mid.test"))) + _name("mid.test")
+                recs += _name("mid.test") + struct.pack("!HHIH", 5, 1, 30, len(_name("denied.test"))) \
+                    + _name("denied.test")
+                n = 2
+                owner = _name("denied.test")
+            else:
+                owner = b"\xc0\x0c"
+            if qtype == 1:
+                recs += owner + struct.pack("!HHIH", 1, 1, 30, 4) + socket.inet_aton(UP)
+                n += 1
+            self.udp.sendto(qid + struct.pack("!HHHHH", 0x8180, 1, n, 0, 0) + question + recs, peer)
+
+    def close(self) -> None:
+        self.udp.close()
+
+
+def test_cname_chain_through_a_denied_name_is_denied(rigs: Callable[..., Rig], echo: TcpListener) -> None:
+    d = CnameDNS()
+    try:
+        rig = rigs("cnameok.test", "plain.test", UP, deny=("denied.test",), resolver=d)
+        c, head = rig.connect_tunnel(f"cnameok.test:{echo.port}")
+        c.close()
+        assert head.startswith(b"HTTP/1.1 403"), head
+        assert b"alias of denied.test" in head
+        code, c = rig.socks_name("cnameok.test", echo.port)
+        c.close()
+        assert code == 0x02
+        ans = rig.dns_udp(build_query("cnameok.test", 1))
+        assert ans is not None
+        _qid, rcode, addrs = _dns_parse(ans)
+        assert (rcode, addrs) == (3, [])
+        assert _settled(echo, 0) == 0
+        evs = rig.wait_events(3)
+        assert [(e.allowed, e.rule) for e in evs] == [(False, "denied.test")] * 3
+        c, head = rig.connect_tunnel(f"plain.test:{echo.port}")  # no alias: as before
+        assert head.startswith(b"HTTP/1.1 200"), head
+        c.close()
+    finally:
+        d.close()

@@ -188,6 +188,20 @@ def parse_answer(data: bytes) -> Answer:
     return Answer(qid, flags & 0xF, truncated, name, qtype, records)
 
 
+def cname_chain(ans: Answer, name: str) -> list[str]:
+    """The names ``name`` is an alias of through the answer's CNAME records (not ``name``
+    itself), in chain order as far as the records go."""
+    out: list[str] = []
+    cur = name
+    for _ in range(8):
+        nxt = next((rd.decode("latin-1") for o, t, rd in ans.records if t == TYPE_CNAME and o == cur), None)
+        if nxt is None or nxt == name or nxt in out:
+            break
+        out.append(nxt)
+        cur = nxt
+    return out
+
+
 def addresses_of(ans: Answer, name: str, qtype: int) -> list[str]:
     """The addresses of ``qtype`` the answer gives ``name``, following its CNAME chain."""
     owners = {name}

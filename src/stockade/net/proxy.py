@@ -478,6 +478,9 @@ class Proxy:
                 addrs = await self.resolver.resolve(host, pol.resolver)
             except ResolveError as e:
                 return _Outcome(None, True, rule, f"{reason}; {e}", failure="resolve")
+            denied = self._denied_alias(pol, host, port)
+            if denied is not None:
+                return _Outcome(None, False, denied.rule.pattern if denied.rule else None, denied.reason)
         passed: list[str] = []
         first_refusal = None
         for a in addrs:
@@ -492,6 +495,17 @@ class Proxy:
                             f"{format_target(host, port)} resolves to {', '.join(addrs)}: {first_refusal.reason}",
                             address=addrs[0])
         return await self._dial(passed, port, rule, reason)
+
+    def _denied_alias(self, pol: NetPolicy, name: str, port: int | None) -> HostDecision | None:
+        """A deny rule naming a name of ``name``'s CNAME chain (deny wins through an
+        alias). Only deny rules count: the chain's names are a CDN's, which no allow
+        rule need name."""
+        for alias in self.resolver.aliases(name, pol.resolver):
+            alias = normalize_host(alias) or alias
+            d = pol.decide(alias, port) if port else pol.decide_name(alias)
+            if not d.allowed and d.rule is not None and d.rule.action == "deny":
+                return HostDecision(False, d.rule, f"{name} is an alias of {alias}: {d.reason}")
+        return None
 
     def _decide_address(self, pol: NetPolicy, a: str | ipaddress.IPv4Address | ipaddress.IPv6Address,
                         port: int) -> HostDecision:
@@ -818,6 +832,9 @@ class Proxy:
             resolved = await self.resolver.resolve(name, pol.resolver)
         except ResolveError as e:
             return (dns.RCODE_NXDOMAIN if e.nxdomain else dns.RCODE_SERVFAIL), [], True, rule, f"{d.reason}; {e}"
+        denied = self._denied_alias(pol, name, None)
+        if denied is not None:
+            return dns.RCODE_NXDOMAIN, [], False, denied.rule.pattern if denied.rule else None, denied.reason
         version = 4 if q.qtype == dns.TYPE_A else 6
         answer: list[str] = []
         refused = None

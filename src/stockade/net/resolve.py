@@ -16,6 +16,7 @@ import threading
 import time
 
 from . import dns
+from .addr import normalize_host
 
 CACHE_TTL = 5.0
 NEGATIVE_TTL = 2.0
@@ -41,6 +42,10 @@ class Resolver:
     def __init__(self) -> None:
         self._cache: dict[tuple[Server, str], _Entry] = {}
         self._pending: dict[tuple[Server, str], asyncio.Future[tuple[str, ...]]] = {}
+        # the names a name was an alias of (CNAME chain) in its last answer: the policy
+        # checks them too (a chain through a denied name is denied)
+        self._aliases: dict[tuple[Server, str], tuple[str, ...]] = {}
+        self._seen: dict[tuple[Server, str], list[str]] = {}
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -61,9 +66,13 @@ class Resolver:
             return await asyncio.shield(pending)
         fut: asyncio.Future[tuple[str, ...]] = asyncio.get_running_loop().create_future()
         self._pending[key] = fut
+        self._seen[key] = []
         try:
             try:
                 result = await (self._ask_server(name, server) if server else self._getaddrinfo(name))
+                self._aliases[key] = tuple(self._seen.get(key, ()))
+                if len(self._aliases) > 4096:
+                    self._aliases = {k: v for k, v in self._aliases.items() if k in self._cache}
             except ResolveError as e:
                 self._store(key, time.monotonic() + NEGATIVE_TTL, e)
                 fut.set_exception(e)
@@ -76,6 +85,12 @@ class Resolver:
             if not fut.done():
                 fut.cancel()
             self._pending.pop(key, None)
+            self._seen.pop(key, None)
+
+    def aliases(self, name: str, server: Server) -> tuple[str, ...]:
+        """The names ``name``'s last answer went through as an alias (CNAME targets, or
+        the host resolver's canonical name), canonical spelling."""
+        return self._aliases.get((server, name), ())
 
     def _store(self, key: tuple[Server, str], expires: float, value: tuple[str, ...] | ResolveError) -> None:
         if len(self._cache) > 4096:
@@ -96,7 +111,7 @@ class Resolver:
         def work() -> None:
             res: list[tuple[object, ...]] | OSError
             try:
-                res = list(socket.getaddrinfo(name, None, type=socket.SOCK_STREAM))
+                res = list(socket.getaddrinfo(name, None, type=socket.SOCK_STREAM, flags=socket.AI_CANONNAME))
             except OSError as e:
                 res = e
             try:
@@ -119,7 +134,12 @@ class Resolver:
             nx = isinstance(res, socket.gaierror) and res.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", -5))
             raise ResolveError(f"cannot resolve {name}: {res.strerror or res}", nxdomain=nx)
         out: list[str] = []
-        for _fam, _type, _proto, _canon, sockaddr in res:
+        for _fam, _type, _proto, canon, sockaddr in res:
+            # the host's resolver tells only the chain's last name (AI_CANONNAME)
+            alias = normalize_host(str(canon)) if canon else None
+            seen = self._seen.get((None, name))
+            if alias and alias != name and seen is not None and alias not in seen:
+                seen.append(alias)
             a = str(sockaddr[0])  # type: ignore[index]
             if a not in out:
                 out.append(a)
@@ -183,6 +203,9 @@ class Resolver:
             raise ResolveError(f"{name} does not exist (NXDOMAIN from {where})", nxdomain=True)
         if ans.rcode != dns.RCODE_OK:
             raise ResolveError(f"the resolver {where} answered rcode {ans.rcode} for {name}", nxdomain=False)
+        seen = self._seen.get((server, name))
+        if seen is not None:
+            seen += [n for n in dns.cname_chain(ans, name) if n not in seen]
         return dns.addresses_of(ans, name, qtype)
 
     async def _query_tcp(self, name: str, qtype: int, server: tuple[str, int], family: int) -> dns.Answer:
