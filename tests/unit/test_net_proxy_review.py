@@ -481,3 +481,28 @@ def test_cname_chain_through_a_denied_name_is_denied(rigs: Callable[..., Rig], e
         c.close()
     finally:
         d.close()
+
+
+def test_a_burst_of_connections_is_held_to_the_handshake_cap(rigs: Callable[..., Rig], names: FakeDNS) -> None:
+    """Connections accepted in one burst count against the cap as they are accepted
+    (not when their handlers first run): exactly the cap stay, the rest get 503."""
+    rig = rigs("good.test", resolver=names)
+    rig.proxy.max_handshakes = 2
+    socks = []
+    for _ in range(8):  # held by the kernel until their first bytes (TCP_DEFER_ACCEPT)
+        socks.append(socket.create_connection(("127.0.0.1", rig.port), timeout=10))
+    rig.proxy._loop.call_soon_threadsafe(time.sleep, 0.2)  # type: ignore[union-attr]  # the loop busy a moment:
+    for c in socks:  # all eight become acceptable while it cannot accept, then come in one burst
+        c.sendall(b"CONNECT good.test")  # never finished
+    time.sleep(0.3)
+    answered = 0
+    for c in socks:
+        c.settimeout(0.2)
+        try:
+            if c.recv(65536).startswith(b"HTTP/1.1 503"):
+                answered += 1
+        except TimeoutError:
+            pass
+        c.close()
+    assert answered == 6
+    assert rig.proxy._handshakes <= 2

@@ -373,13 +373,13 @@ class Proxy:
                 if self._handshakes >= self.max_handshakes:
                     self._busy(conn, kind, port)
                     continue
+                self._handshakes += 1  # counted now: a burst of accepts sees its own
                 self._spawn(self._counted(handler(conn)))
 
         loop.add_reader(lst.fileno(), ready)
         self._readers.append(lst.fileno())
 
     async def _counted(self, coro: Coroutine[Any, Any, Any]) -> None:
-        self._handshakes += 1
         try:
             await coro
         finally:
