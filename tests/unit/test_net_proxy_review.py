@@ -506,3 +506,22 @@ def test_a_burst_of_connections_is_held_to_the_handshake_cap(rigs: Callable[...,
         c.close()
     assert answered == 6
     assert rig.proxy._handshakes <= 2
+
+
+def test_a_client_hello_left_unfinished_ends_the_tunnel(rigs: Callable[..., Rig], echo: TcpListener,
+                                                        names: FakeDNS, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tunnel whose ClientHello starts and never ends does not hold its relay threads:
+    after HELLO_TIMEOUT it is refused, nothing of it forwarded."""
+    from stockade.net import relay
+
+    monkeypatch.setattr(relay, "HELLO_TIMEOUT", 0.3)
+    rig = rigs("good.test", UP, resolver=names)
+    c, head = rig.connect_tunnel(f"good.test:{echo.port}")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    c.settimeout(5)
+    c.sendall(b"\x16\x03\x01\x00\x50\x01\x00\x00")  # 80 bytes announced, 3 sent
+    assert _recv_all(c) == b""
+    c.close()
+    (ev,) = rig.wait_events(1)
+    assert not ev.allowed and "not with a complete ClientHello" in ev.reason
+    assert echo.received == b""

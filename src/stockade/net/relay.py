@@ -26,6 +26,7 @@ from .addr import TLS_HEAD_MAX, tls_hello_wanted
 # that uid, the sandbox's own included, is cut to a page or two
 PIPE_SIZE = 1 << 18
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+HELLO_TIMEOUT = 30.0  # a TLS ClientHello begun in a tunnel must be whole within this
 
 # (bytes client -> server, bytes server -> client, the error that ended it or None,
 # the refusal of the inspection of the client's first bytes or None)
@@ -242,12 +243,20 @@ def _first_record(src: socket.socket, first: bytes) -> bytes:
     be whole (tls_hello_wanted -1, bounded by TLS_HELLO_MAX)."""
     buf = first
     if not buf:
-        buf = src.recv(TLS_HEAD_MAX)
-    while len(buf) < tls_hello_wanted(buf):
-        chunk = src.recv(TLS_HEAD_MAX)
-        if not chunk:
-            break
-        buf += chunk
+        buf = src.recv(TLS_HEAD_MAX)  # no deadline: an idle tunnel is any tunnel
+    # a ClientHello begun must end in HELLO_TIMEOUT: one left unfinished would hold two
+    # relay threads for good; what came of it is then checked (and refused) as it is
+    src.settimeout(HELLO_TIMEOUT)
+    try:
+        while len(buf) < tls_hello_wanted(buf):
+            chunk = src.recv(TLS_HEAD_MAX)
+            if not chunk:
+                break
+            buf += chunk
+    except TimeoutError:
+        pass
+    finally:
+        src.settimeout(None)
     return buf
 
 
