@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import SandboxError
-from ..linux import libc
+from ..linux import libc, remedies
 from . import DNS_PORT, PROXY_PORT
 
 CLONE_NEWUSER = 0x10000000
@@ -106,8 +106,12 @@ def make(pidfd: int, pid: int, *, proxy: bool, forward: tuple[int, ...] = ()) ->
         for s in got:
             s.close()
         info = reply.get("error") or {"step": "set up the sandbox's network (helper)", "errno": 0, "path": None}
-        raise SandboxError(info["step"], path=info.get("path"), errno=int(info.get("errno") or 0),
-                           remedy=info.get("remedy"), detail=info.get("detail"))
+        err = int(info.get("errno") or 0)
+        remedy, detail = info.get("remedy"), info.get("detail")
+        if err and info.get("concern"):
+            r = _remedy(str(info["concern"]), err, int(info.get("port") or 0))
+            remedy, detail = r.fix, r.cause
+        raise SandboxError(info["step"], path=info.get("path"), errno=err, remedy=remedy, detail=detail)
     out = Sockets()
     for role, s in zip(reply["roles"], got, strict=True):
         if role.startswith("forward:"):
@@ -115,6 +119,15 @@ def make(pidfd: int, pid: int, *, proxy: bool, forward: tuple[int, ...] = ()) ->
         else:
             getattr(out, role).append(s)
     return out
+
+
+def _remedy(concern: str, err: int, port: int) -> remedies.Remedy:
+    env = remedies.detect()
+    if concern == "setns":
+        return remedies.setns(err, env)
+    if concern == "netlink":
+        return remedies.netlink(err, env)
+    return remedies.low_port(err, env, port)
 
 
 _warmed: list[bool] = []
@@ -162,10 +175,14 @@ def _helper(conn: socket.socket, pidfd: int, pid: int, join_user: bool, specs: l
 
 
 class _Failed(Exception):
+    """A step of the helper failed. ``concern``: the remedies.py function that names the
+    cause and fix of this errno here (the same one doctor's network lines use)."""
+
     def __init__(self, step: str, *, path: str | None = None, err: int = 0, remedy: str | None = None,
-                 detail: str | None = None) -> None:
+                 detail: str | None = None, concern: str | None = None, port: int = 0) -> None:
         super().__init__(step)
-        self.info = {"step": step, "path": path, "errno": err, "remedy": remedy, "detail": detail}
+        self.info = {"step": step, "path": path, "errno": err, "remedy": remedy, "detail": detail,
+                     "concern": concern, "port": port}
 
 
 def _send_error(conn: socket.socket, info: Mapping[str, object]) -> None:
@@ -182,7 +199,7 @@ def _join(pidfd: int, pid: int, join_user: bool) -> None:
     err = libc.errno()
     if err != errno.EINVAL:
         raise _Failed("setns into the sandbox's user and network namespaces", path=f"/proc/{pid}/ns/net", err=err,
-                      remedy=_REMEDY_SETNS)
+                      remedy=_REMEDY_SETNS, concern="setns")
     # a kernel before 5.8 takes no pidfd here: the namespace files, user first
     for kind, flag, wanted in (("user", CLONE_NEWUSER, join_user), ("net", CLONE_NEWNET, True)):
         if not wanted:
@@ -196,7 +213,7 @@ def _join(pidfd: int, pid: int, join_user: bool) -> None:
         os.close(fd)
         if rc != 0:
             raise _Failed(f"setns into the sandbox's {kind} namespace", path=path, err=libc.errno(),
-                          remedy=_REMEDY_SETNS)
+                          remedy=_REMEDY_SETNS, concern="setns")
 
 
 def _lo_up_and_check(pid: int) -> None:
@@ -232,6 +249,7 @@ def _lo_up_and_check(pid: int) -> None:
         raise
     except OSError as e:
         raise _Failed("bring lo up in the sandbox's network namespace (netlink)", path=where, err=e.errno or 0,
+                      concern="netlink",
                       remedy="`stockade doctor` checks netlink in a new network namespace") from None
 
 
@@ -253,5 +271,6 @@ def _listen(fam: int, typ: int, addr: str, port: int, required: bool) -> socket.
         if not required and e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
             return None  # IPv6 disabled in the namespace
         raise _Failed("listen in the sandbox's network namespace", path=f"{addr}:{port}", err=e.errno or 0,
+                      concern="bind", port=port,
                       remedy="choose another --forward port" if port not in (PROXY_PORT, DNS_PORT) else None) from None
     return s
