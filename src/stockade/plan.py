@@ -24,11 +24,16 @@ from .linux import idmap
 from .linux.idmap import Range
 from .pathsig import RACY_NS
 from .sandbox_fs import (
+    CONNECT_PATH,
     DEVICES,
+    DNS_PORT,
     ETC_ALLOW,
     PROC_MASKED,
     PROC_MASKED_DIRS,
     PROC_READONLY,
+    PROXY_PORT,
+    PROXY_URL,
+    SOCKS_URL,
     system_layout,
 )
 
@@ -468,8 +473,6 @@ def landlock_fs_rights(abi: int) -> int:
 
 
 def network_line(network: str, forward: tuple[int, ...]) -> str:
-    from .net import DNS_PORT, PROXY_PORT
-
     if network == "allow":
         line = (f"allow: own network namespace with only lo; the host-side proxy listens inside on "
                 f"127.0.0.1:{PROXY_PORT} (HTTP CONNECT, absolute-URI HTTP, SOCKS5) and answers DNS on "
@@ -583,16 +586,12 @@ def connector_path() -> Path:
 
 
 def _proxy_ports(network: str, forward: tuple[int, ...]) -> tuple[int, ...]:
-    from .net import DNS_PORT, PROXY_PORT
-
     return ((PROXY_PORT, DNS_PORT) if network == "allow" else ()) + tuple(forward)
 
 
 def proxy_env(env: Mapping[str, str]) -> dict[str, str]:
     """The variables that point pip, npm, git, curl, Node and Python's urllib at the
     proxy inside; git's settings added after any the caller passed (GIT_CONFIG_COUNT)."""
-    from .net import CONNECT_PATH, PROXY_URL, SOCKS_URL
-
     out = {name: PROXY_URL for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "PIP_PROXY",
                                         "npm_config_proxy", "npm_config_https_proxy")}
     out.update({"ALL_PROXY": SOCKS_URL, "all_proxy": SOCKS_URL, "NO_PROXY": "localhost,127.0.0.1,::1",
@@ -1025,8 +1024,6 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     if not any(g == "/run" for g, _w in req.grants):  # a grant of the host's /run is the user's to shape
         tree_ops.append(MountOp("mkdir", "/run/lock", mode=0o1777, why="lock files (/var/lock)"))
     if req.network == "allow":
-        from .net import CONNECT_PATH
-
         tree_ops.append(MountOp("mkdir", os.path.dirname(CONNECT_PATH), mode=0o755, why="stockade's helpers"))
         tree_ops.append(MountOp("bind", CONNECT_PATH, source=str(connector_path()), flags=frozenset({"ro", "file"}),
                                 why="SOCKS5 connector for ssh and git (read-only)"))
@@ -1092,9 +1089,7 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         extra = [p for p in elf_loaders() if not any(p == d or p.startswith(d.rstrip("/") + "/") for d in exec_allow)]
         exec_allow = (*exec_allow, *extra)
         if req.network == "allow":
-            from .net import CONNECT_PATH
-
-            exec_allow = (*exec_allow, CONNECT_PATH)  # ssh's and git's proxy command
+                exec_allow = (*exec_allow, CONNECT_PATH)  # ssh's and git's proxy command
         notes += [f"exec allowlist: the dynamic loader {p} may execute too (read+execute, never write; "
                   "programs in the allowed dirs cannot start without it)" for p in extra]
     if req.landlock:

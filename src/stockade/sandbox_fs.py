@@ -1,5 +1,6 @@
 """The sandbox's filesystem view of the host outside the project: which system
-directories, /etc entries, /proc entries and devices it gets. Plain data read by the
+directories, /etc entries, /proc entries and devices it gets, and where it reaches
+the proxy of ``--net allow``. Plain data read by the
 plan (which mounts them) and by the policy (which explains them in ``why`` and refuses
 denies it could not honour); a module of its own so neither imports the other."""
 
@@ -8,6 +9,14 @@ from __future__ import annotations
 import functools
 import os
 import stat
+
+# --net allow: where the sandbox reaches the host-side proxy (net/), read by the plan
+# (env, resolv.conf, Landlock ports) and by the policy (forwarding these is refused)
+PROXY_PORT = 3128  # HTTP (CONNECT and absolute-URI) and SOCKS5 on one port
+DNS_PORT = 53
+CONNECT_PATH = "/run/stockade/connect"  # SOCKS5 connector for ssh's ProxyCommand and git's GIT_PROXY_COMMAND
+PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
+SOCKS_URL = f"socks5h://127.0.0.1:{PROXY_PORT}"
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 

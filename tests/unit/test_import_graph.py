@@ -13,7 +13,7 @@ PKG = SRC / "stockade"
 
 # layer 1: imported by everything, importing nothing of stockade but each other
 GROUND = {"stockade.errors", "stockade.paths", "stockade.pathsig", "stockade._tokens", "stockade.redact",
-          "stockade.sandbox_fs", "stockade.net"}  # stockade.net: the package face holds only constants
+          "stockade.sandbox_fs"}
 
 
 def _modules() -> dict[str, Path]:

@@ -8,8 +8,6 @@ host is reachable from inside but through them.
 
 from __future__ import annotations
 
-PROXY_PORT = 3128  # HTTP (CONNECT and absolute-URI) and SOCKS5 on one port
-DNS_PORT = 53
-CONNECT_PATH = "/run/stockade/connect"  # SOCKS5 connector for ssh's ProxyCommand and git's GIT_PROXY_COMMAND
-PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
-SOCKS_URL = f"socks5h://127.0.0.1:{PROXY_PORT}"
+from ..sandbox_fs import CONNECT_PATH, DNS_PORT, PROXY_PORT, PROXY_URL, SOCKS_URL
+
+__all__ = ["CONNECT_PATH", "DNS_PORT", "PROXY_PORT", "PROXY_URL", "SOCKS_URL"]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PolicyError
-from ..net import DNS_PORT, PROXY_PORT
+from ..sandbox_fs import DNS_PORT, PROXY_PORT
 
 Tier = str  # the policy's layer names: default, global, workspace, session, cli
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
