@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.netfix import FakeDNS, TcpListener, build_query
+from tests.unit import test_net_proxy as _base
 from tests.unit.test_net_proxy import (
     UP,
     Rig,
@@ -26,26 +27,9 @@ from tests.unit.test_net_proxy import (
     _settled,
 )
 
-
-@pytest.fixture
-def rigs() -> Iterator[Callable[..., Rig]]:
-    made: list[Rig] = []
-
-    def make(*allow: str, **kw: Any) -> Rig:
-        r = Rig(tuple(allow), **kw)
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.close()
-
-
-@pytest.fixture
-def echo() -> Iterator[TcpListener]:
-    srv = TcpListener(UP, echo=True)
-    yield srv
-    srv.close()
+# test_net_proxy's fixtures, the one copy of the rig
+rigs = _base.rigs
+echo = _base.echo
 
 
 @pytest.fixture
