@@ -58,6 +58,18 @@ def listing(state: Path) -> list[tuple[str, str, int]]:
     return sorted(out)
 
 
+def check_bad(user: User, project: Path, argv: list[str], says: str) -> None:
+    """One line naming what was wrong, exit status 2, nothing on stdout, and the state
+    dir exactly as it was."""
+    before = listing(user.state)
+    r = user.cli(argv, cwd=project)
+    err = r.stderr.decode()
+    assert r.returncode == 2, (argv, err)
+    assert err.startswith("stockade: ") and err.count("\n") == 1 and says in err, (argv, err)
+    assert r.stdout == b"", argv
+    assert listing(user.state) == before, (argv, err)
+
+
 def test_bad_input_creates_nothing(user: User, project: Path) -> None:
     r = user.cli(["run", "--session", "existing", "--", "true"], cwd=project)
     assert r.returncode == 0, r.stderr.decode()
@@ -65,13 +77,7 @@ def test_bad_input_creates_nothing(user: User, project: Path) -> None:
     if user.name == "unpriv":  # (as root, --user is item 6's: a run that works)
         cases.append((["run", "--user", "1000", "--", "true"], "--user needs real root"))
     for argv, says in cases:
-        before = listing(user.state)
-        r = user.cli(argv, cwd=project)
-        err = r.stderr.decode()
-        assert r.returncode == 2, (argv, err)
-        assert err.startswith("stockade: ") and err.count("\n") == 1 and says in err, (argv, err)
-        assert r.stdout == b"", argv
-        assert listing(user.state) == before, (argv, err)
+        check_bad(user, project, argv, says)
 
 
 def test_a_run_that_fails_to_start_leaves_no_new_session(api_project: Path, state_dir: Path,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import User
-from .test_bad_input import listing
+from .test_bad_input import check_bad, listing
 
 pytestmark = pytest.mark.cli_paths  # every test with a `user`: in-process and served
 
@@ -62,16 +62,6 @@ BAD: list[tuple[list[str], str]] = [
     (["policy", "why"], "policy why: give a PATH, or --host HOST[:PORT] (not both)"),
     (["policy", "why", "/usr", "--host", "pypi.org"], "policy why: give a PATH, or --host HOST[:PORT] (not both)"),
 ]
-
-
-def check_bad(user: User, project: Path, argv: list[str], says: str) -> None:
-    before = listing(user.state)
-    r = user.cli(argv, cwd=project)
-    err = r.stderr.decode()
-    assert r.returncode == 2, (argv, err)
-    assert err.startswith("stockade: ") and err.count("\n") == 1 and says in err, (argv, err)
-    assert r.stdout == b"", argv
-    assert listing(user.state) == before, (argv, err)  # nothing created, nothing written
 
 
 def test_bad_network_input_creates_nothing(user: User, project: Path) -> None:
