@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .addr import format_target
+
 if TYPE_CHECKING:
     from ..audit import AuditLog
     from ..policy.network import NetPolicy
@@ -57,10 +59,6 @@ class NetSummary:
             host = host[1:-1]
         return (f"network: {'; '.join(parts)}; to allow: stockade allow --host {host} "
                 "(`stockade log --blocked-only` lists every one)")
-
-
-def _target(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # The audit log is the user's disk: a loop of attempts must not fill it. Per run, each
@@ -122,10 +120,10 @@ class NetRun:
                     s.names_refused.append(ev.host)
             elif not ev.allowed:
                 s.blocked += 1
-                target = _target(ev.host, ev.port)
+                target = format_target(ev.host, ev.port)
                 if ev.host and len(s.blocked_targets) < 10 and target not in s.blocked_targets:
                     s.blocked_targets.append(target)
-            key = (ev.host if ev.kind == "dns" else _target(ev.host, ev.port), ev.allowed)
+            key = (ev.host if ev.kind == "dns" else format_target(ev.host, ev.port), ev.allowed)
             n = self._per_target[key] = self._per_target.get(key, 0) + 1
             if n > PER_TARGET_EVENTS or self._logged >= RUN_EVENTS:
                 self._suppressed[key] = self._suppressed.get(key, 0) + 1
@@ -134,7 +132,7 @@ class NetRun:
         try:
             self.audit.event(
                 "net-dns" if ev.kind == "dns" else "net-connect",
-                ev.host if ev.kind == "dns" else _target(ev.host, ev.port),
+                ev.host if ev.kind == "dns" else format_target(ev.host, ev.port),
                 "allowed" if ev.allowed else "blocked",
                 run=self.run_no, policy=ev.rule, reason=ev.reason, kind=ev.kind, address=ev.address,
                 url=ev.url, bytes_out=ev.bytes_out, bytes_in=ev.bytes_in, duration_ms=round(ev.duration_ms, 2),
