@@ -60,7 +60,7 @@ static void lo_up(int rep)
 
 /* A pty from the sandbox's own devpts (so ttyname() works inside); the master
  * goes to the parent over the console socket, like runc's --console-socket. */
-static int console_pty(int sock, int rep)
+int sk_console_pty(int sock, int rep)
 {
     int m = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
     if (m < 0)
@@ -125,7 +125,7 @@ static void setup_stdio(const struct sk_plan *p, const int *stdio, int rep)
  * Returns the report pipe's fd (moved or not). */
 static int close_fds(const struct sk_plan *p, int rep)
 {
-    int keep[66];
+    int keep[67];
     size_t n = 0;
     if (p->keep_src) {
         int floor = 2, src[64];
@@ -148,6 +148,8 @@ static int close_fds(const struct sk_plan *p, int rep)
                 FAIL(SK_STEP_CLOSE_FDS, "pass-fd");
     }
     keep[n++] = rep;
+    if (p->serve_fd >= 3)
+        keep[n++] = p->serve_fd; /* a living sandbox's channel to its holder (init.c) */
     for (size_t i = 0; i < p->n_keep_fds && n < 65; i++) {
         int fd = p->keep_fds[i];
         if (fd < 3)
@@ -242,7 +244,7 @@ static void __attribute__((noreturn)) child_rest(const struct sk_plan *p, int sy
             FAIL(SK_STEP_RLIMIT, NULL);
     }
     if (p->console_sock >= 0) {
-        int s = console_pty(p->console_sock, rep);
+        int s = sk_console_pty(p->console_sock, rep);
         int tty[3] = {s, s, s};
         setup_stdio(p, tty, rep);
     } else {

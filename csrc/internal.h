@@ -38,6 +38,9 @@ int sk_landlock_child(const struct sk_landlock *ll, int rep);
 int sk_seccomp_child(const unsigned char *bpf, size_t len, int rep);
 int sk_caps_child(unsigned long long keep, int rep);
 void sk_init_child(const struct sk_plan *p, int rep) __attribute__((noreturn));
+/* A pty of the sandbox's devpts: its master goes over sock (runc's console socket),
+ * its peer is returned; a failure is reported on rep and ends the process. */
+int sk_console_pty(int sock, int rep);
 
 /* mounts.c: the staging tree, the op loop, and the final pivot, as steps.
  * sk_overlay_hold_fd (a launcher's run child; else -1): the session's overlay

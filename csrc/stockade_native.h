@@ -120,6 +120,9 @@ struct sk_plan {
                                          of the command's: the parent attaches cgroups
                                          (slow on v1) while the child builds its mounts */
 
+    int serve_fd;                     /* run: >= 0: a living sandbox: init runs no argv but serves
+                                         exec requests on this SOCK_SEQPACKET socket (init.c) */
+
     int launcher_exec_fd;             /* >= 0: at SK_STAGE_IDMAP, exec this launcher binary
                                          (with launcher_ctl_fd) instead of building the sandbox */
     int launcher_ctl_fd;
@@ -145,6 +148,7 @@ struct sk_run {
     int pty;
     int console_sock;
     int hold_before_exec;
+    int serve_fd;
     int hold_fd;                      /* launcher: the fd slot of the session's overlay lock
                                          (see csrc/launcher/main.c), or -1; not a plan field */
 };
@@ -201,6 +205,54 @@ enum sk_stage {
 #define SK_STEP_UNSHARE 30
 #define SK_STEP_CGROUP_JOIN 31 /* value = index into cgroup_join_fds */
 #define SK_STEP_STAGE_ORDER 32 /* the sync pipe brought another stage: value = it, err = EPROTO */
+
+/* A living sandbox (plan->serve_fd): the holder's requests to init, one SOCK_SEQPACKET
+ * message each: this header, then strings_len bytes of NUL-terminated strings (argc
+ * argv strings, envc env strings, the cwd, PATH), inline or (SK_EXEC_F_MEMFD) in a
+ * memfd sent last. fds (SCM_RIGHTS), in order: the exec socket, then stdin, stdout,
+ * stderr (or, with SK_EXEC_F_PTY, a console socket), then nfds passed fds, each to
+ * fd_targets[i] in the command. init reports on the exec socket (struct sk_report:
+ * SK_REP_STARTED, SK_REP_ERROR, SK_REP_EXEC_FAILED, SK_REP_EXIT) and takes a struct
+ * sk_exec_signal from it; its hang-up kills the command's process group. */
+#define SK_SERVE_MAGIC 1936418405
+#define SK_SERVE_EXEC 1         /* run a command */
+#define SK_SERVE_SIGNAL_ALL 2   /* kill(-1, sig): every process of the sandbox but init */
+#define SK_SERVE_SIGNAL 3       /* sig to the process group of the exec numbered id */
+#define SK_EXEC_F_PTY 1         /* the command's stdio is a pty of the sandbox's devpts */
+#define SK_EXEC_F_MEMFD 2       /* the strings are in a memfd, the last fd */
+#define SK_EXEC_MAX_FDS 64
+#define SK_EXEC_MAX_STRINGS 4194304
+
+struct sk_exec_hdr {
+    unsigned int magic;
+    unsigned int kind;
+    unsigned int id;                  /* the holder's number for this exec */
+    unsigned int flags;
+    int sig;                          /* SK_SERVE_SIGNAL_ALL, SK_SERVE_SIGNAL */
+    unsigned int argc;
+    unsigned int envc;
+    unsigned int nfds;                /* passed fds after stdio */
+    unsigned int strings_len;
+    int fd_targets[64];
+};
+
+struct sk_exec_signal {
+    int sig;
+};
+
+/* init -> holder on the serve socket, never blocking (a holder that stopped reading
+ * loses notes, never stalls init). */
+#define SK_NOTE_STARTED 1       /* value = the command's pid inside */
+#define SK_NOTE_EXIT 2          /* value = its wait status */
+#define SK_NOTE_FAILED 3        /* err = why the request could not start */
+#define SK_NOTE_READY 4         /* init serves */
+
+struct sk_note {
+    int kind;
+    unsigned int id;
+    int value;
+    int err;
+};
 
 struct sk_report {
     int kind;

@@ -141,6 +141,7 @@ size_t sk_run_pack(const struct sk_run *r, unsigned char *buf, size_t cap)
     put_i32(&w, r->pty);
     put_i32(&w, r->console_sock);
     put_i32(&w, r->hold_before_exec);
+    put_i32(&w, r->serve_fd);
     put_i32(&w, r->hold_fd);
     put_u32(&w, SK_RUN_MAGIC);
     return w.len;
@@ -170,6 +171,7 @@ int sk_run_apply(struct sk_plan *p, const struct sk_run *r)
     p->pty = r->pty;
     p->console_sock = r->console_sock;
     p->hold_before_exec = r->hold_before_exec;
+    p->serve_fd = r->serve_fd;
     return 0;
 }
 
@@ -270,7 +272,7 @@ static int plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p)
 {
     struct rbuf r = {.p = buf, .len = len, .off = 0, .bad = 0};
     memset(p, 0, sizeof *p);
-    p->cgroup_fd = p->console_sock = p->launcher_exec_fd = p->launcher_ctl_fd = -1;
+    p->cgroup_fd = p->console_sock = p->serve_fd = p->launcher_exec_fd = p->launcher_ctl_fd = -1;
     p->stdio[0] = p->stdio[1] = p->stdio[2] = -1;
     if (get_u32(&r) != SK_WIRE_MAGIC)
         return -EINVAL;
@@ -379,6 +381,7 @@ static int run_unpack(const unsigned char *buf, size_t len, struct sk_run *run)
     run->pty = get_i32(&r);
     run->console_sock = get_i32(&r);
     run->hold_before_exec = get_i32(&r);
+    run->serve_fd = get_i32(&r);
     run->hold_fd = get_i32(&r);
     if (get_u32(&r) != SK_RUN_MAGIC || !ov || !jf || !run->argv || !run->envp || !run->argv[0] || r.off != r.len)
         r.bad = 1;

@@ -8,16 +8,18 @@ Safe to call from many threads at once.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import plan as planmod
 from .core.request import DEVNULL, PIPE, STDOUT, RunIO, RunRequest
 from .core.result import RunResult
+from .errors import UsageError
 from .session import store
 
 if TYPE_CHECKING:
     from .changes.scan import ChangeSet
+    from .live import Channel, LivePopen
 
 __all__ = ["DEVNULL", "PIPE", "STDOUT", "RunResult", "Sandbox", "run"]
 
@@ -37,12 +39,60 @@ class Sandbox:
     """A session: successive runs stack their writes in one upper layer.
 
     ``with Sandbox("proj") as sb: sb.run(["make"]); sb.changes().diff()``
-    """
 
-    def __init__(self, project: str | os.PathLike[str] = ".", session: str | None = None, **options: Any) -> None:
+    ``persistent=True``: a living sandbox, started once; ``sb.exec`` (and ``sb.run``)
+    runs each command in it at the cost of a fork, ``sb.popen`` gives a ``Popen``-like
+    handle, background processes live on between commands. It ends with ``close`` (or
+    the ``with`` block), or when this process exits; with ``detached=True`` it outlives
+    this process and ends after ``idle_timeout`` seconds with nothing running (``None``:
+    the config's ``[live] idle_timeout``, else 30 minutes). ``Sandbox.attach(name)``
+    reaches one started elsewhere (``stockade start``)."""
+
+    def __init__(self, project: str | os.PathLike[str] = ".", session: str | None = None, *,
+                 persistent: bool = False, detached: bool = False, idle_timeout: float | None = None,
+                 **options: Any) -> None:
         self.project = planmod.resolve_project(project)
-        self.session = store.open_or_create(self.project, session)
         self.options = options
+        self.persistent = persistent
+        self._chan: Channel | None = None
+        self._owns = False
+        if not persistent:
+            if detached or idle_timeout is not None:
+                raise UsageError("detached and idle_timeout apply to a living sandbox: pass persistent=True")
+            self.session = store.open_or_create(self.project, session)
+            return
+        from . import live
+
+        bad = sorted(k for k in options if k in _IO or k in ("args", "pass_fds"))
+        if bad:
+            raise UsageError(f"Sandbox(persistent=True): {', '.join(bad)} belong to each exec, not to the sandbox")
+        req = RunRequest(("true",), project=project, **options)
+        spec = live.StartSpec(req, name=session, detached=detached, idle=idle_timeout,
+                              owner_pid=None if detached else os.getpid())
+        lv = live.start(spec)
+        self._chan = live.Channel(lv)
+        self._owns = True
+        self.session = store.open_session(lv.id)
+        if not detached:
+            import atexit
+
+            atexit.register(self.close)
+
+    @classmethod
+    def attach(cls, name: str) -> Sandbox:
+        """The running living sandbox ``name`` (``stockade start``); ``close`` leaves it running."""
+        from . import live
+        from .live import registry
+
+        lv = registry.running(name)
+        sb = cls.__new__(cls)
+        sb.project = planmod.resolve_project(str(lv.data.get("project") or "."))
+        sb.options = {}
+        sb.persistent = True
+        sb._chan = live.Channel(lv)
+        sb._owns = False
+        sb.session = store.open_session(lv.id)
+        return sb
 
     @property
     def id(self) -> str:
@@ -55,16 +105,64 @@ class Sandbox:
         self.close()
 
     def close(self) -> None:
-        """Remove the cgroups kept for later runs (also done at interpreter exit)."""
+        """A living sandbox this object started is stopped (its changes stay); the cgroups
+        kept for later runs are removed (also done at interpreter exit)."""
         from .cgroups.base import flush_deferred
 
+        chan, self._chan = self._chan, None
+        if chan is not None:
+            chan.close()
+            if self._owns:
+                self.stop_sandbox(chan)
         flush_deferred()
 
+    def stop_sandbox(self, chan: Channel | None = None, timeout: float | None = None) -> dict[str, Any]:
+        from . import live
+        from .live import registry
+
+        lv = registry.read(self.session.id)
+        if lv is None:
+            return {}
+        return live.stop(lv, timeout)
+
+    def _living(self) -> Channel:
+        if self._chan is None:
+            raise UsageError(f"sandbox {self.session.id!r} is not a living one (persistent=True), or it was closed")
+        return self._chan
+
     def run(self, args: Sequence[str] | str, **kwargs: Any) -> RunResult:
+        if self.persistent:
+            return self.exec(args, **kwargs)
         from .core.execute import execute_in
 
         req, io = _split(args, self.project, self.session.id, {**self.options, **kwargs})
         return execute_in(self.session, req, io)
+
+    def exec(self, args: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
+             cwd: str | os.PathLike[str] | None = None, timeout: float | None = None, shell: bool = False,
+             pass_fds: Sequence[int] = (), **io: Any) -> RunResult:
+        """One command in the living sandbox, ``subprocess.run``-style (``input``,
+        ``capture_output``, ``text``, ``check``, ``timeout`` ...). Thread-safe."""
+        bad = sorted(k for k in io if k not in _IO)
+        if bad:
+            raise UsageError(f"exec: {', '.join(bad)}: not an option of a command (the sandbox's policy, "
+                             "network and limits are fixed when it starts)")
+        return self._living().exec(args, io=RunIO(**io), env=env, cwd=cwd, timeout=timeout, shell=shell,
+                                   pass_fds=pass_fds)
+
+    def popen(self, args: Sequence[str] | str, **kwargs: Any) -> LivePopen:
+        """A ``subprocess.Popen``-like handle on a command in the living sandbox."""
+        return self._living().popen(args, **kwargs)
+
+    def status(self, sample: float = 0.2) -> dict[str, Any]:
+        """The living sandbox's status (``stockade status NAME --json``'s schema)."""
+        res = self._living().request("status", sample=sample)["status"]
+        assert isinstance(res, dict)
+        return res
+
+    def snapshot(self, name: str = "") -> str:
+        """Freeze the living sandbox, copy its layer into snapshot ``name``, thaw it."""
+        return str(self._living().request("snapshot", timeout=600, name=name)["snapshot"])
 
     def changes(self) -> ChangeSet:
         from .changes.scan import scan

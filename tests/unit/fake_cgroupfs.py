@@ -6,9 +6,9 @@ the parent's ``cgroup.subtree_control`` on v2, from the hierarchy's controllers 
 v1), refuses ``rmdir`` while tasks or child cgroups remain (EBUSY), refuses writes
 to files that do not exist (ENOENT, like a kernel without the feature), applies
 the "no internal processes" rule to ``cgroup.subtree_control``, and implements
-``cgroup.kill``, ``cgroup.freeze``, ``freezer.state`` and signals on *fake* pids
-(numbers in ``cgroup.procs``; no real process is ever signalled). Every write is
-logged in ``writes`` for assertions.
+``cgroup.kill``, ``cgroup.freeze`` (``frozen`` in ``cgroup.events`` follows it),
+``freezer.state`` and signals on *fake* pids (numbers in ``cgroup.procs``; no real
+process is ever signalled). Every write is logged in ``writes`` for assertions.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ V1_FILES: dict[str, dict[str, str]] = {
         "memory.memsw.limit_in_bytes": "9223372036854771712\n",
         "memory.swappiness": "60\n",
         "memory.max_usage_in_bytes": "0\n",
+        "memory.usage_in_bytes": "0\n",
         "memory.failcnt": "0\n",
         "memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n",
     },
@@ -219,6 +220,10 @@ class FakeCgroupFS(CgroupFS):
                         self._deliver(pid, signal.SIGKILL)
         elif name == "freezer.state":
             self._put(path, data.strip() + "\n")
+        elif name == "cgroup.freeze":
+            # the kernel freezes at once here (fake tasks run no code): events follow
+            self._put(path, data.strip() + "\n")
+            self._update_events(d)
         else:
             self._put(path, data if data.endswith("\n") else data + "\n")
         if self.on_write is not None:
@@ -228,7 +233,9 @@ class FakeCgroupFS(CgroupFS):
         ev = os.path.join(d, "cgroup.events")
         if os.path.exists(ev):
             populated = 1 if self.procs(d) else 0
-            self._put(ev, f"populated {populated}\nfrozen 0\n")
+            freeze = os.path.join(d, "cgroup.freeze")
+            frozen = 1 if os.path.exists(freeze) and self._get(freeze).strip() == "1" else 0
+            self._put(ev, f"populated {populated}\nfrozen {frozen}\n")
 
     def _deliver(self, pid: int, sig: int) -> bool:
         """Signal a fake pid; SIGKILL removes it from every hierarchy (it died)."""

@@ -249,6 +249,31 @@ class RunCgroup(Protocol):
 
     def stats(self) -> CgroupStats: ...
 
+    # A living sandbox (one that stays up for many commands) also needs these.
+
+    def freeze(self, timeout: float = 2.0) -> bool:
+        """Freeze every task (no forks, no exits, no writes) for a consistent snapshot.
+
+        True once the kernel reports the tasks frozen; False when there is no freezer
+        for this run (none backend, v1 without a freezer cgroup, v2 without
+        ``cgroup.freeze``): the caller falls back to SIGSTOP. Raises ``SandboxError``
+        when the freezer cannot be written, or the tasks are not frozen within
+        ``timeout`` seconds (the request is undone first)."""
+        ...
+
+    def thaw(self) -> None:
+        """Undo ``freeze``; a no-op where it returned False or the cgroup is gone."""
+        ...
+
+    def usage(self) -> tuple[int | None, float | None]:
+        """(memory bytes now, CPU seconds so far) from the cgroup's own counters;
+        None for a figure the backend does not have."""
+        ...
+
+    def procs(self) -> list[int]:
+        """Host pids of every task in the run's cgroup and any cgroup below it, sorted."""
+        ...
+
     def remove(self) -> None:
         """rmdir everything created; idempotent; retries briefly while tasks drain."""
         ...

@@ -57,6 +57,30 @@ class HybridRunCgroup:
             source="hybrid",
         )
 
+    # -- a living sandbox ---------------------------------------------------
+
+    def freeze(self, timeout: float = 2.0) -> bool:
+        # Every task is in both cgroups: one freezer stops them all. v2's first
+        # (cgroup.freeze is a core file, always there on 5.2+), else v1's.
+        return self.v2.freeze(timeout) or self.v1.freeze(timeout)
+
+    def thaw(self) -> None:
+        # both: each is a no-op where its freeze found no freezer
+        try:
+            self.v2.thaw()
+        finally:
+            self.v1.thaw()
+
+    def usage(self) -> tuple[int | None, float | None]:
+        # the same preference as stats(): memory from v2, CPU time from v1's cpuacct
+        mem2, cpu2 = self.v2.usage()
+        mem1, cpu1 = self.v1.usage()
+        return (mem2 if mem2 is not None else mem1, cpu1 if cpu1 is not None else cpu2)
+
+    def procs(self) -> list[int]:
+        # born in (or attached to) the v2 cgroup before anything else: it holds them all
+        return self.v2.procs()
+
     def remove(self) -> None:
         try:
             self.v2.remove()

@@ -35,6 +35,18 @@ class NoRunCgroup:
     def stats(self) -> CgroupStats:
         return CgroupStats(source="none")
 
+    def freeze(self, timeout: float = 2.0) -> bool:
+        return False  # no freezer: the caller stops the tasks with SIGSTOP
+
+    def thaw(self) -> None:
+        return None
+
+    def usage(self) -> tuple[int | None, float | None]:
+        return None, None
+
+    def procs(self) -> list[int]:
+        return []  # no cgroup lists them: the caller walks its PID namespace
+
     def remove(self) -> None:
         return None
 

@@ -364,20 +364,79 @@ class V1RunCgroup:
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
 
-    def stats(self) -> CgroupStats:
-        def read(ctrl: str, name: str) -> str | None:
-            d = self._dir(ctrl)
-            if d is None:
-                return None
-            path = os.path.join(d, name)
+    def _read(self, ctrl: str, name: str) -> str | None:
+        """Interface file ``name`` of the ``ctrl`` hierarchy (through its open fd if
+        ``open_files`` made one); None if this run has no such cgroup or file."""
+        d = self._dir(ctrl)
+        if d is None:
+            return None
+        path = os.path.join(d, name)
+        try:
+            fd = self._fds.get(path)
+            if fd is not None:
+                return os.pread(fd, 65536, 0).decode()
+            return self.fs.read(path)
+        except OSError:
+            return None
+
+    # -- a living sandbox ---------------------------------------------------
+
+    def freeze(self, timeout: float = 2.0) -> bool:
+        freezer = self._dir("freezer")
+        if freezer is None or self._removed:
+            # no freezer cgroup for this run (not mounted, or the run has its own PID
+            # namespace and so none was made): the caller uses SIGSTOP
+            return False
+        if self._set_freezer(freezer, "FROZEN", timeout):
+            return True
+        if not self.fs.exists(os.path.join(freezer, "freezer.state")):
+            return False  # removed meanwhile
+        # still FREEZING at the deadline: a task does not stop; undo the request
+        try:
+            self._set_freezer(freezer, "THAWED", 1.0)
+        except SandboxError:
+            pass  # the error below says what went wrong first
+        raise SandboxError(
+            "freeze the run's processes",
+            path=freezer,
+            detail=f"freezer.state did not read FROZEN within {timeout:g}s",
+            remedy="a task is stuck in uninterruptible sleep; check `cat /proc/<pid>/stack`",
+        )
+
+    def thaw(self) -> None:
+        freezer = self._dir("freezer")
+        if freezer is None or self._removed:
+            return
+        # FileNotFoundError (removed meanwhile) is False there, not an error
+        self._set_freezer(freezer, "THAWED", 1.0)
+
+    def usage(self) -> tuple[int | None, float | None]:
+        def number(text: str | None) -> int | None:
             try:
-                fd = self._fds.get(path)
-                if fd is not None:
-                    return os.pread(fd, 65536, 0).decode()
-                return self.fs.read(path)
-            except (FileNotFoundError, OSError):
+                return int(text) if text is not None else None
+            except ValueError:
                 return None
 
+        memory = number(self._read("memory", "memory.usage_in_bytes"))
+        ns = number(self._read("cpuacct", "cpuacct.usage"))
+        return memory, ns / 1e9 if ns is not None else None
+
+    def procs(self) -> list[int]:
+        # every hierarchy holds the same tasks: one listing is enough, the memory one
+        # (always made) or else the first
+        d = self._dir("memory") or (self.dirs[0][1] if self.dirs else None)
+        if d is None:
+            return []
+        seen: set[int] = set()
+        for sub in dirs_bottom_up(self.fs, d):
+            try:
+                seen.update(parse_pids(self.fs.read(os.path.join(sub, "cgroup.procs"))))
+            except FileNotFoundError:
+                continue
+        return sorted(seen)
+
+    def stats(self) -> CgroupStats:
+        read = self._read
         oom = flat_keyed(read("memory", "memory.oom_control") or "")
         oom_kills = oom.get("oom_kill", 0)
         peak_text = read("memory", "memory.max_usage_in_bytes")

@@ -242,6 +242,68 @@ class V2RunCgroup:
             source="v2",
         )
 
+    # -- a living sandbox ---------------------------------------------------
+
+    def freeze(self, timeout: float = 2.0) -> bool:
+        freeze = self._f("cgroup.freeze")
+        if not self.fs.exists(freeze):
+            return False  # kernel < 5.2, the root cgroup, or removed: the caller uses SIGSTOP
+        try:
+            self.fs.write(freeze, "1")
+        except FileNotFoundError:
+            return False  # removed meanwhile
+        except OSError as e:
+            raise cgroup_error("freeze the run's processes: write 1 to cgroup.freeze", freeze, e) from e
+        # cgroup.freeze only asks; the tasks are frozen once cgroup.events says so
+        # (each stops on its way back to user space, so this takes a moment).
+        events = self._f("cgroup.events")
+        start = time.monotonic()
+        delay = 0.0002
+        while True:
+            try:
+                if flat_keyed(self.fs.read(events)).get("frozen", 0) == 1:
+                    return True
+            except FileNotFoundError:
+                return False
+            if time.monotonic() - start > timeout:
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        try:
+            self.thaw()  # a half-frozen sandbox is neither a snapshot nor running: undo
+        except SandboxError:
+            pass  # the error below says what went wrong first
+        raise SandboxError(
+            "freeze the run's processes",
+            path=self.path,
+            detail=f"cgroup.events did not show 'frozen 1' within {timeout:g}s",
+            remedy="a task is stuck in uninterruptible sleep; check `cat /proc/<pid>/stack`",
+        )
+
+    def thaw(self) -> None:
+        freeze = self._f("cgroup.freeze")
+        try:
+            self.fs.write(freeze, "0")
+        except FileNotFoundError:
+            return  # never frozen (no cgroup.freeze) or already removed
+        except OSError as e:
+            raise cgroup_error("thaw the run's processes: write 0 to cgroup.freeze", freeze, e) from e
+
+    def usage(self) -> tuple[int | None, float | None]:
+        memory: int | None = None
+        try:
+            memory = int(self.fs.read(self._f("memory.current")).split()[0])
+        except (FileNotFoundError, ValueError, IndexError):
+            memory = None  # memory controller not enabled here
+        try:
+            usec = flat_keyed(self.fs.read(self._f("cpu.stat"))).get("usage_usec")
+        except FileNotFoundError:
+            usec = None
+        return memory, usec / 1e6 if usec is not None else None
+
+    def procs(self) -> list[int]:
+        return sorted(set(self.pids()))
+
     def remove(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

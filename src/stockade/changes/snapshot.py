@@ -141,11 +141,16 @@ def delete(session: Session, name: str) -> None:
     """Forget snapshot ``name`` as a restore point; its changes stay (merged upward)."""
     _check_name(name)
     with session.lock(wait=False):
-        snap = _find(session, name)
-        above = [s for s in list_snapshots(session) if s.index > snap.index]
-        target = above[0].path if above else session.upper
-        merge_into(snap.path, target)
-        shutil.rmtree(snap.path, ignore_errors=True)
+        _delete(session, name)
+
+
+def _delete(session: Session, name: str) -> None:
+    """``delete`` for a caller that holds the session's lock (and the sandbox's ids)."""
+    snap = _find(session, name)
+    above = [s for s in list_snapshots(session) if s.index > snap.index]
+    target = above[0].path if above else session.upper
+    merge_into(snap.path, target)
+    shutil.rmtree(snap.path, ignore_errors=True)
 
 
 def merge_into(lower: Path, upper: Path, rel: str = "") -> None:

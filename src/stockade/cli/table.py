@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 VERSION = "stockade 0.1.0"
 SUPPRESS = "==SUPPRESS=="  # argparse.SUPPRESS: no default, the name is absent unless given
+SUPPRESS_HELP = SUPPRESS  # as help: an argument the help does not list
 REMAINDER = "..."  # argparse.REMAINDER
 
 
@@ -200,6 +201,10 @@ RUN_ARGS: tuple[Arg | Group, ...] = (
     Arg("command", nargs=REMAINDER, help="-- CMD [ARGS...]"),
 )
 
+# start and warm: the run options but the command (and a name, an idle timeout)
+START_ARGS: tuple[Arg | Group, ...] = tuple(a for a in RUN_ARGS if not (isinstance(a, Arg) and a.flags == ("command",)))
+_LIVE_NAME = Arg("name", nargs="?", default=None, metavar="NAME", help="the sandbox (default: the only one running)")
+
 _JSON = Arg("--json", action="store_true")
 _SESSION = Arg("-s", "--session", help="the session (default: the latest)")
 _CHANGES = Arg("args", nargs="*", metavar="[SESSION] [PATHSPEC]")
@@ -218,6 +223,41 @@ VERBS: tuple[Verb, ...] = (
     Verb("run", "run a command in a sandbox over the project", Handler("run", "cmd_run"), *RUN_ARGS),
     Verb("explain", "print the plan a run would execute", Handler("run", "cmd_explain"), *RUN_ARGS),
     Verb("shell", "an interactive shell in the sandbox (a pty relayed to your terminal)", Handler("run", "cmd_shell"), *RUN_ARGS),
+    # living sandboxes
+    Verb("start", "start a living sandbox over a session; run commands in it with `stockade exec`",
+         Handler("live", "cmd_start"),
+         Arg("--name", "-n", default=None, metavar="NAME", help="its name (= its session's; default: a new session)"),
+         Arg("--idle-timeout", dest="idle_timeout", default=None, metavar="TIME",
+             help="stop it after this long with no command running (default: [live] idle_timeout, else 30m; 'none')"),
+         Arg("--json", action="store_true", help="print its record as JSON"),
+         Arg("command", nargs=REMAINDER, help=SUPPRESS_HELP),
+         *START_ARGS),
+    Verb("exec", "run a command in a living sandbox (same namespaces, mounts, confinement, limits)",
+         Handler("live", "cmd_exec"),
+         Arg("name", metavar="NAME", help="the sandbox (`stockade ps` lists them)"),
+         Arg("--cwd", metavar="DIR", help="working directory inside the project"),
+         Arg("--env", action="append", default=[], metavar="K=V", help="set a variable for this command"),
+         Arg("--timeout", metavar="TIME", default=None, help="SIGTERM, a grace period, SIGKILL after TIME (exit 124); "
+             "never longer than the sandbox's own limit"),
+         Arg("-i", "--interactive", action="store_true", help="keep stdin connected (default: /dev/null)"),
+         Arg("-t", "--tty", action="store_true", help="a pty of the sandbox's own, relayed to this terminal"),
+         Arg("--pass-fd", type=_natural("an open file descriptor number such as 3"), action="append", default=[],
+             metavar="N", help="pass file descriptor N through"),
+         Arg("command", nargs=REMAINDER, help="-- CMD [ARGS...]")),
+    Verb("logs", "the output of a living sandbox's commands", Handler("live", "cmd_logs"), _LIVE_NAME,
+         Arg("--follow", "-f", action="store_true", help="keep printing until the sandbox ends")),
+    Verb("stop", "stop a living sandbox (processes ended, overlay unmounted, changes kept)",
+         Handler("live", "cmd_stop"), _LIVE_NAME,
+         Arg("--timeout", metavar="TIME", default=None, help="grace between SIGTERM and SIGKILL (default 2s)"),
+         Arg("--json", action="store_true")),
+    Verb("ps", "the living sandboxes and their state", Handler("live", "cmd_ps"),
+         Arg("--all", "-a", action="store_true", help="also stopped and failed ones"), Arg("--json", action="store_true")),
+    Verb("warm", "keep a sandbox ready for a project; the next start or run with the same options takes it",
+         Handler("live", "cmd_warm"),
+         Arg("--ttl", default="300s", metavar="TIME", help="how long it waits to be claimed (default 300s)"),
+         Arg("--json", action="store_true"),
+         Arg("command", nargs=REMAINDER, help=SUPPRESS_HELP),
+         *START_ARGS),
     # change sets
     _changes("list", "sessions with project, age, runs, change counts, disk use", "cmd_list", _JSON),
     _changes("status", "a session's changes and runs", "cmd_status", _SESSION, _CHANGES,
@@ -321,6 +361,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         kw = dict(a.kw)
         if kw.get("default") == SUPPRESS:
             kw["default"] = argparse.SUPPRESS
+        if kw.get("help") == SUPPRESS:
+            kw["help"] = argparse.SUPPRESS
         if kw.get("nargs") == REMAINDER:
             kw["nargs"] = argparse.REMAINDER
         return kw

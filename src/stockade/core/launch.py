@@ -115,9 +115,11 @@ class Launch:
             self.err_r, self.err_w = os.pipe()
         self.to_close.extend([self.out_w] + ([self.err_w] if self.err_w != self.out_w else []))
 
-    def start(self, sess: store.Session, run_no: int, prep: Prepared, hold_fd: int, session_ahead: bool) -> RunChild:
+    def start(self, sess: store.Session, run_no: int, prep: Prepared, hold_fd: int, session_ahead: bool,
+              serve_fd: int = -1) -> RunChild:
         """Make the run's cgroups, start the sandbox and release it. ``hold_fd``: the
-        session's overlay lock (``Session.lock``)."""
+        session's overlay lock (``Session.lock``). ``serve_fd``: a living sandbox's
+        channel to its init (``stockade.live``): init serves execs instead of a command."""
         plan, mgr, limits = prep.plan, prep.cg_manager, prep.limits
         pid_ns = self.pid_ns = "pid" in plan.namespaces
         self.manager = mgr
@@ -132,7 +134,7 @@ class Launch:
         hold = attach or net_policy is not None
         child = self.child = launch.start(plan, (self.stdin_fd, self.out_w, self.err_w), place.clone_fd if place else None,
                                           pty=self.io.pty, console_sock=self.console[1], hold_before_exec=hold,
-                                          hold_fd=hold_fd, join_fds=place.join_fds if place else ())
+                                          hold_fd=hold_fd, join_fds=place.join_fds if place else (), serve_fd=serve_fd)
         if hold:
             try:
                 if attach and cg is not None:
@@ -154,12 +156,17 @@ class Launch:
             mgr.prepare_next(limits, pid_namespace=pid_ns)  # the sandbox is starting: meanwhile, the next run's cgroups
         if session_ahead:
             store.make_ahead()  # and the next new session's directories
+        self.handed_over()
+        return child
+
+    def handed_over(self) -> None:
+        """The sandbox (or an exec's command) has its ends of the streams: close ours of
+        them, and with a pty take the master it sent."""
         if self.io.pty:
             self._take_console()
         for fd in self.to_close:
             os.close(fd)
         self.to_close = []
-        return child
 
     def _take_console(self) -> None:
         """The pty master the sandbox sent: its output, and its terminal input's sink."""
@@ -173,16 +180,22 @@ class Launch:
             if os.isatty(0):
                 copy_winsize(0, self.out_r)
 
-    def supervisor(self, run_dir: str, timeout: float | None) -> Supervisor:
-        """The started sandbox's supervisor; it owns stdin_w from here on."""
+    @property
+    def child_stdio(self) -> tuple[int, int, int]:
+        """The fds the command gets as 0, 1, 2 (without a pty)."""
+        return (self.stdin_fd, self.out_w, self.err_w)
+
+    def supervisor(self, run_dir: str, timeout: float | None, make: type[Supervisor] = Supervisor) -> Supervisor:
+        """The started sandbox's supervisor; it owns stdin_w from here on. ``make``: an
+        exec's (``stockade.live``) supervises one command of a living sandbox."""
         assert self.child is not None
         io = self.io
         err = STDOUT if io.pty else io.err  # a terminal has one output
         capture_out, capture_err = io.out == PIPE, err == PIPE
         dest_out = None if capture_out else _target(io.out, 1)
         dest_err = None if capture_err else _target(io.out if err == STDOUT else err, 2)
-        sup = Supervisor(self.child, self.out_r, self.err_r, self.stdin_w, self.feed, dest_out, dest_err, run_dir,
-                         capture_out, capture_err, timeout, self.cg, self.relay_in, relay_pty=io.pty)
+        sup = make(self.child, self.out_r, self.err_r, self.stdin_w, self.feed, dest_out, dest_err, run_dir,
+                   capture_out, capture_err, timeout, self.cg, self.relay_in, relay_pty=io.pty)
         self.stdin_w = -1
         return sup
 

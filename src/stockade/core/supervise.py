@@ -91,6 +91,10 @@ class Supervisor:
     command does not read is buffered (bounded) instead of blocking the output.
     """
 
+    # once init is reaped, output still buffered in the pipes is read for this long
+    # (a living sandbox's exec: its command ended, what still holds the pipes lives on)
+    DRAIN_AFTER_END = 2.0
+
     def __init__(
         self,
         child: native.Child,
@@ -261,7 +265,7 @@ class Supervisor:
                 self._arm_relay()
                 if self.init_done and self.drain_until is None:
                     # init is gone, so is every process of the sandbox: drain what is buffered
-                    self.drain_until = now + 2.0
+                    self.drain_until = now + self.DRAIN_AFTER_END
                 if self.drain_until is not None and now >= self.drain_until:
                     break
                 eof_at = self._eof_due()
@@ -298,7 +302,8 @@ class Supervisor:
                 sel.register(fd, _READ, "out")
                 self.open_streams += 1
         sel.register(self.child.report_fd, _READ, "report")
-        sel.register(self.child.exit_fd, _READ, "pidfd")
+        if self.child.exit_fd >= 0:  # (a living sandbox's exec: its end is its report channel's)
+            sel.register(self.child.exit_fd, _READ, "pidfd")
         sel.register(self._wake_r, _READ, "wake")
         if self.relay_in >= 0 and self.stdin_w >= 0:
             try:
@@ -501,7 +506,9 @@ class Forwarding:
     With a pty, a window size change is copied to the pty instead (the kernel then
     signals the pty's foreground group)."""
 
-    def __init__(self, pidfd: int, winch_to: int | None = None, on_term: Callable[[], None] | None = None) -> None:
+    def __init__(self, pidfd: int | Callable[[int], None], winch_to: int | None = None,
+                 on_term: Callable[[], None] | None = None) -> None:
+        # init's pidfd, or how to signal the command (a living sandbox's exec)
         self.pidfd = pidfd
         self.winch_to = winch_to
         self.on_term = on_term  # SIGTERM: the sandbox ends after a grace period whatever the command does
@@ -512,7 +519,10 @@ class Forwarding:
             copy_winsize(0, self.winch_to)
             return
         try:
-            signal.pidfd_send_signal(self.pidfd, sig)
+            if callable(self.pidfd):
+                self.pidfd(sig)
+            else:
+                signal.pidfd_send_signal(self.pidfd, sig)
         except OSError:  # init already gone (and reaped: the pidfd never aims elsewhere)
             pass
         if sig == signal.SIGTERM and self.on_term is not None:

@@ -614,6 +614,7 @@ def start(
     hold_before_exec: bool,
     hold_fd: int = -1,
     join_fds: tuple[int, ...] = (),
+    serve_fd: int = -1,
 ) -> LauncherChild | None:
     """Start the plan through a launcher; None when this plan has to start cold.
 
@@ -634,6 +635,7 @@ def start(
     con_slot = slot(console_sock)
     join_slots = tuple(slot(fd) for fd in join_fds)
     hold_slot = slot(hold_fd)
+    serve_slot = slot(serve_fd)
     from ..callerfds import sources
 
     fds.extend(sources(plan.keep_fds) or plan.keep_fds)  # the caller's fds (a server's supervisor: as received)
@@ -642,7 +644,7 @@ def start(
         return None
     mounts = tuple(plan.mounts[i] for i in got.run_idx)
     run = LoweredRun(plan, mounts, slots, cg_slot, pty=pty, console_sock=con_slot, join_fds=join_slots,
-                     hold_before_exec=hold_before_exec, hold_fd=hold_slot).pack()
+                     hold_before_exec=hold_before_exec, hold_fd=hold_slot, serve_fd=serve_slot).pack()
     base, key = got.base, got.key
     for attempt in (0, 1):
         with _lock:

@@ -141,7 +141,7 @@ class LoweredPlan(_Keep):
         for n in plan.namespaces:
             flags |= NS_FLAG[n]
         p.clone_flags = flags if clone_flags is None else clone_flags
-        p.cgroup_fd = p.console_sock = p.launcher_exec_fd = p.launcher_ctl_fd = -1
+        p.cgroup_fd = p.console_sock = p.serve_fd = p.launcher_exec_fd = p.launcher_ctl_fd = -1
         p.stdio = [-1, -1, -1]
         # newuidmap/newgidmap write a subordinate range's maps (spawn below, before Stage.IDMAP)
         p.uid_map = ffi.NULL if plan.uid_map.helper else s(plan.uid_map.line())
@@ -215,6 +215,7 @@ class LoweredRun(_Keep):
         join_fds: tuple[int, ...] = (),
         hold_before_exec: bool = False,
         hold_fd: int = -1,
+        serve_fd: int = -1,
     ) -> None:
         super().__init__()
         s = self.s
@@ -239,6 +240,7 @@ class LoweredRun(_Keep):
         r.pty = int(pty)
         r.console_sock = console_sock
         r.hold_before_exec = int(hold_before_exec)
+        r.serve_fd = serve_fd
         r.hold_fd = hold_fd
         self.run = r
 

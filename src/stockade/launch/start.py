@@ -23,15 +23,19 @@ def start(
     hold_before_exec: bool = False,
     hold_fd: int = -1,
     join_fds: tuple[int, ...] = (),
+    serve_fd: int = -1,
 ) -> RunChild:
     """Start a sandbox for the plan: through a launcher when possible, else cold.
     ``hold_fd``: the session's overlay lock (``Session.lock``; a cold start's overlay
     is gone once its init is reaped). ``join_fds``: cgroup v1 ``tasks`` files the
     sandbox's init enters first (``RunCgroup.placement``). ``hold_before_exec``: the
-    child waits for ``native.release(child, Stage.ATTACHED)`` before the command."""
+    child waits for ``native.release(child, Stage.ATTACHED)`` before the command.
+    ``serve_fd``: a living sandbox: its init serves exec requests on this socket
+    (``stockade.live``) instead of running the plan's command."""
     if launcher.enabled():
         served = launcher.start(plan, stdio, cgroup_fd, pty=pty, console_sock=console_sock,
-                                hold_before_exec=hold_before_exec, hold_fd=hold_fd, join_fds=join_fds)
+                                hold_before_exec=hold_before_exec, hold_fd=hold_fd, join_fds=join_fds,
+                                serve_fd=serve_fd)
         if served is not None:
             return served
     if hold_fd >= 0:
@@ -41,7 +45,7 @@ def start(
         fcntl.flock(hold_fd, fcntl.LOCK_EX)
     low = LoweredPlan(plan, plan.mounts)
     LoweredRun(plan, plan.mounts, stdio, -1 if cgroup_fd is None else cgroup_fd, pty=pty, console_sock=console_sock,
-               join_fds=join_fds, hold_before_exec=hold_before_exec).apply(low)
+               join_fds=join_fds, hold_before_exec=hold_before_exec, serve_fd=serve_fd).apply(low)
     if plan.keep_fds:
         from ..callerfds import sources
 

@@ -116,6 +116,13 @@ class Layer:
     net_forward: list[tuple[int, Origin]] = field(default_factory=list)
     net_resolver: tuple[tuple[str, int], Origin] | None = None
     net_presets: dict[str, tuple[tuple[str, ...], Origin]] = field(default_factory=dict)
+    # [snapshots], [prewarm], [live]: living sandboxes (stockade.live); seconds, None = never
+    snapshots_auto: tuple[bool, Origin] | None = None
+    snapshots_max_auto: tuple[int, Origin] | None = None
+    snapshots_retention: tuple[float | None, Origin] | None = None
+    prewarm_enabled: tuple[bool, Origin] | None = None
+    prewarm_ttl: tuple[float, Origin] | None = None
+    live_idle_timeout: tuple[float | None, Origin] | None = None
     warnings: list[str] = field(default_factory=list)
 
 
@@ -128,6 +135,7 @@ MAP_STR = "map-of-strings"
 MAP_STR_LIST = "map-of-string-arrays"  # [network.presets]: name = ["host", ...]
 STR_OR_ARGV = "string-or-argv"
 SCALAR = "string-or-number"  # a limit: "512M", 256, 1.5, "none"
+DURATION = "duration"  # "30s", "15m", "24h", a number of seconds (checked further when read)
 
 SCHEMA: dict[str, Any] = {
     "read_only": bool,
@@ -154,6 +162,10 @@ SCHEMA: dict[str, Any] = {
         "resolver": str,
         "presets": MAP_STR_LIST,
     },
+    # living sandboxes: checked further (ranges, durations) by _live_from_source
+    "snapshots": {"auto_on_start": bool, "max_auto": int, "retention": DURATION},
+    "prewarm": {"enabled": bool, "ttl": DURATION},
+    "live": {"idle_timeout": DURATION},
 }
 # a session's host rules (`stockade allow --host`, `deny --host`)
 SESSION_SCHEMA: dict[str, Any] = {"schema_version": int, **SCHEMA,
@@ -183,6 +195,8 @@ def _type_name(node: Any) -> str:
         return "a string or an array of strings"
     if node == SCALAR:
         return "a string or a number"
+    if node == DURATION:
+        return 'a duration ("30s", "15m", "24h") or a number of seconds'
     return "a table"
 
 
@@ -340,7 +354,7 @@ def validate(data: Any, schema: Mapping[str, Any], file: str, loc: Locator) -> N
             )
             if not ok:
                 raise fail(path, f"expected {_type_name(node)}, got {value!r}")
-        elif node == SCALAR:
+        elif node in (SCALAR, DURATION):
             if isinstance(value, bool) or not isinstance(value, str | int | float):
                 raise fail(path, f"expected {_type_name(node)}, got {value!r}")
         elif node is bool:
@@ -617,7 +631,75 @@ def layer_from_source(src: Source, *, project: Path, cwd: Path | None = None) ->
         lay.limits[name] = (parse_limit(name, raw, source=where), str(raw), o)
     if "network" in d or "hosts" in d:
         _network_from_source(d, lay, file, origin)
+    if "snapshots" in d or "prewarm" in d or "live" in d:
+        _live_from_source(d, lay, file, origin)
     return lay
+
+
+MAX_AUTO_LIMIT = 10000  # automatic snapshots kept at most (each is a layer every run mounts)
+# the defaults of [snapshots], [prewarm] and [live] (policy.Effective's when no tier sets one)
+DEFAULT_MAX_AUTO = 5
+DEFAULT_PREWARM_TTL = 300.0
+DEFAULT_IDLE_TIMEOUT = 1800.0
+
+
+def parse_seconds(raw: object, *, allow_none: bool) -> float | None:
+    """A duration of the config: ``"30s"``, ``"1.5m"``, ``"24h"``, ``"2d"`` or a number of
+    seconds, above zero; ``"none"`` (with ``allow_none``) -> None. Raises ValueError."""
+    from ..cgroups.parse import parse_duration
+
+    if isinstance(raw, str) and allow_none and raw.strip().lower() in ("none", "never", "unlimited", "infinity"):
+        return None
+    value: float | None
+    if isinstance(raw, bool):
+        value = None
+    elif isinstance(raw, int | float):
+        value = float(raw)
+    elif isinstance(raw, str):
+        value = parse_duration(raw)
+    else:
+        value = None
+    if value is None or not value > 0 or value == float("inf"):
+        raise ValueError(raw)
+    return value
+
+
+def _live_from_source(d: Mapping[str, Any], lay: Layer, file: str, origin: Any) -> None:
+    """[snapshots], [prewarm] and [live]: each value checked, a bad one named by file,
+    line and key with the accepted form."""
+    dur = 'a duration such as "30s", "15m", "24h", "2d" or a number of seconds, above zero'
+
+    def seconds(table: str, key: str, allow_none: bool) -> tuple[float | None, Origin]:
+        o = origin([table, key])
+        raw = d[table][key]
+        try:
+            return parse_seconds(raw, allow_none=allow_none), o
+        except ValueError:
+            form = dur + (', or "none"' if allow_none else "")
+            raise _err(file, o.line, f"{table}.{key}", f"invalid value {raw!r}: expected {form}") from None
+
+    snap = d.get("snapshots", {})
+    if "auto_on_start" in snap:
+        lay.snapshots_auto = (snap["auto_on_start"], origin(["snapshots", "auto_on_start"]))
+    if "max_auto" in snap:
+        o = origin(["snapshots", "max_auto"])
+        n = snap["max_auto"]
+        if not 1 <= n <= MAX_AUTO_LIMIT:
+            raise _err(file, o.line, "snapshots.max_auto",
+                       f"invalid value {n!r}: expected an integer from 1 to {MAX_AUTO_LIMIT}")
+        lay.snapshots_max_auto = (n, o)
+    if "retention" in snap:
+        lay.snapshots_retention = seconds("snapshots", "retention", True)
+    pre = d.get("prewarm", {})
+    if "enabled" in pre:
+        lay.prewarm_enabled = (pre["enabled"], origin(["prewarm", "enabled"]))
+    if "ttl" in pre:
+        ttl, o = seconds("prewarm", "ttl", False)
+        assert ttl is not None
+        lay.prewarm_ttl = (ttl, o)
+    live = d.get("live", {})
+    if "idle_timeout" in live:
+        lay.live_idle_timeout = seconds("live", "idle_timeout", True)
 
 
 def _network_from_source(d: Mapping[str, Any], lay: Layer, file: str, origin: Any) -> None:

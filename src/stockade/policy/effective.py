@@ -60,6 +60,16 @@ class Grant:
 
 # --------------------------------------------------------------------------- Effective
 
+# (the key as written, the Layer attribute, the default)
+_LIVE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
+    ("snapshots.auto_on_start", "snapshots_auto", False),
+    ("snapshots.max_auto", "snapshots_max_auto", _config.DEFAULT_MAX_AUTO),
+    ("snapshots.retention", "snapshots_retention", None),
+    ("prewarm.enabled", "prewarm_enabled", False),
+    ("prewarm.ttl", "prewarm_ttl", _config.DEFAULT_PREWARM_TTL),
+    ("live.idle_timeout", "live_idle_timeout", _config.DEFAULT_IDLE_TIMEOUT),
+)
+
 
 class Effective:
     """The merged policy of one run (or one `policy` command)."""
@@ -116,6 +126,15 @@ class Effective:
             self.limits_set.update(lay.limits)
         self.etc_extra: list[str] = sorted({i.value for i in self.etc_items})
         self._network: NetPolicy = network_of(layers)
+        # [snapshots], [prewarm], [live] (living sandboxes): the latest tier wins; seconds, None = never
+        self._live_settings: dict[str, tuple[Any, Origin]] = {
+            key: last(attr, default) for key, attr, default in _LIVE_SETTINGS}
+        self.snapshots_auto: bool = bool(self._live_settings["snapshots.auto_on_start"][0])
+        self.snapshots_max_auto: int = int(self._live_settings["snapshots.max_auto"][0])
+        self.snapshots_retention: float | None = self._live_settings["snapshots.retention"][0]
+        self.prewarm_enabled: bool = bool(self._live_settings["prewarm.enabled"][0])
+        self.prewarm_ttl: float = float(self._live_settings["prewarm.ttl"][0])
+        self.live_idle_timeout: float | None = self._live_settings["live.idle_timeout"][0]
 
         self.paths: PathResolution = resolve_paths(e for lay in layers for e in lay.paths)
         for d in self.paths.denies:
@@ -376,6 +395,10 @@ class Effective:
             out.append(Rule("etc", "allow", i.value, i.origin))
         for name, (_v, raw, o) in sorted(self.limits_set.items()):
             out.append(Rule("setting", "set", f"limits.{name} = {raw}", o))
+        for key, (val, o) in self._live_settings.items():
+            if o.layer != "default":  # listed once a tier sets it, as the limits
+                shown = json.dumps(val) if isinstance(val, bool | int) else ('"none"' if val is None else f'"{val:g}s"')
+                out.append(Rule("setting", "set", f"{key} = {shown}", o))
         net = self._network
         last = _last_mode(self.layers)
         for lay in self.layers:
@@ -495,6 +518,10 @@ class Effective:
             "commands_deny": self.commands_deny,
             "etc_extra": self.etc_extra,
             "network": self.network.to_json(),
+            "snapshots": {"auto_on_start": self.snapshots_auto, "max_auto": self.snapshots_max_auto,
+                          "retention": self.snapshots_retention},
+            "prewarm": {"enabled": self.prewarm_enabled, "ttl": self.prewarm_ttl},
+            "live": {"idle_timeout": self.live_idle_timeout},
             "rules": [r.to_json() for r in self.rules()],
             "warnings": self.warnings,
         }
