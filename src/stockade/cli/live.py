@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from typing import Any
 
     from ..core.request import RunRequest
-    from ..live.registry import Living
     from .table import Args
 
 
@@ -47,7 +46,7 @@ def _request(args: Args) -> RunRequest:
         from ..errors import UsageError
 
         raise UsageError(f"{args.verb} takes no command; run commands with `stockade exec NAME -- CMD`")
-    args.command = ["--", "true"]  # run_kwargs wants one; a living sandbox never runs it
+    vars(args)["command"] = ["--", "true"]  # run_kwargs wants one; a living sandbox never runs it
     kw = run_kwargs(args)
     kw.pop("session", None)
     return RunRequest(**kw)
@@ -196,7 +195,8 @@ def _changes_line(sid: str) -> str | None:
             return None
         from .changes import summary_line
 
-        return summary_line(sess)
+        line = summary_line(sess)
+        return line.removeprefix("stockade: ") if line else None
     except Exception:  # a summary never fails a stop
         return None
 
@@ -279,9 +279,7 @@ def cmd_logs(args: Args) -> int:
                     dest.write(data)
                     dest.flush()
                     pos[name] += len(data)
-            if r.get("status") == "done" and not args.follow:
-                done.add(n)
-            elif r.get("status") == "done" and lv.status not in ("running", "warm"):
+            if (r.get("status") == "done" and not args.follow) or (r.get("status") == "done" and lv.status not in ("running", "warm")):
                 done.add(n)
         if not args.follow:
             return 0

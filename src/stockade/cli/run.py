@@ -119,7 +119,17 @@ def _execute(args: Args, *, pty: bool = False, default_cmd: list[str] | None = N
         prepare.set_cache(warm.CACHE)
     else:
         prepare.set_cache(None)
-    return execute(req, RunIO(forward_signals=True, quiet=False, pty=pty))
+    io = RunIO(forward_signals=True, quiet=False, pty=pty)
+    if not pty and req.session is None and os.environ.get("STOCKADE_PREWARM", "1") != "0":
+        from ..live.registry import warm_waiting
+
+        if warm_waiting():  # `stockade warm` (or [prewarm]) left one ready: take it
+            from ..live import run_claimed
+
+            res: RunResult | None = run_claimed(req, io)
+            if res is not None:
+                return res
+    return execute(req, io)
 
 
 def cmd_run(args: Args) -> int:

@@ -47,6 +47,7 @@ def start(spec: StartSpec, *, timeout: float = 120.0) -> registry.Living:
         store.validate_name(spec.name)
     claimed = claim(spec)
     if claimed is not None:
+        _keep_warm(claimed, spec)
         return claimed
     r, w = os.pipe2(os.O_CLOEXEC)
     log = _holder_log()
@@ -62,33 +63,93 @@ def start(spec: StartSpec, *, timeout: float = 120.0) -> registry.Living:
         assert proc.stdin is not None
         proc.stdin.write(pickle.dumps(spec))
         proc.stdin.close()
+        if spec.detached:
+            proc.wait()  # it forked the holder and exited (the holder is nobody's child of ours)
         line = _read_line(r, timeout)
     finally:
         os.close(r)
     if line is None:
-        proc.kill()
-        proc.wait()
+        if not spec.detached:
+            proc.kill()
+            proc.wait()
         raise LiveError(f"the sandbox's holder did not start within {timeout:g} s "
                         f"(its log: {registry.live_root() / 'holders.log'})")
     if not line:
         rc = proc.wait()
-        raise LiveError(f"the sandbox's holder exited ({rc}) before it served "
+        raise LiveError(f"the sandbox's holder exited ({rc if not spec.detached else 'detached'}) before it served "
                         f"(its log: {registry.live_root() / 'holders.log'})")
     msg = json.loads(line)
     if not msg.get("ok"):
-        proc.wait()
+        if not spec.detached:
+            proc.wait()
         err = str(msg.get("error"))
         raise UsageError(err) if msg.get("status") == 2 else LiveError(err)
-    _forget(proc)
     lv = registry.read(str(msg["id"]))
     if lv is None:
         raise LiveError(f"sandbox {msg['id']!r} started but left no record")
+    if not spec.detached:
+        _HOLDERS[lv.id] = proc
+    if not spec.warm:
+        _keep_warm(lv, spec)
     return lv
 
 
-def _forget(proc: subprocess.Popen[bytes]) -> None:
-    """The holder runs on; nobody waits for it here (a zombie until we exit, at most)."""
-    proc.returncode = 0  # keeps subprocess from warning about a running child
+_HOLDERS: dict[str, subprocess.Popen[bytes]] = {}  # the holders this process started (reaped at stop)
+
+
+def _keep_warm(lv: registry.Living, spec: StartSpec) -> None:
+    """[prewarm] enabled: after a start, one sandbox is made ready for the next start or
+    run of the same options (in the background: this start does not wait for it)."""
+    if not lv.data.get("prewarm") or os.environ.get("STOCKADE_PREWARM", "1") == "0":
+        return
+    try:
+        key = warm_key(spec.request)
+    except (OSError, StockadeError):
+        return
+    if any(o.data.get("warm_key") == key and o.status == "warm" for o in registry.all_living()):
+        return
+    ttl = float(lv.data.get("prewarm_ttl") or 300.0)
+    warm = StartSpec(spec.request, detached=True, idle=ttl, warm=True, warm_key=key)
+    log = _holder_log()
+    try:
+        proc = subprocess.Popen([sys.executable, "-P", "-c", HOLDER_ENTRY, "-1"], stdin=subprocess.PIPE,
+                                stdout=log, stderr=log, close_fds=True, start_new_session=True)
+    finally:
+        os.close(log)
+    assert proc.stdin is not None
+    proc.stdin.write(pickle.dumps(warm))
+    proc.stdin.close()
+    proc.wait()  # it forks the holder (detached) and exits
+
+
+def run_claimed(req: RunRequest, io: Any) -> Any:
+    """A one-shot run in a pre-warmed sandbox of the same options (``stockade warm`` or
+    [prewarm]): claimed, the command exec'd, the sandbox stopped (its session keeps the
+    change set). None when there is none to claim or the request needs a fresh sandbox
+    (a named session, passed fds, a pty)."""
+    if req.session is not None or req.pass_fds or getattr(io, "pty", False):
+        return None
+    if not registry.warm_waiting():
+        return None  # the common case: one listing, no policy load
+    spec = StartSpec(req, owner_pid=os.getpid())
+    lv = claim(spec)
+    if lv is None:
+        return None
+    chan = Channel(lv)
+    try:
+        return chan.exec(req.args, io=io, env=None, cwd=req.cwd, timeout=req.timeout, shell=req.shell,
+                         here=_here())
+    finally:
+        chan.close()
+        stop(lv, wait=False)  # the session is free; its holder removes the cgroups on its own time
+        _keep_warm(lv, spec)
+
+
+def _here() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
 
 
 def _read_line(fd: int, timeout: float) -> bytes | None:
@@ -106,9 +167,10 @@ def _read_line(fd: int, timeout: float) -> bytes | None:
     return buf
 
 
-def stop(lv: registry.Living, grace: float | None = None) -> dict[str, Any]:
+def stop(lv: registry.Living, grace: float | None = None, *, wait: bool = True) -> dict[str, Any]:
     """Stop a living sandbox: SIGTERM to its processes, ``grace`` seconds, then the
-    rest killed; the overlay unmounted; the change set kept."""
+    rest killed; the overlay unmounted; the change set kept. Returns once the session
+    is free; ``wait``: also once its holder has exited (its cgroups removed)."""
     if lv.status not in ("running", "warm", "stopping", "starting"):
         return {"ok": True, "status": lv.status, "reason": lv.data.get("reason")}
     chan = Channel(lv)
@@ -118,10 +180,19 @@ def stop(lv: registry.Living, grace: float | None = None) -> dict[str, Any]:
         if lv.holder_alive():
             raise
         out = {"ok": True, "status": "stopped"}
-    deadline = time.monotonic() + 10
-    while lv.holder_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    if wait:
+        deadline = time.monotonic() + 10
+        while lv.holder_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    _reap_holders()
     return out
+
+
+def _reap_holders() -> None:
+    """Holders this process started and that have exited since (no zombies kept)."""
+    for sid, proc in list(_HOLDERS.items()):
+        if proc.poll() is not None:
+            del _HOLDERS[sid]
 
 
 # --------------------------------------------------------------------------- pre-warming

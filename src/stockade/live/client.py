@@ -452,7 +452,7 @@ class LivePopen:
             if not pending:
                 self.stdin.close()
                 w_fd = -1
-        while bufs and any(fd not in (-1,) for fd in bufs) or w_fd >= 0:
+        while (bufs and any(fd not in (-1,) for fd in bufs)) or w_fd >= 0:
             rl = [fd for fd in bufs if fd in readers]
             if not rl and w_fd < 0:
                 break

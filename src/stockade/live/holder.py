@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,13 +52,10 @@ class StartSpec:
     request: RunRequest  # the sandbox's options; its args are not used
     name: str | None = None  # the session (and sandbox) name; None: a new one
     detached: bool = False  # outlives its starter; ends after ``idle`` seconds of nothing running
-    idle: float | None = DEFAULT_IDLE
+    idle: float | None = None  # seconds; None: the config's [live] idle_timeout (else 30 min); inf: never
     owner_pid: int | None = None  # attached: the holder ends when this process does
     warm: bool = False  # pre-warmed: waits to be claimed (``stockade warm``)
     warm_key: str | None = None
-    auto_snapshot: bool = False  # [snapshots] auto_on_start
-    max_auto: int = 5
-    retention: float | None = None
 
 
 def _utc(t: float) -> str:
@@ -126,6 +123,11 @@ class Holder:
         self.init_reaped = False
         self.hold_cm: Any = None
         self.claimed_by: str | None = None
+        self.idle: float | None = None  # seconds with nothing running before a detached sandbox stops
+        self.prewarm = False
+        self.prewarm_ttl = 300.0
+        self.config_idle: float | None = DEFAULT_IDLE
+        self.written_at = 0.0
 
     # ------------------------------------------------------------------ start
 
@@ -165,6 +167,7 @@ class Holder:
                 raise SessionBusy(f"session {sess.id!r} is in use by a run; start the sandbox when it has ended, "
                                   "or start one over another session") from None
             req = dataclasses.replace(req, args=PLACEHOLDER_ARGV, session=sess.id, pass_fds=())
+            self._settings(sess, project, req)
             prep = self.prep = prepare(sess, project, req)
             if prep.plan.uid_map.ranged():
                 from ..session import idrange
@@ -190,9 +193,28 @@ class Holder:
         self._listen()
         self.status = "warm" if spec.warm else "running"
         self._write_record()
-        if spec.auto_snapshot:
-            self._auto_snapshot()
+        if spec.warm:
+            (self.dir / registry.WARM).touch()
         self._say_ready({"ok": True, "id": sess.id, "pid": os.getpid(), "socket": str(self.dir / registry.SOCK)})
+
+    def _settings(self, sess: store.Session, project: Path, req: RunRequest) -> None:
+        """The config's [live], [snapshots] and [prewarm] settings; an automatic snapshot
+        now, before the overlay is mounted (a mounted overlay's upper cannot be renamed)."""
+        from ..core.prepare import load_policy
+
+        pol = load_policy(project, sess, req.policy, req.env, req)
+        conf = getattr(pol, "live_idle_timeout", DEFAULT_IDLE)
+        self.config_idle = None if conf is None else float(conf)
+        idle = self.spec.idle
+        if idle is None:
+            idle = conf
+        self.idle = None if idle is None or idle == float("inf") else float(idle)
+        if getattr(pol, "snapshots_auto", False) and not self.spec.warm:
+            from .snapshot import auto_snapshot
+
+            auto_snapshot(sess, int(getattr(pol, "snapshots_max_auto", 5)), getattr(pol, "snapshots_retention", None))
+        self.prewarm = bool(getattr(pol, "prewarm_enabled", False))
+        self.prewarm_ttl = float(getattr(pol, "prewarm_ttl", 300.0))
 
     def _await_ready(self) -> None:
         """init's first report: it serves, or the step that failed and why."""
@@ -276,7 +298,9 @@ class Holder:
         self.reaper_w = w
 
     def _say_ready(self, msg: dict[str, Any]) -> None:
-        if self.ready_fd < 0:
+        if self.ready_fd < 0:  # a background warm-up: nobody waits
+            if not msg.get("ok"):
+                sys.stderr.write(f"stockade: pre-warming failed: {msg.get('error')}\n")
             return
         try:
             os.write(self.ready_fd, json.dumps(msg).encode() + b"\n")
@@ -300,11 +324,13 @@ class Holder:
             "project": str(plan.project) if plan is not None else None,
             "session": self.sess.id,
             "detached": spec.detached,
-            "idle_timeout": spec.idle if spec.detached else None,
+            "idle_timeout": self.idle if spec.detached else None,
             "owner_pid": spec.owner_pid,
             "policy_digest": prep.audit.policy.digest if prep is not None else None,
             "network": plan.network if plan is not None else None,
             "warm_key": spec.warm_key,
+            "prewarm": self.prewarm,
+            "prewarm_ttl": self.prewarm_ttl,
             "limits": _limits_json(prep),
             "run": self.record.run_no if self.record is not None else None,
             "execs": self.exec_count,
@@ -313,6 +339,7 @@ class Holder:
         data.update(extra)
         self.data.update(extra)
         registry.write(self.dir, data)
+        self.written_at = time.monotonic()
 
     # ------------------------------------------------------------------ the loop
 
@@ -364,6 +391,8 @@ class Holder:
                         self._on_conn(ep, fd)
                 self._enforce_timeouts()
                 self._idle_check()
+                if self.exec_count != self.data.get("execs", 0) and time.monotonic() - self.written_at > 1.0:
+                    self._write_record(execs=self.exec_count)  # `stockade ps` figures, at most once a second
         finally:
             ep.close()
 
@@ -374,15 +403,14 @@ class Holder:
         for e in self.execs.values():
             if e.timeout is not None:
                 waits.append(e.started + e.timeout + GRACE + 1.0 - time.time())
-        if self.spec.detached and self.spec.idle is not None and not self.execs:
-            waits.append(self.last_activity + self.spec.idle - now)
+        if self.spec.detached and self.idle is not None and not self.execs:
+            waits.append(self.last_activity + self.idle - now)
         return max(0.0, min(waits))
 
     def _idle_check(self) -> None:
-        spec = self.spec
-        if self.stopping is None and spec.detached and spec.idle is not None and not self.execs:
-            if time.monotonic() - self.last_activity >= spec.idle:
-                self._begin_stop(f"idle for {spec.idle:g} s")
+        if (self.stopping is None and self.spec.detached and self.idle is not None and not self.execs
+                and time.monotonic() - self.last_activity >= self.idle):
+            self._begin_stop(f"idle for {self.idle:g} s")
 
     def _enforce_timeouts(self) -> None:
         """The client enforces an exec's timeout (SIGTERM, grace, SIGKILL); this is the
@@ -543,8 +571,7 @@ class Holder:
             _send_on(esock, {"ok": True, "exec": eid, "run": run_no, "run_dir": str(run_dir), "timeout": timeout,
                              "session": self.sess.id})
             try:
-                proto.send_exec(self.serve, eid, argv, env, cwd, self.prep.plan.path_env if "PATH" not in dict(env)
-                                else dict(env)["PATH"], esock, stdio, targets, passed, pty)
+                proto.send_exec(self.serve, eid, argv, env, cwd, dict(env).get("PATH", self.prep.plan.path_env), esock, stdio, targets, passed, pty)
             except OSError as e:
                 _send_on(esock, {"ok": False, "error": f"the sandbox's init is gone ({os.strerror(e.errno or 0)})",
                                  "status": 1})
@@ -768,15 +795,6 @@ class Holder:
             return {"ok": False, "error": e.one_line(), "status": e.exit_status}
         return {"ok": True, "snapshot": snap, "frozen_by": how}
 
-    def _auto_snapshot(self) -> None:
-        from .snapshot import auto_snapshot
-
-        assert self.sess is not None
-        try:
-            auto_snapshot(self.sess, self.spec.max_auto, self.spec.retention)
-        except (StockadeError, OSError) as e:
-            sys.stderr.write(f"stockade: automatic snapshot failed: {e}\n")
-
     def _claim(self, c: Conn, body: dict[str, object]) -> None:
         """A pre-warmed sandbox is taken by a start or run with the same policy: it
         becomes an ordinary one (its owner and idle rules are the claimant's)."""
@@ -784,15 +802,23 @@ class Holder:
             self._reply(c.sock, {"ok": False, "error": "not a pre-warmed sandbox (already claimed)", "status": 1})
             return
         self.status = "running"
+        if self.dir is not None:
+            try:
+                (self.dir / registry.WARM).unlink()
+            except FileNotFoundError:
+                pass
         owner = body.get("owner_pid")
         detached = bool(body.get("detached"))
         idle = body.get("idle")
         self.spec = dataclasses.replace(self.spec, warm=False, detached=detached,
-                                        owner_pid=int(str(owner)) if owner else None,
-                                        idle=float(str(idle)) if idle is not None else None)
+                                        owner_pid=int(str(owner)) if owner else None)
+        if idle is not None:
+            self.idle = None if float(str(idle)) == float("inf") else float(str(idle))
+        else:
+            self.idle = self.config_idle
         self.claimed_by = str(owner or "")
         self._write_record(detached=detached, owner_pid=self.spec.owner_pid,
-                           idle_timeout=self.spec.idle if detached else None, claimed=True)
+                           idle_timeout=self.idle if detached else None, claimed=True)
         self._reply(c.sock, {"ok": True, "id": self.sess.id if self.sess else None, "pid": os.getpid()})
         raise _Rewatch()
 
@@ -836,10 +862,11 @@ class Holder:
             self.listener.close()
             self.listener = None
         if self.dir is not None:
-            try:
-                (self.dir / registry.SOCK).unlink()
-            except FileNotFoundError:
-                pass
+            for f in (registry.SOCK, registry.WARM):
+                try:
+                    (self.dir / f).unlink()
+                except FileNotFoundError:
+                    pass
         if self.status != "failed":
             self.status = "stopped"
         self._record_end(stats)
@@ -889,7 +916,7 @@ class Holder:
             self.hold_cm.__exit__(None, None, None)
             self.hold_cm = None
         if self.dir is not None:
-            for f in (registry.SOCK, registry.RECORD):
+            for f in (registry.SOCK, registry.RECORD, registry.WARM):
                 try:
                     (self.dir / f).unlink()
                 except FileNotFoundError:
@@ -967,10 +994,11 @@ def reap_after(holder_pid: int, d: Path | None) -> None:
         pass
     if d is None:
         return
-    try:
-        (d / registry.SOCK).unlink()
-    except OSError:
-        pass
+    for name in (registry.SOCK, registry.WARM):
+        try:
+            (d / name).unlink()
+        except OSError:
+            pass
     try:
         with open(d / registry.RECORD, encoding="utf-8") as f:
             data = json.load(f)
@@ -1001,12 +1029,21 @@ def main() -> int:
     spec = pickle.load(sys.stdin.buffer)
     if not isinstance(spec, StartSpec):
         return 2
+    if spec.detached and os.fork() > 0:
+        # detached: our starter reaps this process at once; the holder is its orphan
+        # (no zombie in a long-lived starter), in a session of its own
+        os._exit(0)
+    if spec.detached:
+        os.setsid()
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.close(null)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(_Stop()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    from ..launch import launcher
+
+    launcher.SHARED = os.environ.get("STOCKADE_LAUNCHER", "1") != "private"  # as the CLI's: one per user, reused
     h = Holder(spec, ready_fd)
     try:
         h.start()

@@ -21,6 +21,7 @@ from ..session import store
 
 SOCK = "sock"
 RECORD = "holder.json"
+WARM = "warm"  # present while a pre-warmed sandbox waits to be claimed
 
 
 def live_root() -> Path:
@@ -41,6 +42,17 @@ def make_dir(sid: str) -> Path:
     return d
 
 
+def warm_waiting() -> bool:
+    """Whether any pre-warmed sandbox waits (a listing; no record read): what a run
+    checks before it looks for one to claim."""
+    root = os.path.join(paths.state_dir(), "live")
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return False
+    return any(os.path.exists(os.path.join(root, n, WARM)) for n in names)
+
+
 def pid_start(pid: int) -> int | None:
     """A process's start time (clock ticks since boot): a pid with another start time is another process."""
     try:
@@ -49,7 +61,10 @@ def pid_start(pid: int) -> int | None:
     except OSError:
         return None
     try:
-        return int(data.rsplit(b")", 1)[1].split()[19])
+        fields = data.rsplit(b")", 1)[1].split()
+        if fields[0] in (b"Z", b"X"):
+            return None  # exited, not yet reaped by its parent: no longer that process
+        return int(fields[19])
     except (IndexError, ValueError):
         return None
 
