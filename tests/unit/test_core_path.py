@@ -18,7 +18,7 @@ from stockade.session import store
 SRC = Path(__file__).resolve().parents[2] / "src" / "stockade"
 # what sits above the core: its modules may import the core, never the other way
 ABOVE = ("stockade.api", "stockade.explain", "stockade.warm", "stockade.server", "stockade._client",
-         "stockade.fast", "stockade.cli", "stockade.__main__")
+         "stockade.fast", "stockade.cli", "stockade.__main__", "stockade.live")
 
 
 def _imports(path: Path, module: str) -> list[str]:
@@ -128,3 +128,20 @@ def test_requests_that_may_not_be_kept_never_reach_the_cache(settled: Path) -> N
     finally:
         prepare.set_cache(None)
         prepare.clear_caches()
+
+
+def test_living_sandboxes_sit_between_the_core_and_the_api() -> None:
+    """stockade.live imports the core (a living sandbox starts through it, its execs move
+    bytes with its Supervisor); only the API, the CLI and the speed layer import it."""
+    users = []
+    for p in SRC.rglob("*.py"):
+        rel = p.relative_to(SRC.parent).with_suffix("")
+        module = ".".join(rel.parts).removesuffix(".__init__")
+        if module.startswith("stockade.live"):
+            continue
+        if any(n == "stockade.live" or n.startswith("stockade.live.") for n in _imports(p, module)):
+            users.append(module)
+    assert users and all(u.split(".")[1] in ("api", "cli") for u in users), users
+    live = [n for p in (SRC / "live").glob("*.py") for n in _imports(p, f"stockade.live.{p.stem}")]
+    assert any(n.startswith("stockade.core") for n in live)
+    assert not [n for n in live if n.startswith(("stockade.api", "stockade.cli", "stockade.fast"))]

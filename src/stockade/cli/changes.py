@@ -193,6 +193,16 @@ def cmd_status(args: Args) -> int:
         data["changes"] = cs.changes_json(changes)
         data["runs"] = runs
         data["applies"] = [{"id": a.id, "state": a.state, "paths": len(a.paths)} for a in applies]
+        from .live import status_json
+
+        living = status_json(session.id)
+        if living is not None:  # its living sandbox (stockade start): the provider status schema on top
+            res = living.get("resources") or {"memory_used": "0", "memory_used_bytes": 0, "cpu_percent": 0.0,
+                                              "pids": [], "processes": 0}
+            data.update({"id": living.get("id"), "provider": "stockade", "status": living.get("status"),
+                         "started_at": living.get("started_at"), "resources": res, "pids": res.get("pids", []),
+                         "idle_timeout": living.get("idle_timeout"), "change_summary": cs.counts().phrase()})
+            data["sandbox"] = living
         _out(json.dumps(data, indent=1, default=str) + "\n")
         return 0
     if args.name_status:
@@ -200,6 +210,15 @@ def cmd_status(args: Args) -> int:
             _out(f"{c.letter}\t{_quote(c.path)}\n")
         return 0
     _out(f"session {session.id}  project {cs.project}\n")
+    from .live import status_json
+
+    living = status_json(session.id, sample=0.0)
+    if living is not None:
+        res = living.get("resources") or {}
+        _out(f"sandbox: {living.get('status')} since {living.get('started_at')}"
+             + (f", {res.get('processes')} processes, {res.get('memory_used')} memory" if res else "")
+             + (f" ({living.get('reason')})" if living.get("reason") and living.get("status") != "running" else "")
+             + "\n")
     if runs:
         _out("runs:\n")
         for r in runs:

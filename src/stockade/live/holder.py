@@ -559,6 +559,9 @@ class Holder:
             except (UsageError, ValueError, TypeError) as e:
                 _send_on(esock, {"ok": False, "error": str(e), "status": 2})
                 return
+            except Exception as e:  # answered where the client waits: on its exec socket
+                _send_on(esock, {"ok": False, "error": f"{type(e).__name__}: {e}", "status": 1})
+                return
             if self.stopping is not None or self.status not in ("running", "warm"):
                 _send_on(esock, {"ok": False, "error": f"sandbox {self.sess.id if self.sess else ''!r} is stopping "
                                  f"({self.stopping})", "status": 1})
@@ -566,7 +569,11 @@ class Holder:
             assert self.sess is not None and self.prep is not None and self.serve is not None
             eid = self.next_exec
             self.next_exec += 1
-            run_no, run_dir = self.sess.new_run_dir()
+            try:
+                run_no, run_dir = self.sess.new_run_dir()
+            except StockadeError as e:  # a full disk: said to the client, the sandbox serves on
+                _send_on(esock, {"ok": False, "error": e.one_line(), "status": 1})
+                return
             rec = ExecRec(eid, run_no, str(run_dir), argv, cwd, time.time(), timeout)
             _send_on(esock, {"ok": True, "exec": eid, "run": run_no, "run_dir": str(run_dir), "timeout": timeout,
                              "session": self.sess.id})

@@ -284,6 +284,12 @@ class Session:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                living = _living_holder(self.id)
+                if living is not None:
+                    # a living sandbox holds it for its whole life: waiting would be for good
+                    raise SessionBusy(f"session {self.id!r} is held by living sandbox {self.id!r} (holder pid "
+                                      f"{living}): run commands in it with `stockade exec {self.id} -- CMD`, or "
+                                      f"`stockade stop {self.id}` first") from None
                 if not wait:
                     # a run asked not to wait (--no-wait); apply, discard, snapshot... never wait
                     # (they act on a change set a run is still making), so retrying is the remedy
@@ -313,6 +319,26 @@ class Session:
             if hold >= 0:
                 os.close(hold)
             os.close(fd)
+
+
+def _living_holder(sid: str) -> int | None:
+    """The pid of the living sandbox holding session ``sid`` (``stockade.live``), or None."""
+    from ..paths import state_dir
+
+    try:
+        with open(os.path.join(state_dir(), "live", sid, "holder.json"), encoding="utf-8") as f:
+            data = json.load(f)
+        pid = int(data.get("holder_pid") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    if data.get("status") not in ("running", "warm", "starting", "stopping") or pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return pid if fields[0] not in (b"Z", b"X") and int(fields[19]) == data.get("holder_start") else None
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _new_id() -> str:
