@@ -5,13 +5,13 @@ from __future__ import annotations
 import importlib
 import sys
 
-MODULES = ["bench_runtime", "bench_confinement", "bench_cgroups", "bench_changes", "bench_policy", "bench_net"]
+MODULES = ["bench_runtime", "bench_confinement", "bench_cgroups", "bench_changes", "bench_policy", "bench_net", "bench_live"]
 
 
 def main() -> int:
-    only = sys.argv[1:]
+    only = sys.argv[1:]  # module names, with or without "bench_": `python -m benchmarks live`
     for name in MODULES:
-        if only and name not in only:
+        if only and name not in only and name.removeprefix("bench_") not in only:
             continue
         try:
             mod = importlib.import_module(f"benchmarks.{name}")

@@ -200,6 +200,45 @@ def end_servers(state: Path, wait: float = 5) -> None:
         time.sleep(0.02)
 
 
+def end_living(state: Path, wait: float = 10) -> None:
+    """Teardown backstop for living sandboxes (`stockade start`, `warm`,
+    `Sandbox(persistent=True)`): SIGKILL every holder recorded under
+    ``<state>/live/*/holder.json`` that is still alive (checked by its cmdline, so a
+    reused pid is never hit), and wait for it and its sandbox's init to go (the PID
+    namespace dies with init; the holder's reaper removes its cgroups)."""
+    import json
+    import time
+
+    pids: list[int] = []
+    for rec in sorted(state.glob("live/*/holder.json")):
+        try:
+            data = json.loads(rec.read_text())
+            holder = int(data.get("holder_pid") or 0)
+            init = int(data.get("init_pid") or 0)
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+        try:
+            if holder <= 0 or b"stockade.live.holder" not in Path(f"/proc/{holder}/cmdline").read_bytes():
+                continue
+            os.kill(holder, signal.SIGKILL)
+        except OSError:
+            continue
+        pids += [holder] + ([init] if init > 0 else [])  # a live holder's init is its sandbox's
+    deadline = time.monotonic() + wait
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _alive(p)]
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is no zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 def umount_when_free(at: Path, state: Path) -> None:
     """Unmount a filesystem a test mounted, once the state dir's servers and launchers
     (which hold files in it; launchers end two seconds after their last use) let go;
@@ -294,6 +333,7 @@ def user(request: pytest.FixtureRequest, cli_path: str | None) -> Iterator[User]
     try:
         yield u
     finally:
+        end_living(state)
         end_servers(state)
         sweep_cgroups(state, u.uid)
         shutil.rmtree(base, ignore_errors=True)
@@ -323,6 +363,7 @@ def state_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     try:
         yield d
     finally:
+        end_living(d)
         shutil.rmtree(d, ignore_errors=True)
 
 

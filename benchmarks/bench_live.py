@@ -1,0 +1,325 @@
+"""Living sandboxes (issue 17): what a command costs in a sandbox that is already running.
+
+One run, four tables; each table's candidates are interleaved round by round (one
+sample of each per round), so background load hits them alike:
+
+1. API, in this process (median and p90 of BENCH_N): ``sb.exec(["true"])`` into a
+   living sandbox vs bare ``subprocess.run(["true"])``, bubblewrap per command
+   (bench_runtime's peer command, reused), ``stockade.run(["true"])`` (one-shot, a new
+   session each) and ``Sandbox().run`` (a session). Figure of merit: the time added
+   over bare; budget for ``sb.exec``: <= 1.0 ms (reported, not asserted).
+2. The CLI as typed in a shell (the console script): ``stockade exec NAME -- true``
+   vs a served ``stockade run -- true`` (STOCKADE_SERVER=require after warm-up runs:
+   served, or the benchmark stops) and the interpreter's floor.
+3. ``start`` to the first exec's end, API (``Sandbox(persistent=True)`` + ``sb.exec``)
+   and CLI (``stockade start`` + ``stockade exec``); the stop after it, untimed in the
+   total, is its own row.
+4. A pre-warmed sandbox claimed by ``stockade run -- true``: per sample, ``stockade
+   warm`` runs and ``stockade ps --json`` is polled until it shows the sandbox warm,
+   then the run is timed (and checked to have claimed it); a served run with nothing
+   to claim (a new session each) is the same round's reference.
+
+Everything it starts, it stops; the last line says whether any sandbox was left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ._util import bench_dir, interleaved, median
+from .bench_runtime import _bwrap_argv, _must
+
+N = int(os.environ.get("BENCH_N", "200"))
+N_CLI = max(20, N // 5)  # a CLI sample costs an interpreter's start
+N_START = max(10, N // 10)  # a start costs a sandbox's start and stop
+BUDGET_EXEC_MS = 1.0  # sb.exec, added over bare
+LIVE_STATES = ("running", "warm", "starting", "stopping")
+
+
+def p90(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=10, method="inclusive")[-1] if len(xs) > 1 else xs[0]
+
+
+def _row(name: str, xs: list[float], extra: str = "") -> str:
+    return f"  {name:<50} {median(xs) * 1e3:8.2f} ms {p90(xs) * 1e3:8.2f} ms  {extra}"
+
+
+def _head(title: str) -> None:
+    print(title)
+    print(f"  {'':<50} {'median':>11} {'p90':>11}")
+
+
+def _cli_exe() -> list[str]:
+    """The console script of this interpreter's environment (what `make` installs), as bench_runtime finds it."""
+    exe = shutil.which("stockade", path=os.path.dirname(sys.executable)) or shutil.which("stockade")
+    return [exe] if exe else [sys.executable, "-m", "stockade"]
+
+
+def _cli(cli: list[str], *args: str, cwd: Path, env: dict[str, str] | None = None) -> str:
+    """A CLI command that must succeed (untimed work around the samples); its stdout."""
+    r = subprocess.run([*cli, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise SystemExit(f"bench: stockade {' '.join(args)} exited {r.returncode}: {r.stderr.strip()}")
+    return r.stdout
+
+
+def _timed(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> Callable[[], object]:
+    """A timed CLI candidate (stdout and stderr discarded); a failure stops the benchmark."""
+
+    def run() -> object:
+        r = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if r.returncode != 0:
+            err = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True).stderr.strip()
+            raise SystemExit(f"bench: {' '.join(argv)} exited {r.returncode}: {err}")
+        return r
+
+    return run
+
+
+def _ok(what: str, r: object) -> object:
+    rc = getattr(r, "returncode", None)
+    if rc != 0:
+        raise SystemExit(f"bench: {what} exited {rc}")
+    return r
+
+
+def _living() -> list[object]:
+    from stockade.live import registry
+
+    return [lv for lv in registry.all_living() if lv.status in LIVE_STATES]
+
+
+def _settle(timeout: float = 15.0) -> None:
+    """Until no sandbox of this state dir is running or being torn down (a claimed run
+    stops its sandbox without waiting for the holder's end)."""
+    end = time.monotonic() + timeout
+    while _living() and time.monotonic() < end:
+        time.sleep(0.02)
+
+
+def _stop_all() -> None:
+    from stockade import live
+
+    for lv in _living():
+        try:
+            live.stop(lv)  # type: ignore[arg-type]
+        except Exception as e:  # cleanup goes on
+            print(f"  (stopping {getattr(lv, 'id', '?')}: {e})")
+
+
+def main() -> None:
+    with bench_dir("stockade-bench-live-") as base:
+        os.environ["STOCKADE_LAUNCHER_IDLE"] = "5"  # the CLI's shared launcher and server end soon after
+        os.environ["STOCKADE_SERVER_IDLE"] = "5"
+        proj = base / "proj"
+        proj.mkdir()
+        (proj / "f").write_text("x\n")
+        try:
+            _machine()
+            _api(proj)
+            cli = _cli_exe()
+            _cli_table(cli, base, proj)
+            _starts(cli, proj)
+            _prewarmed(cli, proj)
+        finally:
+            _stop_all()
+            _settle()
+            left = _living()
+            from stockade.cgroups.base import flush_deferred
+            from stockade.launch import launcher
+
+            flush_deferred()
+            launcher.shutdown()
+            print(f"cleanup: {len(left)} living sandbox(es) left running" + (f": {left}" if left else ""))
+
+
+def _machine() -> None:
+    import stockade.cgroups.detect as cgdetect
+
+    bw = shutil.which("bwrap")
+    bwv = subprocess.run([bw, "--version"], capture_output=True, text=True).stdout.strip() if bw else "not installed"
+    print(f"machine: {os.cpu_count()} cores, kernel {os.uname().release}, cgroup backend {cgdetect.detect().kind}, "
+          f"{bwv}; BENCH_N={N}")
+
+
+# --------------------------------------------------------------------------- 1. API
+
+
+def _api(proj: Path) -> None:
+    import stockade
+
+    fns: dict[str, Callable[[], object]] = {}
+    fns["bare `true` (subprocess.run)"] = _must(["true"])
+    bw = shutil.which("bwrap")
+    if bw:
+        argv = _bwrap_argv(str(proj))
+        _must(argv)()
+        fns["bubblewrap per command (bench_runtime's)"] = _must(argv)
+    live = stockade.Sandbox(proj, persistent=True)
+    sb = stockade.Sandbox(proj)
+    try:
+        fns["sb.exec(['true']) (living sandbox)"] = lambda: _ok("sb.exec", live.exec(["true"]))
+        fns["stockade.run(['true']) (one-shot, new session)"] = lambda: _ok("stockade.run", stockade.run(["true"], project=proj))
+        fns["Sandbox().run(['true']) (session)"] = lambda: _ok("Sandbox.run", sb.run(["true"]))
+        res = interleaved(fns, N)
+    finally:
+        live.close()
+        sb.close()
+    bare_name = "bare `true` (subprocess.run)"
+    bare, bare90 = median(res[bare_name]), p90(res[bare_name])
+    ref = median(res["bubblewrap per command (bench_runtime's)"]) if bw else None
+    _head(f"== 1. a command in a sandbox, API (median and p90 of {N}, interleaved; "
+          "added over bare: median, p90; ratio vs bubblewrap)")
+    for name, xs in res.items():
+        added = "" if name == bare_name else \
+            f"+{(median(xs) - bare) * 1e3:5.2f} ms, +{(p90(xs) - bare90) * 1e3:5.2f} ms"
+        ratio = f"{median(xs) / ref:5.2f}x bwrap" if ref else ""
+        print(_row(name, xs, f"{added:<24} {ratio}"))
+    if not bw:
+        print("  (bubblewrap not installed: `apt-get install bubblewrap` for the comparison)")
+    exec_added = (median(res["sb.exec(['true']) (living sandbox)"]) - bare) * 1e3
+    verdict = "holds" if exec_added <= BUDGET_EXEC_MS else "OVER BUDGET"
+    print(f"  budget: sb.exec adds {exec_added:.2f} ms over bare (budget <= {BUDGET_EXEC_MS:.1f} ms): {verdict}")
+
+
+# --------------------------------------------------------------------------- 2. CLI
+
+
+def _cli_table(cli: list[str], base: Path, proj: Path) -> None:
+    served = {**os.environ, "STOCKADE_SERVER": "require"}
+    for _ in range(3):  # the first makes the state dir's launcher, the next starts the server
+        _cli(cli, "run", "--project", str(proj), "--session", "cli", "--", "true", cwd=proj)
+    _cli(cli, "run", "--project", str(proj), "--session", "cli", "--", "true", cwd=proj, env=served)
+    time.sleep(1)
+    name = "bench-cli"
+    _cli(cli, "start", "--project", str(proj), "--name", name, "--idle-timeout", "10m", cwd=proj)
+    try:
+        pyc = [sys.executable, "-c", "pass"]
+        fns = {
+            "`stockade exec NAME -- true`": _timed([*cli, "exec", name, "--", "true"], proj),
+            "`stockade run -- true` (served, one session)": _timed(
+                [*cli, "run", "--project", str(proj), "--session", "cli", "--", "true"], proj, served),
+            "python -c pass (with site, as the CLI starts)": _timed(pyc, proj),
+        }
+        res = interleaved(fns, N_CLI)
+    finally:
+        _cli(cli, "stop", name, cwd=proj)
+    ref = median(res["`stockade run -- true` (served, one session)"])
+    _head(f"== 2. the CLI as typed in a shell (median and p90 of {N_CLI}, interleaved; ratio vs served run; CLI: {' '.join(cli)})")
+    for k, xs in res.items():
+        print(_row(k, xs, f"{median(xs) / ref:5.2f}x served run"))
+
+
+# --------------------------------------------------------------------------- 3. start to first exec
+
+
+def _starts(cli: list[str], proj: Path) -> None:
+    import stockade
+
+    _settle()
+    parts: dict[str, list[float]] = {k: [] for k in (
+        "API: Sandbox(persistent=True) + first sb.exec", "  of which the start", "  stop (sb.close())",
+        "CLI: `stockade start` + first `stockade exec`", "  of which `stockade start`", "  `stockade stop`")}
+
+    def api() -> None:
+        t0 = time.perf_counter()
+        sb = stockade.Sandbox(proj, persistent=True)
+        t1 = time.perf_counter()
+        try:
+            _ok("sb.exec", sb.exec(["true"]))
+            t2 = time.perf_counter()
+        finally:
+            sb.close()
+        t3 = time.perf_counter()
+        parts["API: Sandbox(persistent=True) + first sb.exec"].append(t2 - t0)
+        parts["  of which the start"].append(t1 - t0)
+        parts["  stop (sb.close())"].append(t3 - t2)
+
+    def cmdline() -> None:
+        t0 = time.perf_counter()
+        sid = _cli(cli, "start", "--project", str(proj), "--idle-timeout", "10m", cwd=proj).strip()
+        t1 = time.perf_counter()
+        try:
+            _timed([*cli, "exec", sid, "--", "true"], proj)()
+            t2 = time.perf_counter()
+        finally:
+            _cli(cli, "stop", sid, cwd=proj)
+        t3 = time.perf_counter()
+        parts["CLI: `stockade start` + first `stockade exec`"].append(t2 - t0)
+        parts["  of which `stockade start`"].append(t1 - t0)
+        parts["  `stockade stop`"].append(t3 - t2)
+
+    api()  # warm-up: the holder's interpreter and the module files in the page cache
+    cmdline()
+    for v in parts.values():
+        v.clear()
+    for _ in range(N_START):
+        api()
+        _settle()
+        cmdline()
+        _settle()
+    _head(f"== 3. start to the end of the first exec of `true` (median and p90 of {N_START}, interleaved)")
+    for k, xs in parts.items():
+        print(_row(k, xs))
+
+
+# --------------------------------------------------------------------------- 4. pre-warmed
+
+
+def _wait_warm(cli: list[str], proj: Path, timeout: float = 30.0) -> str:
+    """Until `stockade ps --json` lists a warm sandbox for ``proj``; its id."""
+    end = time.monotonic() + timeout
+    while True:
+        rows = json.loads(_cli(cli, "ps", "--json", cwd=proj))
+        for d in rows:
+            if d.get("status") == "warm" and d.get("project") == str(proj):
+                return str(d["id"])
+        if time.monotonic() > end:
+            raise SystemExit(f"bench: no warm sandbox for {proj} after {timeout:g} s: {rows}")
+        time.sleep(0.05)
+
+
+def _prewarmed(cli: list[str], proj: Path) -> None:
+    from stockade.live import registry
+
+    _settle()
+    served = {**os.environ, "STOCKADE_SERVER": "require"}
+    run = [*cli, "run", "--project", str(proj), "--", "true"]
+    plain = _timed(run, proj, served)
+    claiming = _timed(run, proj, served)
+    res: dict[str, list[float]] = {"`stockade run -- true` (served, new session, nothing to claim)": [],
+                                   "`stockade run -- true` claiming a pre-warmed sandbox": []}
+    for i in range(N_START + 2):  # two warm-up rounds
+        t0 = time.perf_counter()
+        plain()
+        t1 = time.perf_counter()
+        _cli(cli, "warm", "--project", str(proj), "--ttl", "60s", cwd=proj, env=served)
+        sid = _wait_warm(cli, proj)
+        time.sleep(0.05)
+        t2 = time.perf_counter()
+        claiming()
+        t3 = time.perf_counter()
+        lv = registry.read(sid)
+        if lv is None or not lv.data.get("claimed"):
+            raise SystemExit(f"bench: the run did not claim pre-warmed sandbox {sid}: {lv and lv.data}")
+        _settle()
+        if i >= 2:
+            res["`stockade run -- true` (served, new session, nothing to claim)"].append(t1 - t0)
+            res["`stockade run -- true` claiming a pre-warmed sandbox"].append(t3 - t2)
+    _head(f"== 4. a pre-warmed sandbox (`stockade warm`, waited for in `stockade ps --json`), claimed by a served run "
+          f"(median and p90 of {N_START}, interleaved)")
+    ref = median(res["`stockade run -- true` (served, new session, nothing to claim)"])
+    for k, xs in res.items():
+        print(_row(k, xs, f"{(median(xs) - ref) * 1e3:+6.2f} ms vs nothing to claim"))
+
+
+if __name__ == "__main__":
+    main()
