@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None, *, serve: bool = True) -> int:
     reconfigure = getattr(sys.stdout, "reconfigure", None)
     if reconfigure is not None and getattr(sys.stdout, "errors", "") == "strict":
         reconfigure(errors="surrogateescape")
-    if serve and argv is None and words[:1] == ["run"]:
+    if serve and argv is None and (words[:1] == ["run"] or (words[:1] == ["exec"] and not _tty(words))):
         # the user's warm server runs it (this same code, this process's context), else here
         from ..fast.client import serve_and_exit
 
@@ -52,11 +52,21 @@ def main(argv: list[str] | None = None, *, serve: bool = True) -> int:
         return 2
 
     def verb() -> int:
-        if args.verb not in ("run", "explain", "shell", "recover"):
+        if args.verb not in ("run", "explain", "shell", "recover", "exec"):
             _recover_quietly()
         return int(func(args))
 
     return _guarded(verb)
+
+
+def _tty(words: list[str]) -> bool:
+    """`exec -t` relays this terminal in raw mode: it runs here, never served."""
+    for w in words[1:]:
+        if w == "--":
+            return False
+        if w in ("-t", "--tty") or (w.startswith("-") and not w.startswith("--") and "t" in w[1:]):
+            return True
+    return False
 
 
 def _guarded(fn: Callable[[], int]) -> int:

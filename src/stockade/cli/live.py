@@ -131,6 +131,8 @@ def cmd_exec(args: Args) -> int:
     lv = registry.running(args.name)
     chan = Channel(lv)
     pty = bool(args.tty)
+    if pty and "TERM" in os.environ:
+        env.setdefault("TERM", os.environ["TERM"])  # this terminal's kind, as `stockade shell` has it
     io = RunIO(stdin=None if (args.interactive or pty) else DEVNULL, forward_signals=True, quiet=False, pty=pty)
     try:
         here = os.getcwd()
