@@ -9,8 +9,8 @@ sample of each per round), so background load hits them alike:
    session each) and ``Sandbox().run`` (a session). Figure of merit: the time added
    over bare; budget for ``sb.exec``: <= 1.0 ms (reported, not asserted).
 2. The CLI as typed in a shell (the console script): ``stockade exec NAME -- true``
-   vs a served ``stockade run -- true`` (STOCKADE_SERVER=require after warm-up runs:
-   served, or the benchmark stops) and the interpreter's floor.
+   vs ``stockade run -- true``, both served by the CLI server (STOCKADE_SERVER=require
+   after warm-up runs: served, or the benchmark stops), and the interpreter's floor.
 3. ``start`` to the first exec's end, API (``Sandbox(persistent=True)`` + ``sb.exec``)
    and CLI (``stockade start`` + ``stockade exec``); the stop after it, untimed in the
    total, is its own row.
@@ -204,7 +204,7 @@ def _cli_table(cli: list[str], base: Path, proj: Path) -> None:
     try:
         pyc = [sys.executable, "-c", "pass"]
         fns = {
-            "`stockade exec NAME -- true`": _timed([*cli, "exec", name, "--", "true"], proj),
+            "`stockade exec NAME -- true` (served)": _timed([*cli, "exec", name, "--", "true"], proj, served),
             "`stockade run -- true` (served, one session)": _timed(
                 [*cli, "run", "--project", str(proj), "--session", "cli", "--", "true"], proj, served),
             "python -c pass (with site, as the CLI starts)": _timed(pyc, proj),
@@ -216,7 +216,6 @@ def _cli_table(cli: list[str], base: Path, proj: Path) -> None:
     _head(f"== 2. the CLI as typed in a shell (median and p90 of {N_CLI}, interleaved; ratio vs served run; CLI: {' '.join(cli)})")
     for k, xs in res.items():
         print(_row(k, xs, f"{median(xs) / ref:5.2f}x served run"))
-    print("  (`stockade exec` runs in its own process: the CLI server serves `stockade run` only)")
 
 
 # --------------------------------------------------------------------------- 3. start to first exec

@@ -193,9 +193,9 @@ def cmd_status(args: Args) -> int:
         data["changes"] = cs.changes_json(changes)
         data["runs"] = runs
         data["applies"] = [{"id": a.id, "state": a.state, "paths": len(a.paths)} for a in applies]
-        from .live import status_json
+        from ..live.status import living_status
 
-        living = status_json(session.id)
+        living = living_status(session.id)
         if living is not None:  # its living sandbox (stockade start): the provider status schema on top
             res = living.get("resources") or {"memory_used": "0", "memory_used_bytes": 0, "cpu_percent": 0.0,
                                               "pids": [], "processes": 0}
@@ -210,9 +210,9 @@ def cmd_status(args: Args) -> int:
             _out(f"{c.letter}\t{_quote(c.path)}\n")
         return 0
     _out(f"session {session.id}  project {cs.project}\n")
-    from .live import status_json
+    from ..live.status import living_status
 
-    living = status_json(session.id, sample=0.0)
+    living = living_status(session.id, sample=0.0)
     if living is not None:
         res = living.get("resources") or {}
         _out(f"sandbox: {living.get('status')} since {living.get('started_at')}"

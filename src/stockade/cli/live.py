@@ -13,7 +13,6 @@ import time
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
 
     from ..core.request import RunRequest
     from .table import Args
@@ -231,23 +230,6 @@ def cmd_ps(args: Args) -> int:
         _out(f"{lv.id:<16} {lv.status:<9} {_age(d.get('started_at')):>7} {d.get('execs', 0)!s:>5} "
              f"{d.get('network') or '?':<5} {idle:>6}  {d.get('project')}\n")
     return 0
-
-
-def status_json(sid: str, sample: float = 0.2) -> dict[str, Any] | None:
-    """The seed's status schema for a session's living sandbox (None: it never had one)."""
-    from ..live import Channel, registry
-
-    lv = registry.read(sid)
-    if lv is None:
-        return None
-    if lv.status in ("running", "warm"):
-        try:
-            st = Channel(lv).request("status", sample=sample)["status"]
-            if isinstance(st, dict):
-                return st
-        except Exception:  # gone meanwhile: the record says what is known
-            pass
-    return {**lv.data, "status": lv.status}
 
 
 def cmd_logs(args: Args) -> int:

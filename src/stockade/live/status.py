@@ -89,3 +89,22 @@ def resources(init_pid: int, cg: object | None, sample: float = 0.2) -> dict[str
 def stragglers(init_pid: int) -> list[int]:
     """Processes of the sandbox still alive (host pids), init excluded."""
     return [p.pid for p in tree(init_pid)[1:]]
+
+
+def living_status(sid: str, sample: float = 0.2) -> dict[str, Any] | None:
+    """The provider status schema of session ``sid``'s living sandbox, asked of its holder
+    while it runs, else its last record; None: the session never had one."""
+    from . import registry
+    from .client import Channel
+
+    lv = registry.read(sid)
+    if lv is None:
+        return None
+    if lv.status in ("running", "warm"):
+        try:
+            st = Channel(lv).request("status", sample=sample)["status"]
+            if isinstance(st, dict):
+                return st
+        except Exception:  # gone meanwhile: the record says what is known
+            pass
+    return {**lv.data, "status": lv.status}
