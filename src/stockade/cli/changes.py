@@ -403,8 +403,18 @@ def cmd_clean(args: Args) -> int:
             os.rename(trash, s.dir)
             raise
         removed.append(s.id)
+        _forget_living(s.id)
     _err(f"stockade: removed {len(removed)} session(s)" + (f": {', '.join(removed)}" if removed else ""))
     return 0
+
+
+def _forget_living(sid: str) -> None:
+    """A removed session's living sandbox record (stopped: its lock was free) goes with it."""
+    import shutil
+
+    from ..paths import state_dir
+
+    shutil.rmtree(os.path.join(state_dir(), "live", sid), ignore_errors=True)
 
 
 def _session_and_one(args: Args, usage: str) -> tuple[Any, str]:

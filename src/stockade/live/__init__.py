@@ -215,8 +215,10 @@ def warm_key(req: RunRequest) -> str:
         digest = "?"
     opts = (str(project), st.st_ino, st.st_dev, req.cwd and os.fspath(req.cwd), req.root, req.user, req.read_only,
             req.network, tuple(req.allow_hosts), tuple(str(x) for x in req.forward), req.seccomp,
-            tuple(req.allow_degraded), req.landlock, repr(req.limits), digest, os.getuid())
-    return hashlib.sha256(repr(opts).encode()).hexdigest()[:24]
+            tuple(req.allow_degraded), req.landlock, repr(req.limits), os.getuid(),
+            None if req.policy is None else repr(getattr(req.policy, "key", req.policy)))
+    # "options:policy": a sandbox warmed for these options under another policy is stale
+    return hashlib.sha256(repr(opts).encode()).hexdigest()[:16] + ":" + digest[:16]
 
 
 def claim(spec: StartSpec) -> registry.Living | None:
@@ -228,8 +230,16 @@ def claim(spec: StartSpec) -> registry.Living | None:
         key = warm_key(spec.request)
     except (OSError, StockadeError):
         return None
+    opts = key.split(":", 1)[0]
     for lv in registry.all_living():
-        if lv.data.get("status") != "warm" or lv.data.get("warm_key") != key or not lv.holder_alive():
+        if lv.data.get("status") != "warm" or not lv.holder_alive():
+            continue
+        if lv.data.get("warm_key") != key:
+            if str(lv.data.get("warm_key") or "").split(":", 1)[0] == opts:
+                try:  # warmed for these options under a policy that has changed since: stale
+                    stop(lv, wait=False)
+                except StockadeError:
+                    pass
             continue
         try:
             Channel(lv).request("claim", owner_pid=spec.owner_pid, detached=spec.detached,

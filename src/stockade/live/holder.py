@@ -329,6 +329,7 @@ class Holder:
             "policy_digest": prep.audit.policy.digest if prep is not None else None,
             "network": plan.network if plan is not None else None,
             "warm_key": spec.warm_key,
+            "warm_opts": spec.warm_key and spec.warm_key.split(":", 1)[0],
             "prewarm": self.prewarm,
             "prewarm_ttl": self.prewarm_ttl,
             "limits": _limits_json(prep),
@@ -447,11 +448,9 @@ class Holder:
         """Nothing but init is left (or init itself is gone)."""
         if self.init_reaped:
             return True
-        try:
-            with open(f"/proc/{self.init_pid}/task/{self.init_pid}/children", "rb") as f:
-                return not f.read().strip()
-        except OSError:
-            return True
+        from .status import stragglers
+
+        return not stragglers(self.init_pid)
 
     # ------------------------------------------------------------------ clients
 
