@@ -12,12 +12,14 @@ sample of each per round), so background load hits them alike:
    vs ``stockade run -- true``, both served by the CLI server (STOCKADE_SERVER=require
    after warm-up runs: served, or the benchmark stops), and the interpreter's floor.
 3. ``start`` to the first exec's end, API (``Sandbox(persistent=True)`` + ``sb.exec``)
-   and CLI (``stockade start`` + ``stockade exec``); the stop after it, untimed in the
-   total, is its own row.
+   and CLI (``stockade start`` + ``stockade exec``), and the CLI's start claiming a
+   pre-warmed sandbox (``stockade warm`` before the sample, waited for in ``stockade ps
+   --json``); the stop after it, untimed in the total, is its own row.
 4. A pre-warmed sandbox claimed by ``stockade run -- true``: per sample, ``stockade
    warm`` runs and ``stockade ps --json`` is polled until it shows the sandbox warm,
    then the run is timed (and checked to have claimed it); a served run with nothing
-   to claim (a new session each) is the same round's reference.
+   to claim (a new session each) is the same round's reference. The same for
+   ``stockade.run`` and a sandbox warmed for its options (as ``[prewarm]`` warms one).
 
 Everything it starts, it stops; the last line says whether any sandbox was left.
 """
@@ -126,7 +128,7 @@ def main() -> None:
             _machine()
             _api(proj)
             cli = _cli_exe()
-            _cli_table(cli, base, proj)
+            _cli_table(cli, proj)
             _starts(cli, proj)
             _prewarmed(cli, proj)
         finally:
@@ -188,12 +190,59 @@ def _api(proj: Path) -> None:
     exec_added = (median(res["sb.exec(['true']) (living sandbox)"]) - bare) * 1e3
     verdict = "holds" if exec_added <= BUDGET_EXEC_MS else "OVER BUDGET"
     print(f"  budget: sb.exec adds {exec_added:.2f} ms over bare (budget <= {BUDGET_EXEC_MS:.1f} ms): {verdict}")
+    _exec_share(proj)
+
+
+def _exec_share(proj: Path) -> None:
+    """Where an exec's time goes: the holder's answer (its checks, the run's directory),
+    then the command's life as the client supervises it (init's vfork and execve, the
+    reports, the exec socket's end); the rest is the client's Python."""
+    import functools
+
+    import stockade
+    from stockade.live import client
+
+    spent: dict[str, float] = {}
+    saved: list[tuple[object, str, object]] = []
+
+    def wrap(obj: object, name: str, label: str) -> None:
+        f = getattr(obj, name)
+        saved.append((obj, name, f))
+
+        @functools.wraps(f)
+        def g(*a: object, **k: object) -> object:
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, g)
+
+    wrap(client, "_recv_ack", "holder's answer")
+    wrap(client.ExecSupervisor, "loop", "command (init's fork, exec, reports)")
+    rows: dict[str, list[float]] = {}
+    live = stockade.Sandbox(proj, persistent=True)
+    try:
+        for _ in range(N):
+            spent.clear()
+            t = time.perf_counter()
+            _ok("sb.exec", live.exec(["true"]))
+            total = time.perf_counter() - t
+            for part, v in {"total": total, **spent, "client's Python": total - sum(spent.values())}.items():
+                rows.setdefault(part, []).append(v)
+    finally:
+        for obj, name, f in saved:
+            setattr(obj, name, f)
+        live.close()
+    print(f"  where sb.exec's time goes (back to back, median of {N}): "
+          + ", ".join(f"{part} {median(v) * 1e3:.2f} ms" for part, v in rows.items()))
 
 
 # --------------------------------------------------------------------------- 2. CLI
 
 
-def _cli_table(cli: list[str], base: Path, proj: Path) -> None:
+def _cli_table(cli: list[str], proj: Path) -> None:
     served = {**os.environ, "STOCKADE_SERVER": "require"}
     for _ in range(3):  # the first makes the state dir's launcher, the next starts the server
         _cli(cli, "run", "--project", str(proj), "--session", "cli", "--", "true", cwd=proj)
@@ -225,9 +274,14 @@ def _starts(cli: list[str], proj: Path) -> None:
     import stockade
 
     _settle()
-    parts: dict[str, list[float]] = {k: [] for k in (
-        "API: Sandbox(persistent=True) + first sb.exec", "  of which the start", "  stop (sb.close())",
-        "CLI: `stockade start` + first `stockade exec`", "  of which `stockade start`", "  `stockade stop`")}
+    served = {**os.environ, "STOCKADE_SERVER": "require"}
+    api_total, api_start, api_stop = "API: Sandbox(persistent=True) + first sb.exec", "  of which the start", \
+        "  stop (sb.close())"
+    cli_total, cli_start, cli_stop = "CLI: `stockade start` + first `stockade exec`", "  of which `stockade start`", \
+        "  `stockade stop`"
+    warm_total, warm_start = "  same, claiming a pre-warmed sandbox", "    of which `stockade start`"
+    parts: dict[str, list[float]] = {k: [] for k in (api_total, api_start, api_stop, cli_total, cli_start,
+                                                     warm_total, warm_start, cli_stop)}
 
     def api() -> None:
         t0 = time.perf_counter()
@@ -239,34 +293,47 @@ def _starts(cli: list[str], proj: Path) -> None:
         finally:
             sb.close()
         t3 = time.perf_counter()
-        parts["API: Sandbox(persistent=True) + first sb.exec"].append(t2 - t0)
-        parts["  of which the start"].append(t1 - t0)
-        parts["  stop (sb.close())"].append(t3 - t2)
+        parts[api_total].append(t2 - t0)
+        parts[api_start].append(t1 - t0)
+        parts[api_stop].append(t3 - t2)
 
-    def cmdline() -> None:
+    def cmdline(warm: bool) -> None:
+        want = None
+        if warm:  # ready before the sample: `stockade warm`, until `stockade ps --json` shows it
+            _cli(cli, "warm", "--project", str(proj), "--ttl", "60s", cwd=proj, env=served)
+            want = _wait_warm(cli, proj)
+            time.sleep(0.05)
         t0 = time.perf_counter()
-        sid = _cli(cli, "start", "--project", str(proj), "--idle-timeout", "10m", cwd=proj).strip()
+        sid = _cli(cli, "start", "--project", str(proj), "--idle-timeout", "10m", cwd=proj, env=served).strip()
         t1 = time.perf_counter()
         try:
-            _timed([*cli, "exec", sid, "--", "true"], proj)()
+            if want is not None and sid != want:
+                raise SystemExit(f"bench: `stockade start` did not claim pre-warmed sandbox {want} (started {sid})")
+            _timed([*cli, "exec", sid, "--", "true"], proj, served)()
             t2 = time.perf_counter()
         finally:
             _cli(cli, "stop", sid, cwd=proj)
         t3 = time.perf_counter()
-        parts["CLI: `stockade start` + first `stockade exec`"].append(t2 - t0)
-        parts["  of which `stockade start`"].append(t1 - t0)
-        parts["  `stockade stop`"].append(t3 - t2)
+        parts[warm_total if warm else cli_total].append(t2 - t0)
+        parts[warm_start if warm else cli_start].append(t1 - t0)
+        if not warm:
+            parts[cli_stop].append(t3 - t2)
 
     api()  # warm-up: the holder's interpreter and the module files in the page cache
-    cmdline()
+    cmdline(False)
+    cmdline(True)
+    _settle()
     for v in parts.values():
         v.clear()
     for _ in range(N_START):
         api()
         _settle()
-        cmdline()
+        cmdline(False)
         _settle()
-    _head(f"== 3. start to the end of the first exec of `true` (median and p90 of {N_START}, interleaved)")
+        cmdline(True)
+        _settle()
+    _head(f"== 3. start to the end of the first exec of `true` (median and p90 of {N_START}, interleaved; "
+          "stop after it)")
     for k, xs in parts.items():
         print(_row(k, xs))
 
@@ -288,6 +355,9 @@ def _wait_warm(cli: list[str], proj: Path, timeout: float = 30.0) -> str:
 
 
 def _prewarmed(cli: list[str], proj: Path) -> None:
+    import stockade
+    from stockade import live
+    from stockade.core.request import RunRequest
     from stockade.live import registry
 
     _settle()
@@ -297,7 +367,14 @@ def _prewarmed(cli: list[str], proj: Path) -> None:
     claiming = _timed(run, proj, served)
     plain_name, claim_name = "`stockade run -- true` (served, nothing to claim)", "  same, claiming a pre-warmed sandbox"
     warm_name = "  (`stockade warm` until it serves: paid ahead)"
-    res: dict[str, list[float]] = {plain_name: [], claim_name: [], warm_name: []}
+    api_name, api_claim = "stockade.run(['true']) (nothing to claim)", "  same, claiming one warmed for its options"
+    res: dict[str, list[float]] = {plain_name: [], claim_name: [], warm_name: [], api_name: [], api_claim: []}
+
+    def claimed(sid: str, what: str) -> None:
+        lv = registry.read(sid)
+        if lv is None or not lv.data.get("claimed"):
+            raise SystemExit(f"bench: {what} did not claim pre-warmed sandbox {sid}: {lv and lv.data}")
+
     for i in range(N_START + 2):  # two warm-up rounds
         t0 = time.perf_counter()
         plain()
@@ -309,19 +386,33 @@ def _prewarmed(cli: list[str], proj: Path) -> None:
         t2 = time.perf_counter()
         claiming()
         t3 = time.perf_counter()
-        lv = registry.read(sid)
-        if lv is None or not lv.data.get("claimed"):
-            raise SystemExit(f"bench: the run did not claim pre-warmed sandbox {sid}: {lv and lv.data}")
+        claimed(sid, "`stockade run`")
+        _settle()
+        # the API: a sandbox warmed for stockade.run's own options, as [prewarm] warms one
+        # after an API start (`stockade warm` readies one for the CLI's options)
+        t4 = time.perf_counter()
+        _ok("stockade.run", stockade.run(["true"], project=proj))
+        t5 = time.perf_counter()
+        req = RunRequest(("true",), project=proj)
+        lv = live.start(live.StartSpec(req, detached=True, idle=60.0, warm=True, warm_key=live.warm_key(req)))
+        time.sleep(0.05)
+        t6 = time.perf_counter()
+        _ok("stockade.run", stockade.run(["true"], project=proj))
+        t7 = time.perf_counter()
+        claimed(lv.id, "stockade.run")
         _settle()
         if i >= 2:
             res[plain_name].append(t1 - t0)
             res[claim_name].append(t3 - t2)
             res[warm_name].append(tw - t1)
-    _head(f"== 4. a pre-warmed sandbox (`stockade warm`, then `stockade ps --json` shows it warm), claimed by a "
-          f"served run (median and p90 of {N_START}, interleaved)")
-    ref = median(res[plain_name])
+            res[api_name].append(t5 - t4)
+            res[api_claim].append(t7 - t6)
+    _head(f"== 4. a one-shot run claiming a pre-warmed sandbox (`stockade warm`, then `stockade ps --json` shows it "
+          f"warm) vs nothing to claim (median and p90 of {N_START}, interleaved)")
+    against = {plain_name: plain_name, claim_name: plain_name, api_name: api_name, api_claim: api_name}
     for k, xs in res.items():
-        print(_row(k, xs, "" if k == warm_name else f"{(median(xs) - ref) * 1e3:+6.2f} ms vs nothing to claim"))
+        ref = median(res[against[k]]) if k in against else None
+        print(_row(k, xs, "" if ref is None else f"{(median(xs) - ref) * 1e3:+6.2f} ms vs nothing to claim"))
     print("  (each run a new session: a pre-warmed sandbox is claimed only by a run or start without --session)")
 
 

@@ -220,16 +220,21 @@ def assert_all_gone(lv: Live, timeout: float = 3.0, cgroups: bool = True) -> Non
     namespace), no mount of its session (in any mount namespace), no run cgroup of its
     holder (of this state dir at all, with ``cgroups``), no socket."""
     user = lv.user
-    wait_for(lambda: not alive(lv.holder), timeout, f"holder {lv.holder} still alive")
-    wait_for(lambda: not lv.members(), timeout, f"processes of the sandbox left: {lv.members()}")
+    end = time.monotonic() + timeout
+
+    def left() -> float:
+        return max(0.0, end - time.monotonic())
+
+    wait_for(lambda: not alive(lv.holder), left(), f"holder {lv.holder} still alive")
+    wait_for(lambda: not lv.members(), left(), f"processes of the sandbox left: {lv.members()}")
     assert not alive(lv.init)
-    wait_for(lambda: not overlay_holders(lv.upper), timeout, "the sandbox's overlay is still mounted somewhere")
+    wait_for(lambda: not overlay_holders(lv.upper), left(), "the sandbox's overlay is still mounted somewhere")
     assert str(lv.session_dir) not in Path("/proc/self/mountinfo").read_text()
-    wait_for(lambda: not run_cgroups(user, lv.holder), timeout,
-             f"cgroups of the holder left: {run_cgroups(user, lv.holder)}")
+    wait_for(lambda: not run_cgroups(user, lv.holder), left(),
+             f"cgroups made by the holder {lv.holder} left: {run_cgroups(user, lv.holder)}")
     if cgroups:
-        wait_for(lambda: not run_cgroups(user), timeout, f"cgroups of the state dir left: {run_cgroups(user)}")
-    assert not lv.sock.exists()
+        wait_for(lambda: not run_cgroups(user), left(), f"cgroups of the state dir left: {run_cgroups(user)}")
+    wait_for(lambda: not lv.sock.exists(), left(), f"the holder's socket {lv.sock} is left")
 
 
 def start(user: User, project: Path, *args: str) -> str:
@@ -265,7 +270,10 @@ def living(user: User, project: Path, *args: str) -> Iterator[Live]:
 
 def ex(user: User, sid: str, *cmd: str, opts: tuple[str, ...] = (), timeout: float = 60,
        **kw: object) -> subprocess.CompletedProcess[bytes]:
-    return user.cli(["exec", sid, *opts, "--", *cmd], timeout=timeout, **kw)  # type: ignore[arg-type]
+    """`stockade exec [OPTS] NAME -- CMD`: the options before the name (argparse takes
+    them there too); their documented place after the name has a test of its own
+    (test_exec_options_after_the_name)."""
+    return user.cli(["exec", *opts, sid, "--", *cmd], timeout=timeout, **kw)  # type: ignore[arg-type]
 
 
 def ps_all(user: User) -> dict[str, dict]:
@@ -428,6 +436,90 @@ def test_start_exec_stop_lifecycle(user: User, project: Path) -> None:
     assert (user.state / "sessions" / sid / "upper" / "new.txt").read_text() == "one\n"
 
 
+def test_stop_ends_what_ignores_sigterm_and_logs_follow_ends_with_it(user: User, project: Path) -> None:
+    sid = start(user, project)
+    lv = observe(user, sid)
+    try:
+        r = ex(user, sid, "sh", "-c", "echo first-output")
+        assert (r.returncode, r.stdout) == (0, b"first-output\n")
+        r = ex(user, sid, "sh", "-c", "trap '' TERM; sleep 317 </dev/null >/dev/null 2>&1 &")
+        assert r.returncode == 0, r.stderr.decode()
+        stubborn = wait_for(lambda: in_tree(lv.init, ["sleep", "317"]), 20, "the background sleep never started")
+        ignored = next(int(line.split()[1], 16) for line in Path(f"/proc/{stubborn[0]}/status").read_text().splitlines()  # type: ignore[index]
+                      if line.startswith("SigIgn:"))
+        assert ignored & (1 << (signal.SIGTERM - 1)), "the sleep does not ignore SIGTERM"
+        follow = cli_popen(user, ["logs", "--follow", sid], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            time.sleep(0.5)
+            assert follow.poll() is None, "logs --follow ended while the sandbox runs"
+            t0 = time.monotonic()
+            r = user.cli(["stop", "--json", sid], timeout=60)
+            took = time.monotonic() - t0
+            assert r.returncode == 0, r.stderr.decode()
+            out = json.loads(r.stdout)
+            assert (out["id"], out["was"], out["status"]) == (sid, "running", "stopped"), out
+            assert 1.8 < took < 8, took  # the default grace (2 s), then SIGKILL
+            assert_all_gone(lv)
+            fout, ferr = follow.communicate(timeout=10)
+        finally:
+            follow.kill()
+            follow.wait()
+        assert follow.returncode == 0 and b"first-output\n" in fout, (fout, ferr)
+    finally:
+        stop(user, sid)
+        lv.close()
+
+
+def test_stop_timeout_sets_the_grace(user: User, project: Path) -> None:
+    """`stockade stop --timeout 1s`: SIGTERM, one second, then whatever ignores it is killed."""
+    with living(user, project) as lv:
+        r = ex(user, lv.id, "sh", "-c", "trap '' TERM; sleep 318 </dev/null >/dev/null 2>&1 &")
+        assert r.returncode == 0, r.stderr.decode()
+        wait_for(lambda: in_tree(lv.init, ["sleep", "318"]), 20, "the background sleep never started")
+        t0 = time.monotonic()
+        r = user.cli(["stop", "--timeout", "1s", lv.id], timeout=60)
+        took = time.monotonic() - t0
+        assert r.returncode == 0, r.stderr.decode()
+        assert r.stderr.decode() == f"stockade: sandbox {lv.id} stopped; no changes\n"
+        assert 0.8 < took < 1.9, took
+        assert_all_gone(lv)
+
+
+API_ATTACH = """
+sb = stockade.Sandbox.attach({sid!r})
+r = sb.exec(["sh", "-c", "echo attached > attached.txt; cat attached.txt"], capture_output=True, text=True)
+sb.close()
+d = stockade.Sandbox(".", persistent=True, detached=True, idle_timeout=30)
+r2 = d.exec(["echo", "detached"], capture_output=True, text=True)
+rec = registry.read(d.id).data
+d.close = lambda: None  # leave it running: it outlives this process
+say(out=[r.returncode, r.stdout], out2=[r2.returncode, r2.stdout], detached=d.id, holder=rec["holder_pid"],
+    owner=rec["owner_pid"], idle=rec["idle_timeout"])
+"""
+
+
+def test_api_attach_and_detached(user: User, project: Path) -> None:
+    with living(user, project) as lv:
+        with api(user, API_ATTACH.format(sid=lv.id), project) as a:
+            got = a.recv()
+            a.finish()
+        assert got["out"] == [0, "attached\n"] and got["out2"] == [0, "detached\n"], got
+        # close() of an attached sandbox leaves it running; a detached one outlives its starter
+        assert alive(lv.holder) and ps_all(user)[lv.id]["status"] == "running"
+        assert (lv.session_dir / "upper" / "attached.txt").read_text() == "attached\n"
+        det = observe(user, got["detached"])
+        try:
+            assert got["owner"] is None and got["idle"] == 30, got
+            r = ex(user, det.id, "echo", "still-here")
+            assert (r.returncode, r.stdout) == (0, b"still-here\n")
+            r = user.cli(["stop", det.id], timeout=60)
+            assert r.returncode == 0, r.stderr.decode()
+            assert_all_gone(det, cgroups=False)
+        finally:
+            stop(user, det.id)
+            det.close()
+
+
 # --------------------------------------------------------------------------- 2. a server between execs
 
 FETCH = """
@@ -523,6 +615,10 @@ def test_cli_exit_codes_signals_timeout_and_stdin(user: User, project: Path) -> 
             assert (r.returncode, r.stdout, r.stderr) == (code, b"", b""), code
         r = ex(user, lv.id, "sh", "-c", "kill -TERM $$")
         assert r.returncode == 143, r
+        r = ex(user, lv.id, "sh", "-c", 'echo "$LIVE_B"; pwd', opts=("--env", "LIVE_B=b c", "--cwd", "src"))
+        assert (r.returncode, r.stdout) == (0, f"b c\n{project}/src\n".encode()), r
+        r = ex(user, lv.id, "pwd", opts=("--cwd", "/etc"))
+        assert r.returncode == 2 and "--cwd" in one_line_error(r), r
         r = ex(user, lv.id, "nosuchcommand-xyz")
         assert r.returncode == 127 and b"nosuchcommand-xyz: command not found" in r.stderr, r
         t0 = time.monotonic()
@@ -555,11 +651,32 @@ def test_cli_exit_codes_signals_timeout_and_stdin(user: User, project: Path) -> 
         assert alive(lv.holder) and alive(lv.init)
 
 
+def test_exec_options_after_the_name(user: User, project: Path) -> None:
+    """The documented form, `stockade exec NAME [--cwd D] [--env K=V] [--timeout T] [-i]
+    [--pass-fd N] -- CMD`: options after the name are options, never the command."""
+    with living(user, project, "--name", "box") as lv:
+        assert lv.id == "box"
+        r = user.cli(["exec", "box", "--env", "LIVE_A=1", "--", "sh", "-c", 'echo "$LIVE_A"'], timeout=60)
+        assert (r.returncode, r.stdout, r.stderr) == (0, b"1\n", b""), r
+        r = user.cli(["exec", "box", "--cwd", "src", "--", "pwd"], timeout=60)
+        assert (r.returncode, r.stdout) == (0, f"{project}/src\n".encode()), r
+        r = user.cli(["exec", "box", "-i", "--", "cat"], input=b"in\n", timeout=60)
+        assert (r.returncode, r.stdout) == (0, b"in\n"), r
+        t0 = time.monotonic()
+        r = user.cli(["exec", "box", "--timeout", "1s", "--", "sleep", "30"], timeout=60)
+        assert r.returncode == 124 and time.monotonic() - t0 < 6, r
+        r = subprocess.run([*user.prefix(), "sh", "-c", 'exec 5<"$0"; exec "$@"', "/dev/null", user.python, "-m",
+                            "stockade", "exec", "box", "--pass-fd", "5", "--", "sh", "-c", "test -r /dev/fd/5 && echo ok"],
+                           cwd=project, env=user.env(), capture_output=True, timeout=60)
+        assert (r.returncode, r.stdout) == (0, b"ok\n"), r
+
+
 API_CODES = """
 sb = stockade.Sandbox(".", persistent=True)
 res = {}
 res["codes"] = [sb.exec(["sh", "-c", f"exit {c}"]).returncode for c in (0, 1, 42)]
 res["term"] = sb.exec(["sh", "-c", "kill -TERM $$"]).returncode
+res["missing"] = sb.exec(["nosuchcommand-xyz"], capture_output=True).returncode
 sb.exec(["sh", "-c", "sleep 308 </dev/null >/dev/null 2>&1 &"])
 p = sb.popen(["sleep", "30"])
 rec = registry.read(sb.id).data
@@ -576,6 +693,8 @@ try:
 except subprocess.TimeoutExpired as e:
     res["timeout"] = [e.timeout, list(e.cmd)]
 res["timeout_took"] = time.monotonic() - t0
+say(**res)
+hear()  # the test checked the timed-out sleep is gone
 r = sb.exec(["cat"], input=b"fed through input=\\n", capture_output=True)
 res["cat"] = [r.returncode, r.stdout.decode(), r.stderr.decode()]
 r = sb.exec(["head", "-c", "104857600", "/dev/zero"], capture_output=True)
@@ -599,10 +718,15 @@ def test_api_exit_codes_signals_timeout_and_input(user: User, project: Path) -> 
         wait_for(lambda: not any(alive(p) for p in fg), 5, "the popen'd sleep outlived SIGINT")  # type: ignore[union-attr]
         assert all(alive(p) for p in bg), "the background process did not survive the SIGINT of another"  # type: ignore[union-attr]
         a.send()
+        res = a.recv(timeout=60)
+        assert res["timeout"] == [1, ["sleep", "30"]]
+        assert res["timeout_took"] < 6
+        assert not in_tree(init, ["sleep", "30"]), "the timed-out command still runs"
+        assert all(alive(p) for p in bg)  # type: ignore[union-attr]
+        a.send()
         res = a.recv(timeout=180)
         a.finish()
-    assert res["timeout"] == [1, ["sleep", "30"]]
-    assert res["timeout_took"] < 6
+    assert res["missing"] == 127
     assert res["cat"] == [0, "fed through input=\n", ""]
     assert res["big"] == [0, 104857600, 104857600, 0]
     assert not alive(info["holder"]) and not alive(init)
@@ -649,7 +773,7 @@ def test_cli_exec_fds(user: User, project: Path) -> None:
                 p.wait(timeout=30)
             # --pass-fd 5: the caller's fd 5 (opened by a shell that then becomes the CLI)
             p = subprocess.Popen([*user.prefix(), "sh", "-c", 'exec 5<"$0"; exec "$@"', str(passed), user.python,
-                                  "-m", "stockade", "exec", lv.id, "--pass-fd", "5", "--", "sleep", "310"],
+                                  "-m", "stockade", "exec", "--pass-fd", "5", lv.id, "--", "sleep", "310"],
                                  cwd=project, env=user.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             try:
                 pid = wait_for(lambda: in_tree(lv.init, ["sleep", "310"]), 20, "the sleep never started")[0]  # type: ignore[index]
@@ -876,6 +1000,16 @@ def test_idle_timeout_stops_it(user: User, project: Path) -> None:
         lv.close()
 
 
+def test_idle_timeout_waits_for_a_running_exec(user: User, project: Path) -> None:
+    """Idle means no command running: an exec longer than the idle timeout is not cut."""
+    with living(user, project, "--idle-timeout", "1s") as lv:
+        r = ex(user, lv.id, "sh", "-c", "sleep 3; echo done", timeout=60)
+        assert (r.returncode, r.stdout) == (0, b"done\n"), r
+        assert ps_all(user)[lv.id]["status"] == "running"
+        wait_for(lambda: ps_all(user)[lv.id]["status"] == "stopped", 10, "it did not stop once idle", step=0.2)
+        assert_all_gone(lv, timeout=5)
+
+
 # --------------------------------------------------------------------------- 9. snapshots
 
 API_SNAPSHOT = """
@@ -940,20 +1074,42 @@ def test_warm_is_claimed_by_a_run_with_the_same_options_only(user: User, project
         assert not (project / "w.txt").exists()
     finally:
         stop(user, warm)
+    # `start` with the same options claims one too: it becomes an ordinary running sandbox
+    r = user.cli(["warm", "--ttl", "60"], cwd=project, timeout=90)
+    assert r.returncode == 0, r.stderr.decode()
+    warm3 = r.stdout.decode().strip()
+    try:
+        assert start(user, project) == warm3
+        lv = observe(user, warm3)
+        try:
+            assert [d for d in ps_all(user).values() if d["status"] == "warm"] == []
+            r = ex(user, warm3, "cat", "w.txt", cwd=project)
+            assert r.returncode == 1, "a claimed sandbox's session is its own, not the earlier run's"
+            r = user.cli(["stop", warm3], timeout=60)
+            assert r.returncode == 0
+            assert_all_gone(lv, cgroups=False)
+        finally:
+            lv.close()
+    finally:
+        stop(user, warm3)
     # a changed policy file in the project changes what a run would get: not claimed
     r = user.cli(["warm", "--ttl", "60"], cwd=project, timeout=90)
     assert r.returncode == 0, r.stderr.decode()
     warm2 = r.stdout.decode().strip()
     rec2 = record(user, warm2)
+    assert rec2["status"] == "warm", rec2
     try:
         (project / ".stockade.toml").write_text('[env]\nset = { LIVE_TEST = "1" }\n')
         user.own(project)
         r = user.cli(["run", "--", "sh", "-c", 'echo "$LIVE_TEST" > p.txt'], cwd=project, timeout=90)
         assert r.returncode == 0, r.stderr.decode()
-        assert warm2 not in r.stderr.decode()
-        assert ps_all(user)[warm2]["status"] == "warm"
-        assert alive(rec2["holder_pid"])
+        m = re.search(r"session (\S+) ", r.stderr.decode())
+        assert m is not None and m.group(1) != warm2, r.stderr.decode()
+        assert (user.state / "sessions" / m.group(1) / "upper" / "p.txt").read_text() == "1\n"
         assert not (user.state / "sessions" / warm2 / "upper" / "p.txt").exists()
+        after = ps_all(user)[warm2]
+        assert not after.get("claimed") and after["status"] in ("warm", "stopped"), after  # a stale one may go
+        assert after["execs"] == 0, after
     finally:
         stop(user, warm2)
         (project / ".stockade.toml").unlink(missing_ok=True)
@@ -963,21 +1119,28 @@ def test_warm_is_claimed_by_a_run_with_the_same_options_only(user: User, project
 
 
 def _listing(state: Path, skip: set[str]) -> list[tuple[str, str, int]]:
+    """The state dir's entries (test_bad_input's listing), without those of running
+    things: CLI servers and launchers, an overlay's work dir, a holder's record."""
     from .test_bad_input import listing
 
-    return [e for e in listing(state) if e[0] not in skip]
+    return [e for e in listing(state) if e[0] not in skip and e[0] not in ("./servers", "./launchers")
+            and not re.fullmatch(r"sessions/[^/]+/work/.*", e[0])]
 
 
 def test_bad_input(user: User, project: Path) -> None:
     with living(user, project) as lv:
         sid = lv.id
+        r = ex(user, sid, "true")  # the first exec makes what any exec makes (a server's dir, a run)
+        assert r.returncode == 0, r.stderr.decode()
         skip = {f"live/{sid}/holder.json"}  # its holder rewrites it (exec counts)
         cases: list[tuple[list[str], str]] = [
             (["exec", "nosuch", "--", "true"], "nosuch"),
             (["exec", sid], "no command given"),
             (["exec", sid, "--"], "no command given"),
-            (["exec", sid, "--timeout", "-1", "--", "true"], "--timeout"),
-            (["exec", sid, "--timeout", "bogus", "--", "true"], "--timeout"),
+            (["exec", "--timeout", "-1", sid, "--", "true"], "--timeout"),
+            (["exec", "--timeout", "bogus", sid, "--", "true"], "--timeout"),
+            (["exec", "--cwd", "/etc", sid, "--", "true"], "--cwd"),
+            (["exec", "--env", "NOEQUALS", sid, "--", "true"], "--env"),
             (["start", "--", "echo", "hi"], "start takes no command"),
             (["start", "--idle-timeout", "bogus"], "--idle-timeout"),
             (["start", "--name", sid], f"sandbox {sid!r} is already running"),
@@ -1032,7 +1195,7 @@ def test_each_exec_is_audited_with_its_outcome(user: User, project: Path) -> Non
             assert r.returncode == code, (argv, r)
         r = ex(user, lv.id, "sleep", "30", opts=("--timeout", "1s"), timeout=30)
         assert r.returncode == 124
-        events = [json.loads(x) for x in (lv.session_dir / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(x) for x in (lv.session_dir / "events.jsonl").read_text().splitlines()]
     started = [e for e in events if e["operation"] == "exec" and e["result"] == "started"]
     assert [e["target"] for e in started] == [" ".join(a) for a, _c in cmds] + ["sleep 30"]
     outcomes = {e["run"]: e for e in events if e["operation"] == "outcome"}

@@ -41,7 +41,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import NOBODY, User, need, world_tmpdir
+from tests.conftest import User, need, world_tmpdir
 from tests.security.helpers import Canary, sandbox
 
 pytestmark = pytest.mark.vm
@@ -138,6 +138,14 @@ def find_marked(marker: str, timeout: float) -> int | None:
     return None
 
 
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
 def kill_quietly(pid: int | None) -> None:
     if pid:
         try:
@@ -204,11 +212,7 @@ class Living:
 
     def in_upper(self, name: str) -> bool:
         """Whether the sandbox wrote ``name`` at the top of the project (its overlay's upper)."""
-        rel = self.project.relative_to("/") if (self.upper / self.project.relative_to("/")).exists() else None
-        cands = [self.upper / name]
-        if rel is not None:
-            cands.append(self.upper / rel / name)
-        return any(os.path.lexists(c) for c in cands)
+        return os.path.lexists(self.upper / name)
 
     def runs(self) -> set[str]:
         try:
@@ -285,10 +289,11 @@ class Marked:
         self.proc = subprocess.Popen([*user.prefix(), user.python, "-m", "stockade", *argv], cwd=cwd,
                                      env=user.env(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, **kw)
-        self.pid = find_marked(marker, 60)
-        if self.pid is None:
+        pid = find_marked(marker, 60)
+        if pid is None:
             out, err = finish(self.proc, 10)
             pytest.fail(f"the sandboxed command {marker} never appeared: {out!r} {err!r}")
+        self.pid: int = pid
 
     def close(self) -> tuple[bytes, bytes]:
         kill_quietly(self.pid)
@@ -432,6 +437,13 @@ if res["connect"] == "ok":
         if d:
             got.append(d.decode(errors="replace"))
     res["answer"] = got or None
+    # keep the exec socket open until the command ends (its closing would kill it)
+    end = 0
+    while got and end < 100:
+        r, _, _ = select.select([mine], [], [], 0.1)
+        end += 1
+        if r and not mine.recv(4096):
+            break
     try:
         s.send(json.dumps({"op": "ping"}).encode())
         r, _, _ = select.select([s], [], [], 3)
@@ -498,14 +510,17 @@ def test_another_sandbox_given_the_state_dir_cannot_exec(user: User, project: Pa
 def test_a_sandbox_cannot_use_its_own_exec_channel(user: User, project: Path,
                                                    living: Callable[..., Living]) -> None:
     lv = living("--allow", str(user.state))  # its own socket is visible inside
+    runs = lv.runs()
     name = f"pwned-{secrets.token_hex(4)}"
     r = lv.exec([PY, "-I", "-c", attack_code(lv.sock, lv.project / name)], timeout=120)
     res = attack_result(r.stdout, r.stderr)
     assert res["connect"] == "ok", f"the exec never reached its socket: {res} {r.stderr!r}"
     assert not answered(res), f"the holder answered a process of its own sandbox: {res}"
-    runs, execs = lv.runs(), len(lv.events("exec"))  # the attacker's own exec is recorded, nothing else
-    nothing_ran(lv, name, runs, execs)
-    assert execs == 1
+    time.sleep(1.0)
+    # the attacker's own exec is recorded, nothing else
+    assert not lv.in_upper(name), "a process inside the sandbox ran a command through its exec channel"
+    assert len(lv.runs() - runs) == 1, f"new run records: {lv.runs() - runs}"
+    assert len(lv.events("exec")) == 1, lv.events("exec")
 
 
 @pytest.mark.parametrize("who", ["other-uid", "other-uid-dac", "root"])
@@ -584,7 +599,12 @@ class HostListeners:
         if self.tcp in r:
             try:
                 c, peer = self.tcp.accept()
-                got.append(f"tcp connection from {peer}")
+                c.settimeout(1)
+                try:
+                    data = c.recv(4096)
+                except OSError:
+                    data = b""
+                got.append(f"tcp connection from {peer}: {data!r}")
                 c.close()
             except BlockingIOError:
                 pass
@@ -636,7 +656,7 @@ def test_an_exec_request_cannot_widen_the_policy(user: User, project: Path, livi
     argv = [PY, "-I", "-c", marked_code(marker, _net_probe(lis))]
     body = {"op": "exec", "argv": argv, "env": {"LD_PRELOAD": "/nonexistent/stockade-test.so"}, "cwd": None,
             "here": None, "timeout": None, "pty": False, "targets": [], **GRANTS}
-    code = f"SOCK = {str(lv.sock)!r}\nBODY = {body!r}\n" + RAW_CLIENT.replace("BODY = None", "")
+    code = f"SOCK = {str(lv.sock)!r}\nBODY = {body!r}\n" + RAW_CLIENT
     client = subprocess.Popen([*user.prefix(), user.python, "-I", "-c", code], env=user.env(),
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     pid = None
@@ -659,10 +679,8 @@ def test_an_exec_request_cannot_widen_the_policy(user: User, project: Path, livi
         got = lis.received()
         lis.close()
     probe = json.loads(lines_with(out, "PROBE ")[0])
-    assert conf == {**init_conf, "CapInh": conf["CapInh"], "CapPrm": conf["CapPrm"], "CapEff": conf["CapEff"],
-                    "CapAmb": conf["CapAmb"]}, (conf, init_conf)
+    assert conf == init_conf, f"exec with grant-like fields: {conf}\ninit: {init_conf}"
     assert conf["Seccomp"] == "2" and conf["NoNewPrivs"] == "1"
-    assert int(conf["CapEff"], 16) & ~int(init_conf["CapBnd"], 16) == 0, "capabilities beyond the sandbox's bound"
     assert ns == init_ns and ns["net"] != host_ns["net"], "the request moved the command out of the sandbox"
     assert devs == ["lo"] and probe["ifaces"] == ["lo"], (devs, probe)
     assert cg == init_cg and nofile == init_nofile, "the request changed the command's limits"
@@ -700,8 +718,13 @@ def test_a_host_inet_socket_is_refused_to_an_exec(user: User, project: Path, liv
         if how == "stdin-connected":
             r = lv.exec(cmd, "-i", stdin=cli.fileno())
         else:
-            fd = lis.fileno() if how == "pass-fd-listener" else udp.fileno()
-            r = lv.exec(cmd, "--pass-fd", str(fd), pass_fds=[fd])
+            # at a number of its own, far above what a CLI (or a server's supervisor) opens
+            fd = next(k for k in range(50, 200) if not _is_open(k))
+            os.dup2(lis.fileno() if how == "pass-fd-listener" else udp.fileno(), fd)
+            try:
+                r = lv.exec(cmd, "--pass-fd", str(fd), pass_fds=[fd])
+            finally:
+                os.close(fd)
     finally:
         udp.close()
     err = [ln for ln in r.stderr.decode(errors="replace").splitlines() if ln.strip()]
@@ -733,7 +756,9 @@ def test_popen_streams_give_no_host_socket_to_a_net_none_exec(user: User, projec
         "else:\n"
         "    libc = ctypes.CDLL(None, use_errno=True)\n"
         "    libc.connect(2, ctypes.create_string_buffer(16), 16)  # AF_UNSPEC: disconnect\n"
+        "    s.setblocking(True)\n"
         f"    s.connect(('127.0.0.1', {lis.tcp_port}))\n"
+        f"    s.sendall(b'leak-{tag.decode()}')\n"
     )
     api = (
         "import json, socket, stockade\n"
@@ -895,10 +920,15 @@ def test_an_exec_holds_no_fd_of_the_holder_or_init(user: User, project: Path, li
     assert sorted(fds) == [0, 1, 2], f"the exec'd command holds more than its stdio: {fds}"
     assert not ex_socks, f"a socket among the exec'd command's stdio: {fds}"
     assert not (ex_socks & (holder_socks | init_socks))
-    # and init holds nothing of the holder's but its one channel
+    # init holds nothing of the holder's but its channel (and, while a command runs, that
+    # command's exec socket): once the exec has ended, one socket
     listener = {ino for ino, name in unix_table().items() if name.endswith(f"/live/{lv.id}/sock")}
     assert listener and not (listener & init_socks), "init holds the holder's listening socket"
+    deadline = time.monotonic() + 10
+    while len(init_socks := socket_inodes(lv.init_pid)) > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert len(init_socks) == 1, f"init holds more than its channel to the holder: {fd_links(lv.init_pid)}"
+    assert not (listener & init_socks)
 
 
 @pytest.mark.parametrize("serve", list(SERVE))
@@ -911,7 +941,7 @@ def test_pass_fd_passes_the_callers_fd_and_nothing_else(user: User, project: Pat
     r, w = os.pipe()
     os.write(w, payload.encode())
     os.close(w)
-    n = 9
+    n = next(k for k in range(20, 200) if not _is_open(k))
     probe = (
         "import os, sys\n"
         f"print('LINK', os.readlink('/proc/self/fd/{n}'), flush=True)\n"
@@ -928,12 +958,9 @@ def test_pass_fd_passes_the_callers_fd_and_nothing_else(user: User, project: Pat
     assert lines_with(res.stdout, "READ ") == [payload], f"fd {n} inside is not the caller's: {res.stdout!r}"
     # a number the caller has not open: refused, never another fd of whatever serves the CLI
     leaks = []
-    for m in (3, 4, 5, 6, 7, 8, 10, 11, 12):
-        try:
-            os.fstat(m)
+    for m in range(3, 16):
+        if _is_open(m):
             continue  # open in this test process (and so maybe in the caller): not a clean probe
-        except OSError:
-            pass
         got = lv.exec(["/bin/sh", "-c", f"readlink /proc/self/fd/{m}"], "--pass-fd", str(m), env=SERVE[serve])
         if got.returncode == 0:
             leaks.append((m, got.stdout.decode(errors="replace").strip()))
@@ -996,7 +1023,3 @@ def test_the_exec_channel_is_a_path_socket_only(user: User, project: Path, livin
     assert not (set(inside) & (holder_socks | init_socks)), "the channel's sockets are in the sandbox's netns"
     assert not [n for n in inside.values() if n.startswith("@")], f"abstract sockets in the sandbox: {inside}"
 
-
-def test_nobody_constant_is_the_unprivileged_user() -> None:
-    # OTHER_UID must differ from both identities the `user` fixture runs as
-    assert OTHER_UID not in (0, NOBODY)
