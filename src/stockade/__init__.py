@@ -3,6 +3,9 @@
 TYPE_CHECKING = False  # not typing's: importing typing costs the CLI milliseconds
 
 __all__ = [
+    "DEVNULL",
+    "PIPE",
+    "STDOUT",
     "PolicyError",
     "Sandbox",
     "SandboxError",
@@ -15,7 +18,7 @@ __all__ = [
 if TYPE_CHECKING:
     from typing import Any
 
-    from .api import Sandbox, run
+    from .api import DEVNULL, PIPE, STDOUT, Sandbox, run
     from .errors import PolicyError, SandboxError, SessionBusy, StockadeError, UsageError
 
 
@@ -25,7 +28,7 @@ def __getattr__(name: str) -> "Any":  # quoted: no __future__ import (the CLI cl
         from . import errors
 
         return getattr(errors, name)
-    if name in ("Sandbox", "run", "RunResult"):
+    if name in ("Sandbox", "run", "RunResult", "PIPE", "STDOUT", "DEVNULL"):
         from . import api
 
         return getattr(api, name)

@@ -115,6 +115,7 @@ def cmd_exec(args: Args) -> int:
     from ..errors import UsageError
     from ..live import Channel, registry
 
+    args = _options_after_name(args)
     cmd = list(args.command)
     if cmd[:1] == ["--"]:
         cmd = cmd[1:]
@@ -167,6 +168,32 @@ def cmd_exec(args: Args) -> int:
         sys.stderr.write(f"stockade: exec {res.run} of sandbox {lv.id} ended: {res.outcome}\n")
         return 124
     return res.exit_status
+
+
+def _options_after_name(args: Args) -> Args:
+    """`stockade exec NAME --timeout 1 -- CMD` as `stockade exec --timeout 1 NAME -- CMD`:
+    argparse gives every word after NAME to the command; the exec options found there
+    (up to `--` or the first word that is not one of them) are read again."""
+    from .table import BY_NAME, parse
+
+    words = list(args.command)
+    if not words or not words[0].startswith("-") or words[0] == "--":
+        return args
+    opts = {f: a for a in BY_NAME["exec"].all_args() for f in a.flags if f.startswith("-")}
+    i = 0
+    while i < len(words) and words[i] != "--" and words[i].startswith("-"):
+        name = words[i].split("=", 1)[0]
+        arg = opts.get(name)
+        if arg is None:
+            if not name.startswith("--") and len(name) > 2 and all(f"-{c}" in opts for c in name[1:]):
+                i += 1  # -it
+                continue
+            break
+        takes = arg.kw.get("action", "store") in ("store", "append")
+        i += 2 if takes and "=" not in words[i] else 1
+    if i == 0:
+        return args
+    return parse(["exec", *words[:i], str(args.name), *(words[i:] if words[i:i + 1] == ["--"] else ["--", *words[i:]])])
 
 
 def cmd_stop(args: Args) -> int:

@@ -178,7 +178,7 @@ def after_run(res: RunResult) -> None:
         line = summary_line(sess)
     if line:
         lines.append(line)
-    elif res.run == 1:
+    elif res.run == 1 or getattr(res, "new_session", False):
         lines.append(f"stockade: session {res.session}")
     for ln in lines:
         sys.stderr.write(ln + "\n")

@@ -137,8 +137,15 @@ def run_claimed(req: RunRequest, io: Any) -> Any:
         return None
     chan = Channel(lv)
     try:
-        return chan.exec(req.args, io=io, env=None, cwd=req.cwd, timeout=req.timeout, shell=req.shell,
-                         here=_here())
+        from .. import plan as planmod
+        from ..core.prepare import load_policy
+
+        project = planmod.resolve_project(req.project)
+        env, _removed = load_policy(project, None, req.policy, req.env, req).env(os.environ)
+        res = chan.exec(req.args, io=io, env=env, env_replace=True, cwd=req.cwd, timeout=req.timeout,
+                        shell=req.shell, here=_here())
+        res.new_session = True  # type: ignore[attr-defined]  # (the CLI names a new session)
+        return res
     finally:
         chan.close()
         stop(lv, wait=False)  # the session is free; its holder removes the cgroups on its own time
@@ -215,8 +222,7 @@ def warm_key(req: RunRequest) -> str:
         digest = "?"
     opts = (str(project), st.st_ino, st.st_dev, req.cwd and os.fspath(req.cwd), req.root, req.user, req.read_only,
             req.network, tuple(req.allow_hosts), tuple(str(x) for x in req.forward), req.seccomp,
-            tuple(req.allow_degraded), req.landlock, repr(req.limits), os.getuid(),
-            None if req.policy is None else repr(getattr(req.policy, "key", req.policy)))
+            tuple(req.allow_degraded), req.landlock, repr(req.limits), os.getuid())
     # "options:policy": a sandbox warmed for these options under another policy is stale
     return hashlib.sha256(repr(opts).encode()).hexdigest()[:16] + ":" + digest[:16]
 

@@ -171,13 +171,16 @@ class Channel:
 
     def exec(self, args: Sequence[str] | str, *, io: RunIO, env: Mapping[str, str] | None = None,
              cwd: str | os.PathLike[str] | None = None, timeout: float | None = None, shell: bool = False,
-             pass_fds: Sequence[int] = (), here: str | None = None) -> RunResult:
-        """Run one command in the sandbox, ``subprocess.run``-style."""
+             pass_fds: Sequence[int] = (), here: str | None = None, env_replace: bool = False) -> RunResult:
+        """Run one command in the sandbox, ``subprocess.run``-style. ``env_replace``: ``env``
+        is the whole environment (already filtered by the sandbox's policy), not additions."""
         io.checked()
         argv = argv_of(args, shell)
         if not argv:
             raise UsageError("exec: no command given")
         body = _exec_body(argv, env, cwd, timeout, io.pty, pass_fds, here)
+        if env_replace:
+            body["env_replace"] = True
         launch = Launch(io)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         sup: ExecSupervisor | None = None

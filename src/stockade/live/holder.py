@@ -128,6 +128,7 @@ class Holder:
         self.prewarm_ttl = 300.0
         self.config_idle: float | None = DEFAULT_IDLE
         self.written_at = 0.0
+        self.written_execs = 0
 
     # ------------------------------------------------------------------ start
 
@@ -337,9 +338,11 @@ class Holder:
             "execs": self.exec_count,
         }
         data.update(self.data)
+        data["execs"] = self.exec_count  # (never a value kept from an earlier write)
         data.update(extra)
-        self.data.update(extra)
+        self.data.update({k: v for k, v in extra.items() if k != "execs"})
         registry.write(self.dir, data)
+        self.written_execs = self.exec_count
         self.written_at = time.monotonic()
 
     # ------------------------------------------------------------------ the loop
@@ -392,8 +395,8 @@ class Holder:
                         self._on_conn(ep, fd)
                 self._enforce_timeouts()
                 self._idle_check()
-                if self.exec_count != self.data.get("execs", 0) and time.monotonic() - self.written_at > 1.0:
-                    self._write_record(execs=self.exec_count)  # `stockade ps` figures, at most once a second
+                if self.exec_count != self.written_execs and time.monotonic() - self.written_at > 1.0:
+                    self._write_record()  # `stockade ps` figures, at most once a second
         finally:
             ep.close()
 
@@ -651,7 +654,9 @@ class Holder:
             except OSError:
                 pass
             raise UsageError(f"command refused by policy: {reason}")
-        env = dict(plan.env)
+        # a claimed pre-warmed sandbox's run: the claimant's environment, filtered by the same
+        # policy (its digest is in the claim's key), instead of the one at warm-up time
+        env = {} if b.get("env_replace") else dict(plan.env)
         env.update(extra)
         return list(argv), list(env.items()), wd, t, pty, list(targets), list(stdio), list(passed)
 

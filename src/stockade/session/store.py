@@ -331,7 +331,7 @@ def _living_holder(sid: str) -> int | None:
         pid = int(data.get("holder_pid") or 0)
     except (OSError, ValueError, TypeError, AttributeError):
         return None
-    if data.get("status") not in ("running", "warm", "starting", "stopping") or pid <= 0:
+    if data.get("status") not in ("running", "warm", "starting") or pid <= 0:  # stopping: waited for
         return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
