@@ -178,7 +178,7 @@ class Channel:
         argv = argv_of(args, shell)
         if not argv:
             raise UsageError("exec: no command given")
-        body = _exec_body(argv, env, cwd, timeout, io.pty, pass_fds, here)
+        body, sources = _exec_body(argv, env, cwd, timeout, io.pty, pass_fds, here)
         if env_replace:
             body["env_replace"] = True
         launch = Launch(io)
@@ -187,7 +187,7 @@ class Channel:
         try:
             stdio = [launch.console[1]] if io.pty else list(launch.child_stdio)
             try:
-                self.send_exec(body, [theirs.fileno(), *stdio, *pass_fds])
+                self.send_exec(body, [theirs.fileno(), *stdio, *sources])
             finally:
                 theirs.close()
             ack = _recv_ack(mine)
@@ -233,19 +233,29 @@ class Channel:
 
 
 def _exec_body(argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | os.PathLike[str] | None,
-               timeout: float | None, pty: bool, pass_fds: Sequence[int], here: str | None) -> dict[str, Any]:
+               timeout: float | None, pty: bool, pass_fds: Sequence[int],
+               here: str | None) -> tuple[dict[str, Any], list[int]]:
+    """The request, and the fds of this process that are the caller's ``pass_fds`` (a
+    CLI server's supervisor holds its client's fds under other numbers: never our own
+    fd of that number, ``callerfds``)."""
+    from ..callerfds import source
+
+    sources = []
     for fd in pass_fds:
         if not isinstance(fd, int) or fd < 3:
             raise UsageError(f"pass_fds: {fd!r} is not a descriptor number >= 3")
-        try:
-            os.fstat(fd)
-        except OSError:
-            raise UsageError(f"pass_fds: descriptor {fd} is not open in this process") from None
+        src = source(fd)
+        if src is None:
+            raise UsageError(f"--pass-fd {fd}: not an open file descriptor of the caller")
+        sources.append(src)
+    if len(set(pass_fds)) != len(pass_fds):
+        raise UsageError("pass_fds: a descriptor is named twice")
     if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
         raise UsageError(f"timeout {timeout!r}: expected a number of seconds > 0")
-    return {"op": "exec", "argv": list(argv), "env": dict(env or {}),
+    body = {"op": "exec", "argv": list(argv), "env": dict(env or {}),
             "cwd": None if cwd is None else os.fspath(cwd), "here": here, "timeout": timeout, "pty": pty,
             "targets": list(pass_fds)}
+    return body, sources
 
 
 def _result(argv: Sequence[str], sup: ExecSupervisor | None, ack: Mapping[str, Any], io: RunIO,
@@ -308,7 +318,7 @@ class LivePopen:
         argv = argv_of(args, shell)
         if not argv:
             raise UsageError("popen: no command given")
-        body = _exec_body(argv, env, cwd, timeout, False, pass_fds, None)
+        body, sources = _exec_body(argv, env, cwd, timeout, False, pass_fds, None)
         ours: list[int] = []  # the child's ends, closed once sent
         theirs_fds: list[int] = []
         mine_ends: dict[str, int] = {}
@@ -337,7 +347,7 @@ class LivePopen:
             theirs_fds = [in_fd, out_fd, err_fd]
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             try:
-                chan.send_exec(body, [theirs.fileno(), *theirs_fds, *pass_fds])
+                chan.send_exec(body, [theirs.fileno(), *theirs_fds, *sources])
             finally:
                 theirs.close()
             ack = _recv_ack(mine)

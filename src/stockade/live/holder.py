@@ -619,10 +619,14 @@ class Holder:
         if len(targets) > proto.MAX_FDS:
             raise UsageError(f"--pass-fd: at most {proto.MAX_FDS} descriptors, not {len(targets)}")
         plan = self.prep.plan
+        if pty and not _unix_socket(stdio[0]):
+            raise proto.ProtocolError("an exec's console is not a Unix socket")
         if plan.network != "host":
             from ..core.request import inet_socket
 
-            for fd in (*([] if pty else stdio[:1]), *passed):
+            # every fd the command gets (its stdio too: a UDP socket as stdout sends anywhere;
+            # a connected TCP one can be disconnected and connected again)
+            for fd in (*([] if pty else stdio), *passed):
                 if inet_socket(fd):
                     raise UsageError("an IPv4/IPv6 socket of the host's network cannot be handed to an exec: "
                                      "inside it reaches what the sandbox's network mode "
@@ -944,6 +948,21 @@ class Holder:
 
 class _Rewatch(BaseException):
     """The loop's watches changed (a claim gave the sandbox an owner)."""
+
+
+def _unix_socket(fd: int) -> bool:
+    import stat
+
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return False
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        return bool(s.family == socket.AF_UNIX)
+    finally:
+        s.close()
 
 
 def _send_on(fd: int, body: dict[str, Any]) -> None:

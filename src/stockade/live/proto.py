@@ -160,11 +160,36 @@ def same_userns_peer(conn: socket.socket) -> tuple[int, int] | None:
     pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     if uid != os.getuid() or pid <= 0:
         return None
-    try:
-        theirs = os.stat(f"/proc/{pid}/ns/user")
-        ours = os.stat("/proc/self/ns/user")
+    try:  # the peer as a process, not a number: its pid could be reused before we look
+        pidfd = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
     except OSError:
-        return None
-    if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
-        return None
+        pidfd = -1  # before Linux 6.5: the pid alone
+    try:
+        try:
+            theirs = os.stat(f"/proc/{pid}/ns/user")
+            ours = os.stat("/proc/self/ns/user")
+        except OSError:
+            return None
+        if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
+            return None
+        if pidfd >= 0 and _pidfd_pid(pidfd) != pid:
+            return None  # the peer ended (and its number may be another process's now)
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
     return pid, uid
+
+
+_SO_PEERPIDFD = 77  # Linux 6.5
+
+
+def _pidfd_pid(pidfd: int) -> int:
+    """The pid a pidfd refers to, as its fdinfo says (-1 once that process has exited)."""
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return -1
