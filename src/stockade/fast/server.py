@@ -216,6 +216,10 @@ class Server:
             pidfd = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
         except OSError:
             pidfd = -1
+        if ours and pidfd >= 0:  # the peer ended before we looked: its pid may be another process's
+            from ..linux.native import pidfd_pid
+
+            ours = pidfd_pid(pidfd) == pid
         conn.settimeout(5)  # a client sends its request at once
         try:
             msg, anc, flags, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(4 * (4 + _client.MAX_FDS)))

@@ -164,6 +164,19 @@ def recv_console(sock_fd: int) -> int:
     return fds[0]
 
 
+def pidfd_pid(pidfd: int) -> int:
+    """The pid a pidfd refers to, as its fdinfo says (-1 once that process has exited):
+    a peer checked by pid is still the process that connected."""
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return -1
+
+
 def has_exited(child: Child) -> bool:
     """The sandbox's init is gone (its pidfd polls readable)."""
     import select

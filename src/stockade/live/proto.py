@@ -24,7 +24,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..linux.native import ffi, lib
+from ..linux.native import ffi, lib, pidfd_pid
 
 MAGIC = lib.SK_SERVE_MAGIC
 MAX_FDS = lib.SK_EXEC_MAX_FDS
@@ -172,7 +172,7 @@ def same_userns_peer(conn: socket.socket) -> tuple[int, int] | None:
             return None
         if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
             return None
-        if pidfd >= 0 and _pidfd_pid(pidfd) != pid:
+        if pidfd >= 0 and pidfd_pid(pidfd) != pid:
             return None  # the peer ended (and its number may be another process's now)
     finally:
         if pidfd >= 0:
@@ -182,14 +182,3 @@ def same_userns_peer(conn: socket.socket) -> tuple[int, int] | None:
 
 _SO_PEERPIDFD = 77  # Linux 6.5
 
-
-def _pidfd_pid(pidfd: int) -> int:
-    """The pid a pidfd refers to, as its fdinfo says (-1 once that process has exited)."""
-    try:
-        with open(f"/proc/self/fdinfo/{pidfd}", "rb") as f:
-            for line in f:
-                if line.startswith(b"Pid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return -1
