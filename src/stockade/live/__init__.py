@@ -182,7 +182,7 @@ def stop(lv: registry.Living, grace: float | None = None, *, wait: bool = True) 
         return {"ok": True, "status": lv.status, "reason": lv.data.get("reason")}
     chan = Channel(lv)
     try:
-        out = chan.request("stop", timeout=(grace or 2.0) + 60, **({"timeout": grace} if grace is not None else {}))
+        out = chan.request("stop", timeout=(grace or 2.0) + 60, grace=grace)
     except LiveError:
         if lv.holder_alive():
             raise

@@ -520,7 +520,7 @@ class Holder:
         elif op == "status":
             self._reply(c.sock, {"ok": True, "status": self.status_json(sample=float(str(body.get("sample") or 0.2)))})
         elif op == "stop":
-            grace = body.get("timeout")
+            grace = body.get("grace")
             self._begin_stop("stopped on request", float(str(grace)) if grace is not None else None)
             self.stop_waiters.append(c.sock)
             fd = c.sock.fileno()
@@ -1005,20 +1005,26 @@ def reap_after(holder_pid: int, d: Path | None) -> None:
     """The holder died without taking the sandbox down (SIGKILL): its init died with it
     (the launcher ends a run whose requester is gone; a cold start's init has a death
     signal), and the PID namespace with it. Left for us: the run's cgroups, named after
-    the holder's pid, once empty; the socket; the record."""
+    the holder's pid (removed as soon as their tasks are gone: the holder's end closed our
+    pipe, so it has exited, reaped or not), the socket, the record."""
     from ..cgroups import detect
-    from ..cgroups.sweep import sweep_stale
+    from ..cgroups.fs import CgroupFS, owner_tag, remove_tree
 
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{holder_pid}") and time.monotonic() < deadline:
-        time.sleep(0.02)
     try:
         mgr = detect.detect()
+        fs = CgroupFS()
+        tag = owner_tag()
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            left = [p for p in _run_cgroups(mgr) if f"-{holder_pid}-" in os.path.basename(p)]
+            left = [p for p in _run_cgroups(mgr)
+                    if f"-{holder_pid}-" in os.path.basename(p) and os.path.basename(p).endswith(f"-{tag}")]
             if not left:
                 break
-            sweep_stale(mgr)
+            for p in left:
+                try:
+                    remove_tree(fs, p)
+                except (OSError, StockadeError):
+                    pass  # tasks still draining: again shortly
             time.sleep(0.05)
     except (OSError, StockadeError):
         pass
