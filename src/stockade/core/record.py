@@ -131,14 +131,8 @@ class RunRecord:
             pass  # the audit log never breaks a run
 
         argv = list(plan.argv)
-        out: bytes | str | None = bytes(sup.out_buf) if sup.capture_out else None
-        err: bytes | str | None = bytes(sup.err_buf) if sup.capture_err else None
-        if io.text_mode:
-            enc = io.encoding or "utf-8"
-            if isinstance(out, bytes):
-                out = out.decode(enc, io.errors or "strict")
-            if isinstance(err, bytes):
-                err = err.decode(enc, io.errors or "strict")
+        out, err = io.decoded(bytes(sup.out_buf) if sup.capture_out else None,
+                              bytes(sup.err_buf) if sup.capture_err else None)
         res = RunResult(argv, returncode, out, err, session=self.sess.id, run=self.run_no, outcome=o.summary(),
                      outcome_kind=o.kind, peak_memory=o.peak_memory, cpu_time=o.cpu_time, degraded=plan.degraded,
                      exec_failed=sup.exec_failed, cg_manager=prep.cg_manager,

@@ -85,6 +85,13 @@ class RunIO:
     def text_mode(self) -> bool:
         return bool(self.text or self.encoding or self.errors)
 
+    def decoded(self, out: bytes | None, err: bytes | None) -> tuple[bytes | str | None, bytes | str | None]:
+        """Captured output as the caller asked for it (``text``, ``encoding``, ``errors``)."""
+        if not self.text_mode:
+            return out, err
+        enc, errs = self.encoding or "utf-8", self.errors or "strict"
+        return (None if out is None else out.decode(enc, errs)), (None if err is None else err.decode(enc, errs))
+
     @property
     def piped_stdin(self) -> bool:
         """stdin is a pipe of stockade's own (input=, DEVNULL, a pty), never the caller's fd."""
@@ -102,23 +109,30 @@ class RunIO:
         return fd >= 0 and inet_socket(fd)
 
 
-def inet_socket(fd: int) -> bool:
-    """Whether ``fd`` is an IPv4/IPv6 socket."""
+def socket_family(fd: int) -> int | None:
+    """``fd``'s socket family (AF_UNIX, AF_INET...), or None when it is not a socket."""
     import socket
     import stat
 
     try:
         if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-            return False
+            return None
         s = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return False
+        return None
     try:
-        return s.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN) in (socket.AF_INET, socket.AF_INET6)
+        return int(s.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN))
     except OSError:
-        return False
+        return None
     finally:
         s.close()
+
+
+def inet_socket(fd: int) -> bool:
+    """Whether ``fd`` is an IPv4/IPv6 socket."""
+    import socket
+
+    return socket_family(fd) in (socket.AF_INET, socket.AF_INET6)
 
 
 def argv_of(args: Sequence[str] | str, shell: bool) -> tuple[str, ...]:

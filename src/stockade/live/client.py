@@ -267,14 +267,8 @@ def _result(argv: Sequence[str], sup: ExecSupervisor | None, ack: Mapping[str, A
         raise native.spawn_error(sup.error.step, sup.error.err, sup.error.path or None)
     rc = sup.returncode
     o = cgbase.classify(rc, timed_out=sup.timed_out)
-    out: bytes | str | None = bytes(sup.out_buf) if sup.capture_out else None
-    err: bytes | str | None = bytes(sup.err_buf) if sup.capture_err else None
-    if io.text_mode:
-        enc = io.encoding or "utf-8"
-        if isinstance(out, bytes):
-            out = out.decode(enc, io.errors or "strict")
-        if isinstance(err, bytes):
-            err = err.decode(enc, io.errors or "strict")
+    out, err = io.decoded(bytes(sup.out_buf) if sup.capture_out else None,
+                          bytes(sup.err_buf) if sup.capture_err else None)
     res = RunResult(list(argv), rc, out, err, session=str(ack.get("session") or ""), run=int(ack.get("run") or 0),
                     outcome=o.summary(), outcome_kind=o.kind, exec_failed=sup.exec_failed)
     if sup.timed_out and timeout is not None and not io.forward_signals:

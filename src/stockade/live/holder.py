@@ -951,18 +951,9 @@ class _Rewatch(BaseException):
 
 
 def _unix_socket(fd: int) -> bool:
-    import stat
+    from ..core.request import socket_family
 
-    try:
-        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-            return False
-        s = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
-    try:
-        return bool(s.family == socket.AF_UNIX)
-    finally:
-        s.close()
+    return socket_family(fd) == socket.AF_UNIX
 
 
 def _send_on(fd: int, body: dict[str, Any]) -> None:
