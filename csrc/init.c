@@ -185,11 +185,49 @@ struct exec_slot {
 static struct exec_slot slots[SK_MAX_EXECS];
 static char *strings; /* SK_EXEC_MAX_STRINGS + 1 bytes, mapped once */
 
+/* Notes the holder's socket had no room for, oldest first: sent when it has (POLLOUT).
+ * init never blocks on its holder, and the holder never misses an exec's end (a lost
+ * EXIT note would keep that exec "running" for good). */
+#define SK_NOTE_BACKLOG 4096
+static struct sk_note backlog[SK_NOTE_BACKLOG];
+static unsigned int backlog_head, backlog_len;
+
+static int send_note(int sock, const struct sk_note *n)
+{
+    return send(sock, n, sizeof *n, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)sizeof *n;
+}
+
+static void flush_notes(int sock)
+{
+    while (backlog_len) {
+        if (!send_note(sock, &backlog[backlog_head]))
+            return;
+        backlog_head = (backlog_head + 1) % SK_NOTE_BACKLOG;
+        backlog_len--;
+    }
+}
+
 static void note(int sock, int kind, unsigned int id, int value, int err)
 {
     struct sk_note n = {.kind = kind, .id = id, .value = value, .err = err};
-    /* never blocks: a holder that stopped reading loses notes, it cannot stall init */
-    send(sock, &n, sizeof n, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (!backlog_len && send_note(sock, &n))
+        return;
+    if (backlog_len == SK_NOTE_BACKLOG) { /* the holder has not read for thousands of execs: drop the oldest */
+        backlog_head = (backlog_head + 1) % SK_NOTE_BACKLOG;
+        backlog_len--;
+    }
+    backlog[(backlog_head + backlog_len) % SK_NOTE_BACKLOG] = n;
+    backlog_len++;
+}
+
+/* Close an exec socket with what its client sent still unread: the peer would get
+ * ECONNRESET before the reports queued for it (a second signal sent as the command ended). */
+static void close_exec_sock(int s)
+{
+    char junk[64];
+    while (recv(s, junk, sizeof junk, MSG_DONTWAIT) > 0)
+        ;
+    close(s);
 }
 
 static void exec_report(int esock, int kind, int step, int err, int value, const char *path)
@@ -214,8 +252,10 @@ static void __attribute__((noreturn)) exec_child(const struct sk_exec_hdr *h, co
     /* Everything we need goes above the highest number asked for (close-on-exec),
      * so no source sits on a target; then each goes to its number. */
     int es = fcntl(esock, F_DUPFD_CLOEXEC, floor + 1);
-    if (es < 0)
+    if (es < 0) { /* (a target at or above the sandbox's nofile limit) */
+        exec_report(esock, SK_REP_ERROR, SK_STEP_CLOSE_FDS, errno, floor, "F_DUPFD");
         _exit(125);
+    }
     int src[3 + SK_EXEC_MAX_FDS];
     int nsrc = nfds;
     for (int i = 0; i < nsrc; i++) {
@@ -293,7 +333,7 @@ static void close_all(const int *fds, int n)
 {
     for (int i = 0; i < n; i++)
         if (fds[i] >= 0)
-            close(fds[i]);
+            close_exec_sock(fds[i]); /* (a recv on what is not a socket just fails) */
 }
 
 static int find_free_slot(void)
@@ -430,7 +470,7 @@ static void take_request(int sock)
     if (pid < 0) {
         exec_report(esock, SK_REP_ERROR, SK_STEP_FORK, e, 0, NULL);
         note(sock, SK_NOTE_FAILED, h.id, 0, e);
-        close(esock);
+        close_exec_sock(esock);
         return;
     }
     slots[free_slot].pid = pid;
@@ -454,7 +494,7 @@ static void take_signal(struct exec_slot *s)
         return;
     /* EOF or an error: nobody waits for this command any more; it ends, alone */
     end_job(s->pid, SIGKILL);
-    close(s->sock);
+    close_exec_sock(s->sock);
     s->sock = -1;
 }
 
@@ -468,7 +508,7 @@ static void reap(int sock)
                 continue;
             if (slots[i].sock >= 0) {
                 exec_report(slots[i].sock, SK_REP_EXIT, 0, 0, st, NULL);
-                close(slots[i].sock);
+                close_exec_sock(slots[i].sock);
             }
             note(sock, SK_NOTE_EXIT, slots[i].id, st, 0);
             slots[i].pid = 0;
@@ -511,7 +551,7 @@ static void __attribute__((noreturn)) serve(int sock, int rep)
         pf[n].events = POLLIN;
         which[n++] = -1;
         pf[n].fd = sock;
-        pf[n].events = POLLIN;
+        pf[n].events = POLLIN | (backlog_len ? POLLOUT : 0);
         which[n++] = -2;
         for (int i = 0; i < SK_MAX_EXECS; i++)
             if (slots[i].pid && slots[i].sock >= 0) {
@@ -533,7 +573,10 @@ static void __attribute__((noreturn)) serve(int sock, int rep)
             } else if (which[j] == -2) {
                 if (pf[j].revents & (POLLHUP | POLLERR) && !(pf[j].revents & POLLIN))
                     _exit(0); /* the holder is gone */
-                take_request(sock);
+                if (pf[j].revents & POLLOUT)
+                    flush_notes(sock);
+                if (pf[j].revents & POLLIN)
+                    take_request(sock);
             } else {
                 struct exec_slot *s = &slots[which[j]];
                 if (s->pid && s->sock == pf[j].fd)

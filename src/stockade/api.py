@@ -154,9 +154,10 @@ class Sandbox:
         """A ``subprocess.Popen``-like handle on a command in the living sandbox."""
         return self._living().popen(args, **kwargs)
 
-    def status(self, sample: float = 0.2) -> dict[str, Any]:
-        """The living sandbox's status (``stockade status NAME --json``'s schema)."""
-        res = self._living().request("status", sample=sample)["status"]
+    def status(self) -> dict[str, Any]:
+        """The living sandbox's status (``stockade status NAME --json``'s schema; CPU use
+        over the last second or two)."""
+        res = self._living().request("status")["status"]
         assert isinstance(res, dict)
         return res
 

@@ -212,7 +212,7 @@ def cmd_status(args: Args) -> int:
     _out(f"session {session.id}  project {cs.project}\n")
     from ..live.status import living_status
 
-    living = living_status(session.id, sample=0.0)
+    living = living_status(session.id)
     if living is not None:
         res = living.get("resources") or {}
         _out(f"sandbox: {living.get('status')} since {living.get('started_at')}"

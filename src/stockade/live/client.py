@@ -11,6 +11,7 @@ that command and nothing else.
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import signal
@@ -72,7 +73,10 @@ class ExecSupervisor(Supervisor):
         self.ended: set[int] = set()
 
     def _ready_report(self, fd: int) -> None:
-        super()._ready_report(fd)
+        try:
+            super()._ready_report(fd)
+        except ConnectionResetError:
+            return  # init closed with a signal of ours unread: its reports are still there, read again
         if not self.report_open:
             self.init_done = True  # the exec socket's end: the command is over (or init is gone)
 
@@ -250,7 +254,8 @@ def _exec_body(argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | os
         sources.append(src)
     if len(set(pass_fds)) != len(pass_fds):
         raise UsageError("pass_fds: a descriptor is named twice")
-    if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or not math.isfinite(timeout) or timeout <= 0):
         raise UsageError(f"timeout {timeout!r}: expected a number of seconds > 0")
     body = {"op": "exec", "argv": list(argv), "env": dict(env or {}),
             "cwd": None if cwd is None else os.fspath(cwd), "here": here, "timeout": timeout, "pty": pty,
@@ -388,7 +393,10 @@ class LivePopen:
                         self._signal(signal.SIGKILL)  # its timeout: the policy's cap
                         continue
                     return False
-                data = self._sock.recv(4096)
+                try:
+                    data = self._sock.recv(4096)
+                except ConnectionResetError:
+                    continue  # init closed with a signal of ours unread: its reports follow
                 if not data:
                     st = self._status
                     self.returncode = os.waitstatus_to_exitcode(st) if st is not None else -signal.SIGKILL
@@ -456,6 +464,7 @@ class LivePopen:
             except (BrokenPipeError, ValueError):
                 pass
             w_fd = self.stdin.fileno()
+            os.set_blocking(w_fd, False)  # select says "room for PIPE_BUF", not for all of it
             if not pending:
                 self.stdin.close()
                 w_fd = -1
@@ -473,6 +482,8 @@ class LivePopen:
                 try:
                     n = os.write(w_fd, pending[:65536])
                     pending = pending[n:]
+                except BlockingIOError:
+                    pass
                 except BrokenPipeError:
                     pending = b""
                 if not pending:

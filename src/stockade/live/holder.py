@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pickle
 import select
@@ -129,6 +130,10 @@ class Holder:
         self.config_idle: float | None = DEFAULT_IDLE
         self.written_at = 0.0
         self.written_execs = 0
+        self.cpu_marks: list[tuple[float, float]] = []
+        self.term_requested = False  # SIGTERM came (its handler only sets this and wakes the loop)
+        self.wake_r = -1
+        self.created: set[str] = set()  # the files of the live dir this holder made (an abort removes only these)
 
     # ------------------------------------------------------------------ start
 
@@ -196,6 +201,7 @@ class Holder:
         self._write_record()
         if spec.warm:
             (self.dir / registry.WARM).touch()
+            self.created.add(registry.WARM)
         self._say_ready({"ok": True, "id": sess.id, "pid": os.getpid(), "socket": str(self.dir / registry.SOCK)})
 
     def _settings(self, sess: store.Session, project: Path, req: RunRequest) -> None:
@@ -261,6 +267,7 @@ class Holder:
         s.listen(64)
         s.setblocking(False)
         self.listener = s
+        self.created.add(registry.SOCK)
 
     def _start_reaper(self) -> None:
         """A process that outlives a SIGKILLed holder and takes down what the kernel
@@ -341,7 +348,11 @@ class Holder:
         data["execs"] = self.exec_count  # (never a value kept from an earlier write)
         data.update(extra)
         self.data.update({k: v for k, v in extra.items() if k != "execs"})
-        registry.write(self.dir, data)
+        try:
+            registry.write(self.dir, data)
+            self.created.add(registry.RECORD)
+        except (OSError, StockadeError) as e:  # a full disk: the record lags, the sandbox serves on
+            sys.stderr.write(f"stockade: holder record not written: {e}\n")
         self.written_execs = self.exec_count
         self.written_at = time.monotonic()
 
@@ -355,11 +366,14 @@ class Holder:
         ep.register(self.serve.fileno(), select.EPOLLIN)
         pidfd = self.launch.child.pidfd
         ep.register(pidfd, select.EPOLLIN)
-        for fd in (*self.conns, *self.adopted):  # a new loop (a claim, SIGTERM): the same watches
+        for fd in (*self.conns, *self.adopted):  # a new loop (a claim): the same watches
             ep.register(fd, select.EPOLLIN)
+        if self.wake_r >= 0:
+            ep.register(self.wake_r, select.EPOLLIN)
         if self.spec.owner_pid and not self.spec.detached:
             try:
-                self.owner_fd = os.pidfd_open(self.spec.owner_pid)
+                if self.owner_fd < 0:
+                    self.owner_fd = os.pidfd_open(self.spec.owner_pid)
                 ep.register(self.owner_fd, select.EPOLLIN)
             except OSError:
                 self._begin_stop("its owner process is gone")
@@ -376,29 +390,66 @@ class Holder:
                     events = ep.poll(timeout)
                 except InterruptedError:
                     continue
+                # init's notes first: a batch of execs' ends must not wait behind requests
+                serve_fd = self.serve.fileno()
+                events.sort(key=lambda e: e[0] != serve_fd)
                 for fd, _ev in events:
-                    if fd == self.listener.fileno():
-                        self._accept(ep)
-                    elif fd == self.serve.fileno():
-                        self._notes()
-                    elif fd == pidfd:
-                        self.init_reaped = True
-                        if self.stopping is None:
-                            self.status = "failed"
-                            self._begin_stop("the sandbox's init ended")
-                        stop_deadline = now
-                    elif fd == self.owner_fd:
-                        self._begin_stop("its owner process ended")
-                    elif fd in self.adopted:
-                        self._drain(ep, fd)
-                    elif fd in self.conns:
-                        self._on_conn(ep, fd)
+                    try:
+                        stop_deadline = self._dispatch(ep, fd, pidfd, now, stop_deadline)
+                    except _Rewatch:
+                        raise
+                    except Exception as e:  # one bad event never takes the sandbox down
+                        sys.stderr.write(f"stockade: holder: {type(e).__name__}: {e}\n")
+                if self.term_requested:
+                    self.term_requested = False
+                    self._begin_stop("the holder got SIGTERM")
                 self._enforce_timeouts()
                 self._idle_check()
                 if self.exec_count != self.written_execs and time.monotonic() - self.written_at > 1.0:
                     self._write_record()  # `stockade ps` figures, at most once a second
+                self._mark_cpu()
         finally:
             ep.close()
+
+    def _dispatch(self, ep: select.epoll, fd: int, pidfd: int, now: float,
+                  stop_deadline: float | None) -> float | None:
+        """One ready fd; the stop deadline (set once init is gone)."""
+        assert self.listener is not None
+        if fd == self.listener.fileno():
+            self._accept(ep)
+        elif self.serve is not None and fd == self.serve.fileno():
+            self._notes()
+        elif fd == pidfd:
+            self.init_reaped = True
+            if self.stopping is None:
+                self.status = "failed"
+                self._begin_stop("the sandbox's init ended")
+            return now
+        elif fd == self.owner_fd:
+            self._begin_stop("its owner process ended")
+        elif fd in self.adopted:
+            self._drain(ep, fd)
+        elif fd in self.conns:
+            self._on_conn(ep, fd)
+        elif fd == self.wake_r:
+            _drain_fd(fd)
+        return stop_deadline
+
+    def _mark_cpu(self) -> None:
+        """(time, CPU seconds) at most every second, kept two deep: status reports CPU use
+        over the window from the older mark (at least a second, at most about two)."""
+        from .status import cpu_seconds
+
+        now = time.monotonic()
+        if self.cpu_marks and now - self.cpu_marks[-1][0] < 1.0:
+            return
+        cpu = cpu_seconds(self.init_pid, self.launch.cg if self.launch is not None else None)
+        if cpu is not None:
+            self.cpu_marks = [*self.cpu_marks[-1:], (now, cpu)]
+
+    @property
+    def cpu_mark(self) -> tuple[float, float] | None:
+        return self.cpu_marks[0] if self.cpu_marks else None
 
     def _next_wake(self, now: float, stop_deadline: float | None) -> float:
         waits = [1.0]
@@ -464,6 +515,9 @@ class Holder:
                 s, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except OSError as e:  # EMFILE: the client waits in the backlog; retried on the next turn
+                sys.stderr.write(f"stockade: holder: accept: {os.strerror(e.errno or 0)}\n")
+                return
             peer = proto.same_userns_peer(s)
             if peer is None:
                 s.close()  # another user, or a process in a sandbox: not ours to serve
@@ -518,10 +572,10 @@ class Holder:
         if op == "ping":
             self._reply(c.sock, {"ok": True})
         elif op == "status":
-            self._reply(c.sock, {"ok": True, "status": self.status_json(sample=float(str(body.get("sample") or 0.2)))})
+            self._reply(c.sock, {"ok": True, "status": self.status_json()})
         elif op == "stop":
-            grace = body.get("grace")
-            self._begin_stop("stopped on request", float(str(grace)) if grace is not None else None)
+            grace = _seconds(body.get("grace"))
+            self._begin_stop("stopped on request", grace)
             self.stop_waiters.append(c.sock)
             fd = c.sock.fileno()
             ep.unregister(fd)
@@ -581,6 +635,9 @@ class Holder:
                              "session": self.sess.id})
             try:
                 proto.send_exec(self.serve, eid, argv, env, cwd, dict(env).get("PATH", self.prep.plan.path_env), esock, stdio, targets, passed, pty)
+            except ValueError as e:  # (a NUL in the cwd; the rest was refused above)
+                _send_on(esock, {"ok": False, "error": f"exec: {e}", "status": 2})
+                return
             except OSError as e:
                 _send_on(esock, {"ok": False, "error": f"the sandbox's init is gone ({os.strerror(e.errno or 0)})",
                                  "status": 1})
@@ -602,12 +659,14 @@ class Holder:
             raise UsageError("exec: no command given; usage: stockade exec NAME -- CMD [ARGS...]")
         if not argv[0]:
             raise UsageError("exec: the command is an empty string")
+        if any("\0" in a for a in argv):
+            raise UsageError("exec: an argument holds a NUL byte")
         extra = b.get("env") or {}
         if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
             raise UsageError("exec: env must map names to strings")
-        for k in extra:
-            if not k or "=" in k:
-                raise UsageError(f"--env {k!r}: expected NAME=VALUE")
+        for k, v in extra.items():
+            if not k or "=" in k or "\0" in k or "\0" in v:
+                raise UsageError(f"--env {k!r}: expected NAME=VALUE (no NUL byte)")
         pty = bool(b.get("pty"))
         targets = b.get("targets") or []
         if not isinstance(targets, list) or not all(isinstance(t, int) and 3 <= t < 1 << 20 for t in targets):
@@ -644,7 +703,8 @@ class Holder:
         timeout = b.get("timeout")
         cap = self.prep.timeout
         if timeout is not None:
-            if not isinstance(timeout, int | float) or timeout <= 0:
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout) \
+                    or timeout <= 0:
                 raise UsageError(f"--timeout {timeout!r}: expected a duration > 0")
             t: float | None = float(timeout) if cap is None else min(float(timeout), cap)
         else:
@@ -675,8 +735,8 @@ class Holder:
             store.write_json_atomic(rec.run_dir + "/run.json", data)
             AuditLog(self.sess).event("exec", " ".join(record_argv(rec.argv)), "started", run=rec.run,
                                       sandbox=self.sess.id, cwd=rec.cwd)
-        except OSError:
-            pass  # the audit log never breaks a run
+        except (OSError, StockadeError):
+            pass  # the audit log never breaks a run (a full disk included)
 
     def _notes(self) -> None:
         assert self.serve is not None
@@ -726,7 +786,7 @@ class Holder:
                          "exit_status": code, "outcome": summary, "outcome_kind": kind})
             store.write_json_atomic(path, data)
             AuditLog(self.sess).outcome(rec.run, kind, outcome=summary, exit_status=code, sandbox=self.sess.id)
-        except OSError:
+        except (OSError, StockadeError):
             pass
 
     # ------------------------------------------------------------------ adopted output
@@ -780,7 +840,9 @@ class Holder:
 
     # ------------------------------------------------------------------ status, snapshot, claim
 
-    def status_json(self, sample: float = 0.2) -> dict[str, Any]:
+    def status_json(self) -> dict[str, Any]:
+        """The provider status schema; CPU use over the last mark's window (about a
+        second: the loop marks it on its ticks, never sleeping for a sample)."""
         from .status import resources
 
         assert self.sess is not None
@@ -792,7 +854,7 @@ class Holder:
         data["execs"] = self.exec_count
         data["changes"] = _changes_summary(self.sess)
         cg = self.launch.cg if self.launch is not None else None
-        data["resources"] = resources(self.init_pid, cg, sample)
+        data["resources"] = resources(self.init_pid, cg, 0.0, since=self.cpu_mark)
         data["execs_running"] = [{"exec": e.id, "run": e.run, "argv": e.argv, "pid": e.pid} for e in self.execs.values()]
         return data
 
@@ -828,7 +890,8 @@ class Holder:
         self.spec = dataclasses.replace(self.spec, warm=False, detached=detached,
                                         owner_pid=int(str(owner)) if owner else None)
         if idle is not None:
-            self.idle = None if float(str(idle)) == float("inf") else float(str(idle))
+            v = float(str(idle))
+            self.idle = None if v == float("inf") or not v > 0 else v
         else:
             self.idle = self.config_idle
         self.claimed_by = str(owner or "")
@@ -845,12 +908,16 @@ class Holder:
         change set stays. Then the records and the waiting clients."""
         from ..linux import native
 
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the teardown runs to its end
         if self.serve is not None:
-            self.serve.close()
+            self.serve.close()  # init's channel: it ends, and the kernel ends its PID namespace
             self.serve = None
         launch = self.launch
         reaped = self.init_reaped
         if launch is not None and launch.child is not None and not reaped:
+            # init ends at once; one stuck (a vfork'd command in a hung mount) is killed
+            if not select.select([launch.child.pidfd], [], [], 10.0)[0]:
+                launch.kill()
             try:
                 os.waitid(os.P_PIDFD, launch.child.pidfd, os.WEXITED)
                 reaped = True
@@ -913,7 +980,7 @@ class Holder:
             store.write_json_new(rec.run_dir + "/run.json", rec.data)
             AuditLog(sess).outcome(rec.run_no, self.status, outcome=f"sandbox {self.status}: {self.stopping}",
                                    exit_status=0, execs=self.exec_count)
-        except OSError:
+        except (OSError, StockadeError):
             pass
 
     def _abort(self) -> None:
@@ -932,12 +999,13 @@ class Holder:
             self.hold_cm = None
         if self.dir is not None:
             for f in (registry.SOCK, registry.RECORD, registry.WARM):
-                try:
-                    (self.dir / f).unlink()
-                except FileNotFoundError:
-                    pass
+                if f in self.created:  # another holder's (a concurrent start of the name) stays
+                    try:
+                        (self.dir / f).unlink()
+                    except FileNotFoundError:
+                        pass
             try:
-                self.dir.rmdir()
+                self.dir.rmdir()  # only when empty
             except OSError:
                 pass
         if self.reaper_w >= 0:
@@ -948,6 +1016,21 @@ class Holder:
 
 class _Rewatch(BaseException):
     """The loop's watches changed (a claim gave the sandbox an owner)."""
+
+
+def _seconds(v: object) -> float | None:
+    """A duration from a request: finite and >= 0, else None (the default)."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+        return None
+    return float(v)
+
+
+def _drain_fd(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
 
 
 def _unix_socket(fd: int) -> bool:
@@ -1021,14 +1104,19 @@ def reap_after(holder_pid: int, d: Path | None) -> None:
         pass
     if d is None:
         return
+    try:
+        with open(d / registry.RECORD, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {"holder_pid": holder_pid}
+    if data.get("holder_pid") != holder_pid:
+        return  # a new holder of this name started meanwhile: its socket and record are its own
     for name in (registry.SOCK, registry.WARM):
         try:
             (d / name).unlink()
         except OSError:
             pass
     try:
-        with open(d / registry.RECORD, encoding="utf-8") as f:
-            data = json.load(f)
         if data.get("status") in ("running", "starting", "stopping", "warm"):
             data["status"] = "failed"
             data["reason"] = "its holder process was killed"
@@ -1065,13 +1153,25 @@ def main() -> int:
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.close(null)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(_Stop()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:  # every client, adopted stream and exec in flight holds fds here
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     from ..launch import launcher
 
     launcher.SHARED = os.environ.get("STOCKADE_LAUNCHER", "1") != "private"  # as the CLI's: one per user, reused
     h = Holder(spec, ready_fd)
+    wake_r, wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    h.wake_r = wake_r
+
+    def on_term(_sig: int, _frame: object) -> None:
+        h.term_requested = True  # the loop stops the sandbox at its next turn (never mid-step)
+
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGTERM, on_term)
     try:
         h.start()
     except StockadeError as e:
@@ -1087,16 +1187,10 @@ def main() -> int:
                 break
             except _Rewatch:
                 continue
-            except _Stop:
-                h._begin_stop("the holder got SIGTERM")
-                continue
     finally:
         h.finish()
     return 0
 
-
-class _Stop(BaseException):
-    pass
 
 
 if __name__ == "__main__":

@@ -37,9 +37,34 @@ def _cpu(procs: list[psutil.Process]) -> dict[int, float]:
     return out
 
 
-def resources(init_pid: int, cg: object | None, sample: float = 0.2) -> dict[str, Any]:
+def cpu_seconds(init_pid: int, cg: object | None) -> float | None:
+    """The sandbox's CPU time so far: its cgroup's counter, else its processes' times."""
+    usage = getattr(cg, "usage", None)
+    if callable(usage):
+        try:
+            _m, cpu = usage()
+            if cpu is not None:
+                return float(cpu)
+        except OSError:
+            pass
+    times = _cpu(tree(init_pid))
+    return sum(times.values()) if times else None
+
+
+def resources(init_pid: int, cg: object | None, sample: float = 0.2,
+              since: tuple[float, float] | None = None) -> dict[str, Any]:
     """Memory in use (the tree's resident set), CPU use over ``sample`` seconds (the
-    cgroup's counter, else the tree's CPU times), the pids; the cgroup's own figures."""
+    cgroup's counter, else the tree's CPU times), the pids; the cgroup's own figures.
+    ``since``: (monotonic time, ``cpu_seconds``) of an earlier mark: CPU use since then,
+    without waiting (the holder's loop must not sleep)."""
+    if since is not None:
+        res = resources(init_pid, cg, 0.0)
+        now_cpu = cpu_seconds(init_pid, cg)
+        elapsed = time.monotonic() - since[0]
+        if now_cpu is not None and elapsed > 0.05:
+            res["cpu_percent"] = round(max(0.0, now_cpu - since[1]) / elapsed * 100, 1)
+            res["cpu_window"] = round(elapsed, 2)
+        return res
     procs = tree(init_pid)
     rss = 0
     for p in procs:
@@ -91,7 +116,7 @@ def stragglers(init_pid: int) -> list[int]:
     return [p.pid for p in tree(init_pid)[1:]]
 
 
-def living_status(sid: str, sample: float = 0.2) -> dict[str, Any] | None:
+def living_status(sid: str) -> dict[str, Any] | None:
     """The provider status schema of session ``sid``'s living sandbox, asked of its holder
     while it runs, else its last record; None: the session never had one."""
     from . import registry
@@ -102,7 +127,7 @@ def living_status(sid: str, sample: float = 0.2) -> dict[str, Any] | None:
         return None
     if lv.status in ("running", "warm"):
         try:
-            st = Channel(lv).request("status", sample=sample)["status"]
+            st = Channel(lv).request("status")["status"]
             if isinstance(st, dict):
                 return st
         except Exception:  # gone meanwhile: the record says what is known
