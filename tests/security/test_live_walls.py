@@ -512,7 +512,8 @@ def test_another_host_uid_cannot_exec(user: User, project: Path, living: Callabl
     (ambient, through setpriv) to pass the directory, or is host root against uid 65534's
     sandbox: the connection is accepted by the kernel and must be closed unanswered."""
     if who == "root":
-        need(user.name != "root", "root against root's own sandbox is the owner")
+        if user.name == "root":  # not a missing feature: this pairing has no other uid in it
+            pytest.skip("root against root's own sandbox is the owner")
     lv = living()
     runs, execs = lv.runs(), len(lv.events("exec"))
     name = f"pwned-{secrets.token_hex(4)}"
