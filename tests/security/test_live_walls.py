@@ -25,6 +25,7 @@ by their start time, as a backstop).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -127,14 +128,6 @@ def find_marked(marker: str, timeout: float) -> int | None:
         return netfix.find_marked(marker, timeout)
     except AssertionError:
         return None
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-        return True
-    except OSError:
-        return False
 
 
 def kill_quietly(pid: int | None) -> None:
@@ -701,8 +694,7 @@ def test_a_host_inet_socket_is_refused_to_an_exec(user: User, project: Path, liv
             r = lv.exec(cmd, "-i", stdin=cli.fileno())
         else:
             # at a number of its own, far above what a CLI (or a server's supervisor) opens
-            fd = next(k for k in range(50, 200) if not _is_open(k))
-            os.dup2(lis.fileno() if how == "pass-fd-listener" else udp.fileno(), fd)
+            fd = fcntl.fcntl(lis.fileno() if how == "pass-fd-listener" else udp.fileno(), fcntl.F_DUPFD_CLOEXEC, 50)
             try:
                 r = lv.exec(cmd, "--pass-fd", str(fd), pass_fds=[fd])
             finally:
@@ -923,7 +915,9 @@ def test_pass_fd_passes_the_callers_fd_and_nothing_else(user: User, project: Pat
     r, w = os.pipe()
     os.write(w, payload.encode())
     os.close(w)
-    n = next(k for k in range(20, 200) if not _is_open(k))
+    # the lowest free number from 20 up, taken atomically (a dup2 onto a number seen free
+    # races with any thread of this process opening one: EBUSY)
+    n = fcntl.fcntl(r, fcntl.F_DUPFD_CLOEXEC, 20)
     probe = (
         "import os, sys\n"
         f"print('LINK', os.readlink('/proc/self/fd/{n}'), flush=True)\n"
@@ -931,7 +925,6 @@ def test_pass_fd_passes_the_callers_fd_and_nothing_else(user: User, project: Pat
         "print('FDS', sorted(int(x) for x in os.listdir('/proc/self/fd')), flush=True)\n"
     )
     try:
-        os.dup2(r, n)
         res = lv.exec([PY, "-I", "-c", probe], "--pass-fd", str(n), env=SERVE[serve], pass_fds=[n])
     finally:
         os.close(r)
