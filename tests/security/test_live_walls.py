@@ -46,8 +46,6 @@ from tests import netfix
 from tests.conftest import User, world_tmpdir
 from tests.security.helpers import Canary, sandbox
 
-pytestmark = pytest.mark.vm
-
 PY = "/usr/bin/python3"
 # the namespaces a sandbox has of its own (time and the *_for_children links are not compared)
 NAMESPACES = ("user", "mnt", "pid", "net", "uts", "ipc", "cgroup")
@@ -327,6 +325,7 @@ def _walls_probe(canary: Path, secret_file: Path) -> str:
     )
 
 
+@pytest.mark.vm  # (under the second kernel too: cgroup v2, Landlock ABI 2; the rest runs here only)
 def test_exec_is_as_confined_as_a_run(user: User, project: Path, living: Callable[..., Living],
                                       grants: tuple[Canary, Path, str]) -> None:
     canary, sdir, secret = grants
@@ -624,6 +623,7 @@ def _net_dev(pid: int) -> list[str]:
     return sorted(ln.split(":", 1)[0].strip() for ln in lines)
 
 
+@pytest.mark.vm
 def test_an_exec_request_cannot_widen_the_policy(user: User, project: Path, living: Callable[..., Living]) -> None:
     lv = living()  # --net none, every wall on
     lis = HostListeners()
