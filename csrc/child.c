@@ -58,39 +58,6 @@ static void lo_up(int rep)
     close(s);
 }
 
-/* A pty from the sandbox's own devpts (so ttyname() works inside); the master
- * goes to the parent over the console socket, like runc's --console-socket. */
-int sk_console_pty(int sock, int rep)
-{
-    int m = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
-    if (m < 0)
-        FAIL(SK_STEP_TTY, "/dev/pts/ptmx");
-    int unlock = 0;
-    if (ioctl(m, TIOCSPTLCK, &unlock) < 0)
-        FAIL(SK_STEP_TTY, "TIOCSPTLCK");
-    int s = ioctl(m, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
-    if (s < 0)
-        FAIL(SK_STEP_TTY, "TIOCGPTPEER");
-    char byte = 'm';
-    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
-    union {
-        char buf[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-    } u;
-    memset(&u, 0, sizeof u);
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
-    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &m, sizeof(int));
-    if (sendmsg(sock, &msg, MSG_NOSIGNAL) < 0)
-        FAIL(SK_STEP_TTY, "console socket");
-    close(m);
-    close(sock);
-    return s;
-}
-
 /* Put stdio[i] on fd i without clobbering a source that sits on another 0..2. */
 static void setup_stdio(const struct sk_plan *p, const int *stdio, int rep)
 {
