@@ -14,19 +14,8 @@ from stockade.policy import CliPolicy
 
 
 @pytest.fixture()
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
-    home = tmp_path / "home"
-    proj = home / "src" / "proj"
-    proj.mkdir(parents=True)
-    (home / ".config" / "stockade").mkdir(parents=True)
-    sess = tmp_path / "session"
-    sess.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
-    monkeypatch.setenv("STOCKADE_STATE_DIR", str(tmp_path / "state"))
-    policy.clear_cache()
-    return {"proj": proj, "global": home / ".config" / "stockade" / "config.toml", "sess": sess,
-            "workspace": proj / ".stockade.toml"}
+def env(config_env: dict[str, Path]) -> dict[str, Path]:
+    return config_env  # (tests/unit/conftest.py)
 
 
 def _settings(eff: policy.Effective) -> tuple[object, ...]:

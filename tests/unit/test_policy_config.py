@@ -13,19 +13,8 @@ from stockade.policy import CliPolicy
 
 
 @pytest.fixture()
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
-    home = tmp_path / "home"
-    proj = home / "src" / "proj"
-    proj.mkdir(parents=True)
-    (home / ".config" / "stockade").mkdir(parents=True)
-    state = tmp_path / "state"
-    sess = tmp_path / "session"
-    sess.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
-    monkeypatch.setenv("STOCKADE_STATE_DIR", str(state))
-    return {"home": home, "proj": proj, "global": home / ".config" / "stockade" / "config.toml",
-            "sess": sess, "state": state}
+def env(config_env: dict[str, Path]) -> dict[str, Path]:
+    return config_env  # (tests/unit/conftest.py)
 
 
 def test_global_config_follows_xdg(env: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
