@@ -320,7 +320,17 @@ def test_mass_deletion_most_of_a_directory(tmp_path: Path) -> None:
     b.whiteout("lib/sub")  # a whole directory: its 2 files count
     b.whiteout("big/f0")
     r = _one(b, "mass-deletion")
-    assert r.paths == ("lib",) and "5 of the 6 files of directory lib/" in r.reason and "83 %" in r.reason
+    assert r.paths == ("lib/f0", "lib/f1", "lib/f2", "lib/sub")  # the deleted directory stands for its files
+    assert "5 of the 6 files of directory lib/" in r.reason and "83 %" in r.reason
+
+
+def test_mass_deletion_of_a_directory_covers_the_total(tmp_path: Path) -> None:
+    files = {f"gen/f{i:02}": "x\n" for i in range(25)}
+    files.update({f"src/m{i}.py": "x\n" for i in range(30)})
+    b = Builder(tmp_path, files)
+    b.whiteout("gen")
+    r = _one(b, "mass-deletion")  # one risk: the directory's says it all
+    assert r.paths == ("gen",) and "25 of the 25 files of directory gen/" in r.reason
 
 
 def test_mass_deletion_negative(tmp_path: Path) -> None:

@@ -438,13 +438,12 @@ class _Assess:
             self.add("dependencies", [c.path], "; ".join(parts), sev)
 
     def mass_deletion(self) -> None:
+        """Directories (the project included) that lose most of their files, the topmost
+        one reported; and many deleted files in all, unless those risks cover them all."""
         deleted = [c for c in self.sel if c.kind is Kind.DELETED and c.old_mode is not None
                    and not stat.S_ISDIR(c.old_mode)]
         if not deleted:
             return
-        if len(deleted) >= MASS_DELETE_FILES:
-            self.add("mass-deletion", _roots(deleted, self.sel),
-                     f"{len(deleted)} files deleted (threshold {MASS_DELETE_FILES})", "high")
         under: dict[str, int] = {}
         for c in deleted:
             parts = c.path.split("/")[:-1]
@@ -452,19 +451,24 @@ class _Assess:
                 d = "/".join(parts[:i])
                 under[d] = under.get(d, 0) + 1
         flagged: list[str] = []
+        covered = 0
         for d in sorted(under, key=lambda p: (p.count("/") if p else -1, os.fsencode(p))):
             n = under[d]
-            if n < DIR_DELETE_MIN or any(d == f or d.startswith(f + "/") or f == "" for f in flagged):
+            if n < DIR_DELETE_MIN or any(f == "" or d == f or d.startswith(f + "/") for f in flagged):
                 continue
             limit = int(n / DIR_DELETE_SHARE)  # more files than this and the share is below the threshold
             total = _count_files(self.sides, d, limit + 1)
             if total and n / total >= DIR_DELETE_SHARE:
                 flagged.append(d)
+                covered += n
                 where = f"directory {d}/" if d else "the project"
-                pct = round(100 * n / total)
-                self.add("mass-deletion", [d or "."],
-                         f"{n} of the {total} files of {where} deleted ({pct} %, threshold "
-                         f"{round(100 * DIR_DELETE_SHARE)} % of at least {DIR_DELETE_MIN})", "high")
+                inside = [c for c in deleted if not d or c.path.startswith(d + "/")]
+                self.add("mass-deletion", _roots(inside, self.sel),
+                         f"{n} of the {total} files of {where} deleted ({round(100 * n / total)} %; threshold: "
+                         f"{round(100 * DIR_DELETE_SHARE)} % of a directory, at least {DIR_DELETE_MIN} files)", "high")
+        if len(deleted) >= MASS_DELETE_FILES and covered < len(deleted):
+            self.add("mass-deletion", _roots(deleted, self.sel),
+                     f"{len(deleted)} files deleted (threshold: {MASS_DELETE_FILES})", "high")
 
     def large_binary(self) -> None:
         for c in self.sel:
