@@ -474,3 +474,11 @@ def test_many_paths_are_shortened_in_text(tmp_path: Path) -> None:
 def test_empty_change_set(tmp_path: Path) -> None:
     b = Builder(tmp_path, {"a": "a\n"})
     assert scan(b.session).risks() == [] and format_risks([]) == "" and R.summary([]) == "no risks"
+
+
+def test_mass_deletion_names_the_narrowest_directory(tmp_path: Path) -> None:
+    b = Builder(tmp_path, {"keep": "x\n", "a/b/f0": "x\n", "a/b/f1": "x\n", "a/b/f2": "x\n", "a/b/f3": "x\n"})
+    for i in range(4):
+        b.whiteout(f"a/b/f{i}")  # the project loses 4 of 5 files, a/ and a/b/ all of theirs
+    r = _one(b, "mass-deletion")
+    assert "4 of the 4 files of directory a/b/" in r.reason and r.paths == tuple(f"a/b/f{i}" for i in range(4))

@@ -450,25 +450,37 @@ class _Assess:
             for i in range(0, len(parts) + 1):
                 d = "/".join(parts[:i])
                 under[d] = under.get(d, 0) + 1
-        flagged: list[str] = []
-        covered = 0
+        covered: set[str] = set()  # deleted files a directory's risk already names
         for d in sorted(under, key=lambda p: (p.count("/") if p else -1, os.fsencode(p))):
             n = under[d]
-            if n < DIR_DELETE_MIN or any(f == "" or d == f or d.startswith(f + "/") for f in flagged):
+            if n < DIR_DELETE_MIN:
+                continue
+            inside = [c for c in deleted if not d or c.path.startswith(d + "/")]
+            if all(c.path in covered for c in inside):
                 continue
             limit = int(n / DIR_DELETE_SHARE)  # more files than this and the share is below the threshold
             total = _count_files(self.sides, d, limit + 1)
             if total and n / total >= DIR_DELETE_SHARE:
-                flagged.append(d)
-                covered += n
+                d, total = self._narrowest(d, n, under, total)
+                covered.update(c.path for c in inside)
                 where = f"directory {d}/" if d else "the project"
-                inside = [c for c in deleted if not d or c.path.startswith(d + "/")]
                 self.add("mass-deletion", _roots(inside, self.sel),
                          f"{n} of the {total} files of {where} deleted ({round(100 * n / total)} %; threshold: "
                          f"{round(100 * DIR_DELETE_SHARE)} % of a directory, at least {DIR_DELETE_MIN} files)", "high")
-        if len(deleted) >= MASS_DELETE_FILES and covered < len(deleted):
+        if len(deleted) >= MASS_DELETE_FILES and len(covered) < len(deleted):
             self.add("mass-deletion", _roots(deleted, self.sel),
                      f"{len(deleted)} files deleted (threshold: {MASS_DELETE_FILES})", "high")
+
+    def _narrowest(self, d: str, n: int, under: dict[str, int], total: int) -> tuple[str, int]:
+        """The deepest directory below ``d`` that holds all ``n`` of its deletions (``olddir/``,
+        4 of 4, says more than "the project", 4 of 6), with its file count."""
+        while True:
+            pre = d + "/" if d else ""
+            child = next((c for c, k in under.items() if k == n and c.startswith(pre) and c != d
+                          and "/" not in c[len(pre):]), None)
+            if child is None:
+                return d, total
+            d, total = child, _count_files(self.sides, child, total + 1)
 
     def large_binary(self) -> None:
         for c in self.sel:

@@ -278,6 +278,7 @@ def cmd_diff(args: Args) -> int:
 
 def _diff_risks(args: Args, session: Session, rest: list[str]) -> int:
     """`diff --risks`: the risk summary (changes/risks.py) instead of the patch."""
+    from ..changes.model import count
     from ..changes.risks import counts, format_risks, summary
     from ..errors import UsageError
 
@@ -285,7 +286,7 @@ def _diff_risks(args: Args, session: Session, rest: list[str]) -> int:
         raise UsageError("--risks and --stat are two different reports: give one of them")
     cs = _changes(session)
     risks = cs.risks(rest or None)
-    n = len(cs.select(rest or None)) if rest else len(cs)
+    n = count(cs.select(rest or None)).total
     if args.json:
         _out(json.dumps({"session": session.id, "changes": n, "counts": counts(risks),
                          "risks": [r.to_json() for r in risks]}, indent=1) + "\n")
