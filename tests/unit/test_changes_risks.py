@@ -482,3 +482,27 @@ def test_mass_deletion_names_the_narrowest_directory(tmp_path: Path) -> None:
         b.whiteout(f"a/b/f{i}")  # the project loses 4 of 5 files, a/ and a/b/ all of theirs
     r = _one(b, "mass-deletion")
     assert "4 of the 4 files of directory a/b/" in r.reason and r.paths == tuple(f"a/b/f{i}" for i in range(4))
+
+
+def test_unreadable_new_content_is_reported_not_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    b = Builder(tmp_path)
+    b.up("opaque.txt", f"{_AWS}\n")
+    b.up("fine.txt", "x\n")
+    real = R._read
+
+    def deny(root: object, rel: str, cap: int) -> tuple[bytes, bool] | None:
+        return None if rel == "opaque.txt" else real(root, rel, cap)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(R, "_read", deny)
+    r = _one(b, "secret")
+    assert r.paths == ("opaque.txt",) and "could not be read" in r.reason and r.severity == "medium"
+
+
+def test_readme_lists_every_rule_and_threshold() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Risk summary", 1)[1].split("\n## ", 1)[0]
+    for rule in R.RULES:
+        assert f"| `{rule}` |" in section, f"README's Risk summary does not document rule {rule!r}"
+    for figure in (f"{R.MASS_DELETE_FILES}**", f"{round(R.DIR_DELETE_SHARE * 100)} %", f"{R.DIR_DELETE_MIN}**",
+                   f"{R.LARGE_BINARY >> 20} MiB", f"{R.TEXT_CAP >> 20} MiB", f"{R.MANIFEST_CAP >> 20} MiB"):
+        assert figure in section, figure

@@ -260,11 +260,17 @@ class _Assess:
 
     def run(self) -> list[Risk]:
         try:
+            unread: list[str] = []
             for c in self.sel:
                 if _writes_file(c):
                     f = _facts(self.sides, c)
-                    if f is not None:
+                    if f is None:
+                        unread.append(c.path)
+                    else:
                         self.facts[c.path] = f
+            if unread:  # never a silent pass: say what could not be checked
+                self.add("secret", unread, f"{len(unread)} file(s) could not be read, so they were not checked "
+                         "for credentials, shebangs or binary content", "medium")
             self.held()
             self.setuid()
             self.executable()
