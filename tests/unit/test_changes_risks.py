@@ -506,3 +506,31 @@ def test_readme_lists_every_rule_and_threshold() -> None:
     for figure in (f"{R.MASS_DELETE_FILES}**", f"{round(R.DIR_DELETE_SHARE * 100)} %", f"{R.DIR_DELETE_MIN}**",
                    f"{R.LARGE_BINARY >> 20} MiB", f"{R.TEXT_CAP >> 20} MiB", f"{R.MANIFEST_CAP >> 20} MiB"):
         assert figure in section, figure
+
+
+def test_installed_dependency_tree_is_one_finding(tmp_path: Path) -> None:
+    b = Builder(tmp_path, {"web/package.json": "{}"})
+    for i in range(30):
+        b.up(f"web/node_modules/p{i}/package.json", json.dumps({"dependencies": {"x": "1"},
+                                                                 "scripts": {"postinstall": "x"}}))
+        b.up(f"web/node_modules/p{i}/cli.js", "#!/usr/bin/env node\n", 0o755)
+        b.symlink(f"web/node_modules/.bin/p{i}", f"../p{i}/cli.js")
+    b.up("web/node_modules/aws-sdk/test/fixture.txt", f"{_AWS}\n")
+    b.up("web/node_modules/evil/suid", "x", 0o4755)
+    b.symlink("web/node_modules/evil/out", "/etc/shadow")
+    b.up(".venv/bin/python", "x", 0o755)
+    rs = _risks(b)
+    trees = [r for r in rs if r.rule == "dependencies"]
+    assert [r.paths for r in trees] == [(".venv",), ("web/node_modules",)]
+    assert "installed dependency tree web/node_modules/ added" in trees[1].reason
+    assert {r.rule for r in rs} == {"dependencies", "setuid", "symlink", "held-back"}  # nothing per file else
+    assert _one(b, "setuid").paths == ("web/node_modules/evil/suid",)
+    assert [r.paths for r in _risks(b, "symlink")] == [("web/node_modules/evil/out",)]
+
+
+def test_dependency_tree_names() -> None:
+    assert R.dependency_tree("node_modules/a/b") == "node_modules"
+    assert R.dependency_tree("x/.venv") == "x/.venv"
+    assert R.dependency_tree(".yarn/cache/a.zip") == ".yarn/cache"
+    assert R.dependency_tree(".yarn/releases/yarn.cjs") is None
+    assert R.dependency_tree("src/node_modules_helper.py") is None

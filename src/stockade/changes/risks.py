@@ -22,7 +22,9 @@ build-hook          medium    build and automation files (Makefile, setup.py, Do
                               of pyproject.toml; high for install-time hooks and build backends
 dependencies        medium    dependency manifests and lock files, new packages named; high:
                               a new source (index, registry, git/URL/path); low: only
-                              versions changed or packages removed
+                              versions changed or packages removed; an installed dependency
+                              tree (node_modules/, .venv/, vendor/ ...) is one finding, and
+                              only held-back, setuid and symlinks leading out look inside it
 mass-deletion       high      >= 20 files deleted, or >= 50 % of a directory's files (>= 3)
 large-binary        medium    a new or changed binary file of >= 1 MiB
 secret              high      a credential in the new content (private key, cloud and
@@ -46,7 +48,7 @@ from ..session.idrange import with_sandbox_ids
 from . import manifests
 from ._safefs import Root, Roots
 from .held import held_back, symlinks_leading_out
-from .model import Change, Changes, Kind
+from .model import Change, Changes, Kind, count
 
 if TYPE_CHECKING:
     from ..policy.secrets import Matcher
@@ -248,7 +250,18 @@ def _facts(sides: _Sides, c: Change) -> _Facts | None:
 class _Assess:
     def __init__(self, cs: Changes, sel: tuple[Change, ...]) -> None:
         self.cs = cs
-        self.sel = tuple(c for c in sel if c.kind is not Kind.REFUSED)
+        self.all = tuple(c for c in sel if c.kind is not Kind.REFUSED)
+        # installed dependency trees (node_modules/, .venv/ ...) are one finding each; the
+        # per-file rules look at the project's own files
+        self.trees: dict[str, list[Change]] = {}
+        own: list[Change] = []
+        for c in self.all:
+            root = dependency_tree(c.path)
+            if root is None:
+                own.append(c)
+            else:
+                self.trees.setdefault(root, []).append(c)
+        self.sel = tuple(own)
         self.sides = _Sides(cs.project, cs.session.lower_stack())
         self.out: list[Risk] = []
         self.facts: dict[str, _Facts] = {}
@@ -277,6 +290,7 @@ class _Assess:
             self.ci_config()
             self.build_hooks()
             self.dependencies()
+            self.dependency_trees()
             self.mass_deletion()
             self.large_binary()
             self.secrets()
@@ -288,13 +302,13 @@ class _Assess:
     # held-back: held.py's decisions and reasons, grouped by reason
     def held(self) -> None:
         by_why: dict[str, list[str]] = {}
-        for path, why in held_back(self.cs, self.sel).items():
+        for path, why in held_back(self.cs, self.all).items():
             by_why.setdefault(why, []).append(path)
         for why, paths in by_why.items():
             self.add("held-back", paths, f"`stockade apply` holds it back unless named: {why}", "high")
 
     def setuid(self) -> None:
-        for c in self.sel:
+        for c in self.all:
             if not _writes_file(c) or c.new_mode is None:
                 continue
             bits = [n for b, n in ((stat.S_ISUID, "setuid"), (stat.S_ISGID, "setgid")) if c.new_mode & b]
@@ -443,6 +457,13 @@ class _Assess:
             sev = "high" if d.sources else "medium" if d.added else "low"
             self.add("dependencies", [c.path], "; ".join(parts), sev)
 
+    def dependency_trees(self) -> None:
+        for root, cs in self.trees.items():
+            n = count(cs)
+            what = "added" if any(c.path == root and c.kind is Kind.ADDED for c in cs) else "changed"
+            self.add("dependencies", [root], f"installed dependency tree {root}/ {what} ({n.phrase()}): "
+                     "third-party code, not reviewed file by file here", "medium")
+
     def mass_deletion(self) -> None:
         """Directories (the project included) that lose most of their files, the topmost
         one reported; and many deleted files in all, unless those risks cover them all."""
@@ -518,17 +539,18 @@ class _Assess:
                          "the sandbox never saw the project's files of that name", "medium")
 
     def symlinks(self) -> None:
-        links = [c for c in self.sel if c.new_mode is not None and stat.S_ISLNK(c.new_mode)]
+        links = [c for c in self.all if c.new_mode is not None and stat.S_ISLNK(c.new_mode)]
         if not links:
             return
         out = symlinks_leading_out(self.cs, links)
+        own = {c.path for c in self.sel}
         for c in links:
             target = self.sides.new_link(c)
             shown = "(unreadable)" if target is None else manifests.clean_url(target)
             if c.path in out:
                 self.add("symlink", [c.path], f"symlink {_verb(c)}: -> {shown}, which leads out of the project",
                          "high")
-            else:
+            elif c.path in own:  # a dependency tree's own links (node_modules/.bin) are its finding's
                 self.add("symlink", [c.path], f"symlink {_verb(c)}: -> {shown}", "low")
 
 
@@ -659,6 +681,26 @@ def build_file(path: str) -> str | None:
         return "make include file"
     if base.startswith(("Dockerfile.", "Containerfile.")) or base.endswith((".Dockerfile", ".dockerfile")):
         return "Dockerfile"
+    return None
+
+
+# directories package managers install third-party code into (one component; or two)
+DEPENDENCY_DIRS: frozenset[str] = frozenset({
+    "node_modules", "bower_components", "jspm_packages", ".venv", "venv", "site-packages", "dist-packages",
+    "__pypackages__", ".tox", ".nox", ".eggs", "vendor", "Pods", ".pnpm-store",
+})
+DEPENDENCY_PAIRS: frozenset[tuple[str, str]] = frozenset({(".yarn", "cache"), (".yarn", "unplugged"),
+                                                          (".cargo", "registry"), (".bundle", "ruby")})
+
+
+def dependency_tree(path: str) -> str | None:
+    """The installed dependency tree ``path`` is in (or is): ``a/node_modules``, else None."""
+    parts = path.split("/")
+    for i, p in enumerate(parts):
+        if p in DEPENDENCY_DIRS:
+            return "/".join(parts[:i + 1])
+        if i + 1 < len(parts) and (p, parts[i + 1]) in DEPENDENCY_PAIRS:
+            return "/".join(parts[:i + 2])
     return None
 
 
