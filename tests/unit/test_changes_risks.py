@@ -534,3 +534,10 @@ def test_dependency_tree_names() -> None:
     assert R.dependency_tree(".yarn/cache/a.zip") == ".yarn/cache"
     assert R.dependency_tree(".yarn/releases/yarn.cjs") is None
     assert R.dependency_tree("src/node_modules_helper.py") is None
+
+
+def test_secret_conditional_names_need_a_credential(tmp_path: Path) -> None:
+    b = Builder(tmp_path)
+    b.up("a/.npmrc", "registry=https://registry.npmjs.org/\n")  # no credential: the policy does not mask it
+    b.up("b/.npmrc", "//registry.npmjs.org/:_authToken=${NPM_TOKEN}\n")
+    assert [r.paths for r in _risks(b, "secret")] == [("b/.npmrc",)]

@@ -51,7 +51,7 @@ from .held import held_back, symlinks_leading_out
 from .model import Change, Changes, Kind, count
 
 if TYPE_CHECKING:
-    from ..policy.secrets import Matcher
+    from ..policy.secrets import Matcher, PatternRule
 
 SEVERITIES: tuple[str, ...] = ("high", "medium", "low")
 
@@ -80,6 +80,7 @@ MASS_DELETE_FILES = 20  # this many deleted files (not directories) in the selec
 DIR_DELETE_SHARE = 0.5  # or this share of a directory's files (recursively, in the project)
 DIR_DELETE_MIN = 3  # ... when at least this many of them are deleted
 BINARY_PROBE = 8000  # what git reads to decide "binary"
+_CONDITIONAL_READ = 65536  # what the policy's scan reads of a conditional secret file (.npmrc)
 
 
 @dataclass(frozen=True)
@@ -534,9 +535,14 @@ class _Assess:
             if c.is_dir:
                 continue
             rule = _secret_name(matcher, self.cs, c.path)
-            if rule is not None:
-                self.add("secret", [c.path], f"file named like a secret ({_verb(c)}; secret pattern {rule!r}): "
-                         "the sandbox never saw the project's files of that name", "medium")
+            if rule is None:
+                continue
+            if rule.conditional is not None:  # .npmrc, .pypirc: a secret only when they hold a credential
+                got = self.sides.new(c, _CONDITIONAL_READ)
+                if got is not None and not rule.conditional.search(got[0].decode("utf-8", "replace")):
+                    continue
+            self.add("secret", [c.path], f"file named like a secret ({_verb(c)}; secret pattern {rule.pattern!r}): "
+                     "the policy hides such files from sandboxes; check what it holds", "medium")
 
     def symlinks(self) -> None:
         links = [c for c in self.all if c.new_mode is not None and stat.S_ISLNK(c.new_mode)]
@@ -724,7 +730,7 @@ def _secret_matcher(cs: Changes) -> Matcher:
                        [PatternRule(p, "allow", o) for p in DEFAULT_ALLOW])
 
 
-def _secret_name(matcher: Matcher, cs: Changes, path: str) -> str | None:
+def _secret_name(matcher: Matcher, cs: Changes, path: str) -> PatternRule | None:
     """The secret pattern that names ``path`` (or a directory above it), or None."""
     parts = path.split("/")
     for i in range(1, len(parts) + 1):
@@ -733,7 +739,7 @@ def _secret_name(matcher: Matcher, cs: Changes, path: str) -> str | None:
         if matcher.candidate(rel, is_dir):
             rule, _ = matcher.decide(rel, is_dir, os.path.join(os.fspath(cs.project), rel))
             if rule is not None:
-                return rule.pattern
+                return rule
     return None
 
 
