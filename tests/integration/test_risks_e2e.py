@@ -153,3 +153,20 @@ def test_risks_read_through_the_sandbox_ids(user: User, project: Path, mapped: t
     assert got[("symlink", "high")]["paths"] == ["h/link"]
     assert ("secret", "medium") not in got  # nothing left unread
     assert _GH.encode() not in j.stdout
+
+
+def test_python_api(api_project: Path) -> None:
+    import stockade
+    from stockade.changes.risks import Risk, format_risks
+
+    r = stockade.run(["sh", "-c", "printf '#!/bin/sh\\n' > t.sh && chmod 755 t.sh && ln -s /etc/hosts h"],
+                     project=api_project, session="api")
+    assert r.returncode == 0, r.stderr
+    with stockade.Sandbox(api_project, session="api") as sb:
+        risks = sb.changes().risks()
+        only = sb.changes().risks(["t.sh"])
+    assert all(isinstance(x, Risk) for x in risks)
+    assert {(x.rule, x.paths, x.severity) for x in risks} >= {("executable", ("t.sh",), "medium"),
+                                                              ("symlink", ("h",), "high")}
+    assert [(x.rule, x.paths) for x in only] == [("executable", ("t.sh",))]
+    assert "t.sh" in format_risks(risks)
