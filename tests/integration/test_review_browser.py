@@ -115,7 +115,7 @@ def test_review_in_a_browser(user: User, project: Path, browser: Any) -> None:
     run(user, project, "br",
         "echo one > one.txt; echo 'print(\"sandbox\")' > src/main.py; echo junk > junk.txt; "
         "sed -i 's/^line 2$/LINE 2/; s/^line 20$/LINE 20/; s/^line 39$/LINE 39/' multi.txt; "
-        "echo later > later.txt")
+        "echo later > later.txt; printf 'draft\\n' > edit.txt")
     wait = WebDriverWait(browser, 30)
 
     def css(sel: str) -> Any:
@@ -127,7 +127,7 @@ def test_review_in_a_browser(user: User, project: Path, browser: Any) -> None:
         assert "session br" in browser.find_element(By.ID, "session-name").text
         rows = browser.find_elements(By.CSS_SELECTOR, "#tree li.file")
         assert {r.get_attribute("data-path") for r in rows} == {"one.txt", "src/main.py", "junk.txt", "multi.txt",
-                                                                "later.txt"}
+                                                                "later.txt", "edit.txt"}
         assert "sed -i" in browser.find_element(By.ID, "runs").text  # the run that made them
         # approve two files, reject one
         css('#tree li[data-path="one.txt"] button.approve').click()
@@ -138,6 +138,16 @@ def test_review_in_a_browser(user: User, project: Path, browser: Any) -> None:
         wait.until(lambda d: d.find_element(By.ID, "file-path").text == "src/main.py")
         assert [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#diff tr.add .tk-str")] == ['"sandbox"']
         assert [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#diff tr.del .tk-str")] == ["'hello'"]
+        # a fifth, edited in the page's editor before it is applied
+        css('#tree li[data-path="edit.txt"] .name').click()
+        wait.until(lambda d: d.find_element(By.ID, "file-path").text == "edit.txt")
+        css("#edit").click()
+        editor = css("#editor")
+        assert editor.get_attribute("value") == "draft\n"
+        editor.clear()
+        editor.send_keys("reviewed ünïcode\nsecond line\n")
+        css("#save-edit").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, '#tree li[data-path="edit.txt"] .mark.edited'))
         # the fourth: three hunks, the middle one rejected (the others are then taken)
         css('#tree li[data-path="multi.txt"] .name').click()
         wait.until(lambda d: d.find_element(By.ID, "file-path").text == "multi.txt"
@@ -149,7 +159,7 @@ def test_review_in_a_browser(user: User, project: Path, browser: Any) -> None:
             ["hunk approved", "hunk rejected", "hunk approved"]
         css("#view-toggle").click()  # side by side shows the same hunks
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#diff .hunk td.tx.add")) == 3)
-        assert browser.find_element(By.ID, "summary").text == "3 to apply, 1 to discard, 1 left for later"
+        assert browser.find_element(By.ID, "summary").text == "4 to apply, 1 to discard, 1 left for later"
         png = browser.get_screenshot_as_png()
         width, height, colours = png_colours(png)
         assert width >= 800 and height >= 600 and colours > 40, (width, height, colours)
@@ -158,13 +168,14 @@ def test_review_in_a_browser(user: User, project: Path, browser: Any) -> None:
         wait.until(lambda d: d.find_elements(By.ID, "apply-id"))
         apply_id = browser.find_element(By.ID, "apply-id").get_attribute("data-apply-id")
         assert sorted(li.text for li in browser.find_elements(By.CSS_SELECTOR, "#applied-list li")) == \
-            ["multi.txt (hunks 1, 3)", "one.txt", "src/main.py"]
+            ["edit.txt (your edit)", "multi.txt (hunks 1, 3)", "one.txt", "src/main.py"]
         assert [li.text for li in browser.find_elements(By.CSS_SELECTOR, "#discarded-list li")] == ["junk.txt"]
         # the project, from the host
         assert (project / "one.txt").read_bytes() == b"one\n"
         assert (project / "src" / "main.py").read_bytes() == b'print("sandbox")\n'
         assert (project / "multi.txt").read_text() == MULTI.replace("line 2\n", "LINE 2\n").replace(
             "line 39\n", "LINE 39\n")
+        assert (project / "edit.txt").read_bytes() == "reviewed ünïcode\nsecond line\n".encode()
         assert not (project / "junk.txt").exists() and not (project / "later.txt").exists()
         assert all((project / p).stat().st_uid == user.uid for p in ("one.txt", "multi.txt", "src/main.py"))
         wait.until(lambda d: [r.get_attribute("data-path") for r in d.find_elements(By.CSS_SELECTOR, "#tree li.file")]
@@ -184,7 +195,8 @@ def test_review_in_a_browser(user: User, project: Path, browser: Any) -> None:
         wait.until(lambda d: d.find_elements(By.ID, "rolled-back"))
         assert apply_id in browser.find_element(By.ID, "rolled-back").text
         assert tree_snapshot(project) == before
-        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#tree li.file")) == 4)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#tree li.file")) == 5)
         assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert session_paths(user, project, "br") == {"one.txt": "added", "src/main.py": "modified",
-                                                  "multi.txt": "modified", "later.txt": "added"}
+                                                  "multi.txt": "modified", "later.txt": "added",
+                                                  "edit.txt": "added"}
