@@ -292,3 +292,32 @@ def test_a_living_sandboxs_page_follows_it(user: User, project: Path) -> None:
         assert (project / "live.txt").read_text() == "live\n"
     finally:
         user.cli(["stop", "lv"], timeout=60)
+
+
+def test_a_sandbox_range_of_ids_is_reviewed_and_applied(user: User, subids: int, project: Path) -> None:
+    """An unprivileged caller's sandbox gave entries to its other ids (0700, owned by 1000
+    inside): the page reads and applies them through the id-mapped child (session/idrange),
+    forked from the server's threads."""
+    if user.name == "root":
+        pytest.skip("the subordinate-range case is the unprivileged caller's")
+    r = user.cli(["run", "--root", "--session", "ids", "--", "sh", "-c",
+                  "mkdir -p own && printf 'one\\ntwo\\n' > own/f && chown -R 1000:1000 own && chmod 700 own && "
+                  "echo more >> README.md"], cwd=project)
+    assert r.returncode == 0, r.stderr.decode()
+    assert (user.state / "sessions" / "ids" / "upper" / "own").stat().st_uid == subids + 1000
+    before = tree_snapshot(project)
+    with review(user, "ids") as page:
+        st = page.state()
+        assert {c["path"] for c in st["changes"]} == {"own", "own/f", "README.md"}
+        status, view = page.get("/api/file?path=own/f")
+        assert status == 200 and view["new_text"] == "one\ntwo\n", view
+        status, res = page.post("/api/apply", {"fingerprint": st["fingerprint"], "files": {
+            "own/f": {"decision": "approve", "content": "edited\n"}, "README.md": {"decision": "reject"}}})
+        assert status == 200, res
+        assert (project / "own" / "f").read_bytes() == b"edited\n"
+        assert (project / "own" / "f").stat().st_uid == user.uid  # owned as every applied path is
+        assert res["discarded"] == ["README.md"]
+        status, rb = page.post("/api/rollback", {"apply_id": res["apply_id"]})
+        assert status == 200, rb
+        assert tree_snapshot(project) == before
+    assert session_paths(user, project, "ids") == {"own": "added", "own/f": "added"}

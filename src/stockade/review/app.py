@@ -89,6 +89,8 @@ def build(session: Session, token: str, origin: str, hosts: frozenset[str]) -> S
                 return _error(400, "usage", e.one_line())
             except StockadeError as e:
                 return _error(500, "failed", e.one_line())
+            except OSError as e:
+                return _error(500, "failed", f"{e.strerror or e} ({e.filename or 'no path'})")
 
         return handler
 

@@ -34,7 +34,7 @@ from ..changes.discard import discard_changes
 from ..changes.fingerprint import fingerprint
 from ..changes.model import Change, Kind
 from ..changes.scan import ChangeSet, scan
-from ..errors import UsageError
+from ..errors import StockadeError, UsageError
 from ..session.store import Session
 
 
@@ -53,6 +53,7 @@ class Outcome:
     discarded: list[str]
     partial: dict[str, list[int]]
     edited: list[str]
+    discard_error: str | None = None  # the apply went through, the discard after it did not
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -62,6 +63,7 @@ class Outcome:
             "discarded": self.discarded,
             "partial": self.partial,
             "edited": self.edited,
+            "discard_error": self.discard_error,
         }
 
 
@@ -94,7 +96,10 @@ def plan(cs: ChangeSet, files: dict[str, Any]) -> Plan:
                 raise _bad(f"edited content of {path!r}: expected text")
             if not stat.S_ISREG(c.new_mode or 0):
                 raise _bad(f"{path} is {c.new_type} in the session: only a file's content can be edited")
-            p.contents[path] = content.encode("utf-8", "surrogateescape")
+            try:
+                p.contents[path] = content.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise _bad(f"edited content of {path!r} is not valid text ({e.reason})") from None
             p.edited.append(path)
             p.approve.append(c)
             continue
@@ -161,8 +166,14 @@ def carry_out(session: Session, decisions: dict[str, Any]) -> Outcome:
         res = apply_changes(cs, only=p.approve, contents=p.contents, expect=expect, force=force)
     dropped: list[str] = []
     if p.reject:
-        fresh = scan(session, classify=False)
-        still = [c for c in (fresh.get(r.path) for r in p.reject) if c is not None]
-        if still:
-            dropped = discard_changes(fresh, only=still)
+        try:
+            fresh = scan(session, classify=False)
+            still = [c for c in (fresh.get(r.path) for r in p.reject) if c is not None]
+            if still:
+                dropped = discard_changes(fresh, only=still)
+        except StockadeError as e:
+            if res is None:
+                raise
+            # what was applied stays applied (and is reported): the rejected paths stay in the session
+            return Outcome(res, [], p.partial, p.edited, f"not discarded: {e.one_line()}")
     return Outcome(res, dropped, p.partial, p.edited)

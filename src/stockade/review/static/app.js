@@ -514,6 +514,11 @@
       for (const p of res.discarded) ul.appendChild(el("li", null, p));
       box.appendChild(ul);
     }
+    if (res.discard_error) {
+      const e = el("div", "exit-bad", res.discard_error + " (the rejected paths stay in the session)");
+      e.id = "discard-error";
+      box.appendChild(e);
+    }
     if (res.apply && res.apply.held_back.length) {
       box.appendChild(el("div", null, "Held back: " + res.apply.held_back.join(", ")));
     }
@@ -564,7 +569,11 @@
     $("view-toggle").addEventListener("click", () => { split = !split; renderFileHead(); renderDiff(); });
     $("edit").addEventListener("click", openEditor);
     $("save-edit").addEventListener("click", () => {
-      decisions[current.path] = { decision: "approve", content: $("editor").value };
+      // a textarea gives every line break as LF: a CRLF file keeps its CRLF
+      let text = $("editor").value;
+      const orig = current.new_text || "";
+      if (orig.includes("\r\n") && !/(^|[^\r])\n/.test(orig)) text = text.replace(/\r?\n/g, "\r\n");
+      decisions[current.path] = { decision: "approve", content: text };
       show($("editor-box"), false);
       renderTree(); renderFileHead(); renderDiff(); renderSummary();
     });
