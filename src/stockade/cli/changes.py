@@ -191,6 +191,7 @@ def cmd_status(args: Args) -> int:
     if args.json:
         data = cs.to_json()
         data["changes"] = cs.changes_json(changes)
+        data["risks"] = [r.to_json() for r in cs.risks(rest or None)]
         data["runs"] = runs
         data["applies"] = [{"id": a.id, "state": a.state, "paths": len(a.paths)} for a in applies]
         from ..live.status import living_status
@@ -254,6 +255,8 @@ def cmd_status(args: Args) -> int:
 
 def cmd_diff(args: Args) -> int:
     session, rest = _session_and_rest(args, args.args)
+    if args.risks:
+        return _diff_risks(args, session, rest)
     cs = _changes(session)
     sel = cs.select(rest or None)
     if args.json:
@@ -270,6 +273,30 @@ def cmd_diff(args: Args) -> int:
     # on stderr: the patch on stdout stays one `git apply` accepts
     _say_owners(sel)
     _say_held(session.id, cs.held_back(sel), "`stockade apply` holds back")
+    return 0
+
+
+def _diff_risks(args: Args, session: Session, rest: list[str]) -> int:
+    """`diff --risks`: the risk summary (changes/risks.py) instead of the patch."""
+    from ..changes.model import count
+    from ..changes.risks import counts, format_risks, summary
+    from ..errors import UsageError
+
+    if args.stat:
+        raise UsageError("--risks and --stat are two different reports: give one of them")
+    cs = _changes(session)
+    risks = cs.risks(rest or None)
+    n = count(cs.select(rest or None)).total
+    if args.json:
+        _out(json.dumps({"session": session.id, "changes": n, "counts": counts(risks),
+                         "risks": [r.to_json() for r in risks]}, indent=1) + "\n")
+        return 0
+    if not n:
+        _err(f"stockade: no changes in session {session.id}: nothing to assess")
+        return 0
+    _out(format_risks(risks))
+    _err(f"stockade: session {session.id}: {summary(risks)} in {n} change(s)"
+         + (f"; review: stockade diff {session.id} PATH" if risks else ""))
     return 0
 
 
