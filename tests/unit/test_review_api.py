@@ -69,6 +69,10 @@ def test_the_pages_data(tmp_path: Path, state_dir: Path) -> None:
     assert by["gone"]["status"] == "D" and by["d"]["has_children"] and by["d"]["is_dir"]
     assert by[".envrc"]["held_back"] and not by["mod"]["held_back"]
     assert st["living"] is False and st["runs"] == [] and st["applies"] == []
+    # the risk summary of the header: stockade diff --risks's
+    rules = {r["rule"]: r for r in st["risks"]}
+    assert ".envrc" in rules["held-back"]["paths"] and "exe" in rules["mode-exec"]["paths"], rules
+    assert all(set(r) == {"rule", "severity", "paths", "reason"} for r in st["risks"])
     assert len(st["fingerprint"]) == 32 and st["fingerprint"] == data.fingerprint_of(b.session)
     v = data.file_view(b.session, "mod")
     assert v["hunk_choice"] and v["editable"] and v["new_text"] == "old\nnew\n"

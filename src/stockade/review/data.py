@@ -4,7 +4,6 @@ hunks. No HTTP here (``app`` serves it), so it is tested on its own."""
 
 from __future__ import annotations
 
-import importlib
 import stat
 from typing import Any
 
@@ -13,6 +12,7 @@ from ..changes.diff import is_binary, read_sides
 from ..changes.fingerprint import combine, signatures
 from ..changes.journal import list_applies
 from ..changes.model import Change, Kind
+from ..changes.risks import assess
 from ..changes.scan import ChangeSet, scan
 from ..errors import UsageError
 from ..session.store import Session, living_holder
@@ -39,13 +39,9 @@ def _marks(c: Change) -> list[str]:
     return out
 
 
-def risks_of(cs: ChangeSet) -> list[dict[str, Any]] | None:
-    """The risk summary (``stockade.changes.risks``), or None where this build has none."""
-    try:
-        risks = importlib.import_module("stockade.changes.risks")
-    except ModuleNotFoundError:
-        return None
-    return [r.to_json() for r in risks.assess(cs)]
+def risks_of(cs: ChangeSet) -> list[dict[str, Any]]:
+    """The risk summary of the change set (``stockade diff --risks``'s), most severe first."""
+    return [r.to_json() for r in assess(cs)]
 
 
 def _run(r: dict[str, Any]) -> dict[str, Any]:

@@ -505,7 +505,7 @@
     if (res.applied.length) {
       box.appendChild(el("div", null, "Applied to the project:"));
       const ul = el("ul"); ul.id = "applied-list";
-      for (const p of res.applied) ul.appendChild(el("li", null, p + (res.partial[p] ? " (hunks " + res.partial[p].map((x) => x + 1).join(", ") + ")" : "") + (res.edited.includes(p) ? " (your edit)" : "")));
+      for (const p of res.applied) ul.appendChild(el("li", null, p + (res.partial[p] ? " (hunk" + (res.partial[p].length > 1 ? "s " : " ") + res.partial[p].map((x) => x + 1).join(", ") + ")" : "") + (res.edited.includes(p) ? " (your edit)" : "")));
       box.appendChild(ul);
     }
     if (res.discarded.length) {
