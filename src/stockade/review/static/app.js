@@ -179,9 +179,7 @@
     $("counts").textContent = state.changes.length ? state.counts.phrase : "";
     const risks = $("risks");
     risks.textContent = "";
-    if (state.risks === null || state.risks === undefined) {
-      risks.appendChild(el("span", "muted", "Risk summary: not available in this build."));
-    } else if (!state.risks.length) {
+    if (!state.risks.length) {
       risks.appendChild(el("span", "muted", "Risk summary: nothing flagged."));
     } else {
       risks.appendChild(el("strong", null, "Deserves a second look:"));
