@@ -172,6 +172,9 @@ def test_hunks_edits_rejections_apply_and_rollback(user: User, project: Path) ->
         assert status == 200 and view["hunk_choice"] and len(view["hunks"]) == 3, view
         assert [h["header"] for h in view["hunks"]] == ["@@ -1,5 +1,5 @@", "@@ -17,7 +17,7 @@",
                                                           "@@ -36,5 +36,5 @@"]
+        status, body = page.post("/api/apply", {"fingerprint": st["fingerprint"], "files": {
+            "multi.txt": {"decision": "approve", "hunks": [0, 3]}}})
+        assert status == 400 and "no hunk 3 (it has 3" in body["error"], body
         status, tool = page.get("/api/file?path=tool.sh")
         assert tool["editable"] and tool["new_text"] == "#!/bin/sh\necho old\necho sandbox\n"
         status, res = page.post("/api/apply", {"fingerprint": st["fingerprint"], "files": {
@@ -220,7 +223,7 @@ def test_a_stale_page_writes_nothing(user: User, project: Path) -> None:
         assert tree_snapshot(project) == before
         # a hunk the file no longer has, a path that is no change: refused, nothing written
         fp = page.state()["fingerprint"]
-        assert page.post("/api/apply", {"fingerprint": fp, "files": {"one.txt": {"decision": "approve", "hunks": [5]}}})[0] == 400
+        assert page.post("/api/apply", {"fingerprint": fp, "files": {"one.txt": {"decision": "approve", "hunks": [0]}}})[0] == 400  # an added file: whole
         assert page.post("/api/apply", {"fingerprint": fp, "files": {"nope": {"decision": "approve"}}})[0] == 400
         assert page.post("/api/apply", {"fingerprint": fp, "files": {}})[0] == 400
         assert page.post("/api/apply", {"files": {"one.txt": {"decision": "approve"}}})[0] == 400

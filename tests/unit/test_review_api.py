@@ -85,3 +85,32 @@ def test_the_pages_data(tmp_path: Path, state_dir: Path) -> None:
     assert [h["lines"] for h in v["hunks"]] == [[["-", "g\n"]]] and not v["hunk_choice"] and not v["editable"]
     with pytest.raises(UsageError, match="no change at 'keep'"):
         data.file_view(b.session, "keep")
+
+
+def test_a_rejected_path_written_again_after_the_apply_is_not_discarded(
+        tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The apply checks the whole change set under its lock; a run between its end and the
+    discard that writes a rejected path again keeps that path (the reviewer never saw it)."""
+    from stockade.changes.apply import apply_changes
+    from stockade.changes.scan import scan
+    from stockade.review import decide
+
+    b = _session(tmp_path)
+
+    def apply_then_a_run(*a: object, **k: object) -> object:
+        res = apply_changes(*a, **k)  # type: ignore[arg-type]
+        overlay_shell(b.session, "echo again >> lnk.txt; echo again >> d/x")
+        return res
+
+    overlay_shell(b.session, "echo one > lnk.txt")
+    monkeypatch.setattr(decide, "apply_changes", apply_then_a_run)
+    fp = data.fingerprint_of(b.session)
+    out = decide.carry_out(b.session, {"fingerprint": fp, "files": {
+        "mod": {"decision": "approve"}, "lnk.txt": {"decision": "reject"}, "gone": {"decision": "reject"},
+        "d/x": {"decision": "reject"}}})
+    assert out.apply is not None and out.apply.applied == ("mod",)
+    assert (b.project / "mod").read_text() == "old\nnew\n"
+    assert out.discarded == ["gone"]
+    assert out.discard_error == "not discarded: d/x, lnk.txt changed since the page showed it"
+    left = {c.path for c in scan(b.session).changes}
+    assert {"lnk.txt", "d/x", "d"} <= left and "gone" not in left and "mod" not in left

@@ -329,6 +329,8 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
                 tick()
             write_json(adir / "plan.json", plan)
             fsync_path(adir / "backups")
+            if (adir / "contents").is_dir():
+                fsync_path(adir / "contents")
             prog.note("s prepared", sync=True)
             tick()
         except BaseException as e:

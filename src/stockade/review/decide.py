@@ -31,7 +31,7 @@ from ..changes import hunks as H
 from ..changes.apply import ApplyResult, StaleChangeSet, apply_changes
 from ..changes.diff import read_sides
 from ..changes.discard import discard_changes
-from ..changes.fingerprint import fingerprint
+from ..changes.fingerprint import combine, signatures
 from ..changes.model import Change, Kind
 from ..changes.scan import ChangeSet, scan
 from ..errors import StockadeError, UsageError
@@ -112,9 +112,9 @@ def plan(cs: ChangeSet, files: dict[str, Any]) -> Plan:
             old, new = read_sides(cs, c)
             assert old is not None and new is not None
             count = len(H.hunks(old, new))
-            if any(not 0 <= t < count for t in take):
-                raise StaleChangeSet(f"hunks of {path}: the file has {count} hunk(s) now, not what the page "
-                                     "showed; review it again")
+            bad = [t for t in take if not 0 <= t < count]
+            if bad:  # the fingerprint matched: the file is the one the page showed
+                raise _bad(f"hunks of {path}: no hunk {bad[0]} (it has {count}, numbered from 0)")
             chosen = sorted(set(take))
             if not chosen:
                 p.reject.append(c)  # every hunk rejected: the file is
@@ -157,7 +157,8 @@ def carry_out(session: Session, decisions: dict[str, Any]) -> Outcome:
         raise _bad("the request has no change-set fingerprint: reload the page")
     force = decisions.get("force", False) is True
     cs = scan(session)
-    if fingerprint(cs) != expect:
+    seen = signatures(cs)
+    if combine(seen) != expect:
         raise StaleChangeSet(f"session {session.id}'s change set changed since the page showed it; "
                              "nothing was applied or discarded: review it again")
     p = plan(cs, decisions.get("files") or {})
@@ -169,8 +170,19 @@ def carry_out(session: Session, decisions: dict[str, Any]) -> Outcome:
         try:
             fresh = scan(session, classify=False)
             still = [c for c in (fresh.get(r.path) for r in p.reject) if c is not None]
+            # only what is still what the page showed (a run since the apply's lock may have written)
+            now = signatures(type(fresh)(fresh.session, fresh.project, tuple(still)))
+            moved = sorted(c.path for c in still if now[c.path] != seen.get(c.path))
+            if moved and res is None:
+                raise StaleChangeSet(f"{', '.join(moved[:5])} changed since the page showed it; nothing was "
+                                     "discarded: review it again")
+            # and a directory goes only with everything below it
+            still = [c for c in still if c.path not in moved and not any(m.startswith(c.path + "/") for m in moved)]
             if still:
                 dropped = discard_changes(fresh, only=still)
+            if moved:
+                return Outcome(res, dropped, p.partial, p.edited,
+                               f"not discarded: {', '.join(moved[:5])} changed since the page showed it")
         except StockadeError as e:
             if res is None:
                 raise
