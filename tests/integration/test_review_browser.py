@@ -196,7 +196,11 @@ def test_review_in_a_browser(user: User, project: Path, browser: Any) -> None:
         assert apply_id in browser.find_element(By.ID, "rolled-back").text
         assert tree_snapshot(project) == before
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#tree li.file")) == 5)
+        # live: a run in the session while the page is open shows up by itself
+        run(user, project, "br", "echo fresh > fresh.txt")
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, '#tree li[data-path="fresh.txt"]'))
+        assert "The change set changed" in browser.find_element(By.ID, "banner").text
         assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert session_paths(user, project, "br") == {"one.txt": "added", "src/main.py": "modified",
                                                   "multi.txt": "modified", "later.txt": "added",
-                                                  "edit.txt": "added"}
+                                                  "edit.txt": "added", "fresh.txt": "added"}

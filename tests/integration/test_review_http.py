@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from ..conftest import User, tree_snapshot
+from ..conftest import User, tree_snapshot, world_tmpdir
 
 pytestmark = pytest.mark.slow
 
@@ -86,10 +87,10 @@ class Page:
 
 
 @contextmanager
-def review(user: User, sid: str, *args: str) -> Iterator[Page]:
+def review(user: User, sid: str, *args: str, env: dict[str, str] | None = None) -> Iterator[Page]:
     """`stockade review SID` as the user; its URL from its stdout; Ctrl-C ends it (exit 0)."""
     p = subprocess.Popen([*user.prefix(), user.python, "-m", "stockade", "review", sid, *args],
-                         env=user.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         env=user.env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert p.stdout is not None and p.stderr is not None
         ready, _, _ = select.select([p.stdout], [], [], 60)
@@ -324,3 +325,22 @@ def test_a_sandbox_range_of_ids_is_reviewed_and_applied(user: User, subids: int,
         assert status == 200, rb
         assert tree_snapshot(project) == before
     assert session_paths(user, project, "ids") == {"own": "added", "own/f": "added"}
+
+
+def test_open_hands_the_url_to_the_users_browser(user: User, project: Path) -> None:
+    """--open goes through the webbrowser module: $BROWSER is the user's choice of browser."""
+    run(user, project, "rv", "echo x > x.txt")
+    d = world_tmpdir("stockade-browser-")
+    try:
+        script = d / "browser"
+        script.write_text(f"#!/bin/sh\necho \"$1\" > {d}/opened\n")
+        script.chmod(0o755)
+        user.own(d)
+        with review(user, "rv", "--open", env={"BROWSER": f"{script} %s"}) as page:
+            deadline = time.monotonic() + 20
+            while not (d / "opened").exists():
+                assert time.monotonic() < deadline, "the browser was never started"
+                time.sleep(0.1)
+            assert (d / "opened").read_text() == page.url + "\n"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
