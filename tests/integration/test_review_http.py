@@ -144,6 +144,8 @@ def test_refused_requests_change_nothing(user: User, project: Path) -> None:
             page.post("/api/apply", good, headers={"Origin": "http://evil.example"}),
             page.post("/api/apply", good, headers={"Origin": "http://127.0.0.1:1"}),
             page.post("/api/apply", good, headers={"Origin": "null"}),
+            page.post("/api/apply", good, headers={"Origin": page.origin.replace("127.0.0.1", "localhost")}),
+            page.post("/api/apply", good, headers={"Origin": page.origin + "/"}),
             page.post("/api/rollback", {"apply_id": "x"}, headers={"Origin": "http://evil.example"}),
         ]
         assert [s for s, _ in refusals] == [403] * len(refusals), refusals

@@ -67,12 +67,14 @@ def build(session: Session, token: str, origin: str, hosts: frozenset[str]) -> S
     def guard(fn: Callable[[Request], Awaitable[Response]], *, post: bool = False,
               need_token: bool = True) -> Callable[[Request], Awaitable[Response]]:
         async def handler(req: Request) -> Response:
-            if req.headers.get("host", "") not in hosts:
+            host = req.headers.get("host", "")
+            if host not in hosts:
                 return _error(403, "host", "refused: this server answers only at its own loopback address")
             if need_token and not token_ok(req):
                 return _error(403, "token", "refused: missing or wrong token (open the URL `stockade review` printed)")
             if post:
-                if req.headers.get("origin") != origin:
+                # the page's own origin: the address it was loaded from (the one printed, or localhost)
+                if req.headers.get("origin") != f"http://{host}":
                     return _error(403, "origin", f"refused: a change must come from the review page itself "
                                                  f"({origin}), not from {req.headers.get('origin') or 'no origin'}")
                 if req.headers.get("content-type", "").split(";")[0].strip() != "application/json":
