@@ -289,6 +289,12 @@ VERBS: tuple[Verb, ...] = (
     _changes("fork", "start a new session on the same frozen layers", "cmd_fork", _SESSION,
              Arg("args", nargs="+", metavar="[SESSION] NEW")),
     _changes("recover", "finish or undo applies a crash interrupted", "cmd_recover"),
+    Verb("review", "a session's change set as a local web page: approve, reject, edit, apply, roll back",
+         Handler("review", "cmd_review"),
+         Arg("session_name", nargs="?", default=None, metavar="SESSION", help="the session (default: the latest)"),
+         Arg("--open", action="store_true", help="open the page in your browser"),
+         Arg("--port", type=_natural("a port number such as 8080"), default=0, metavar="N",
+             help="serve on 127.0.0.1:N (default: a free port)")),
     # policy
     Verb("policy", "show the effective policy and why a path is visible", None, sub_dest="policy_cmd", sub=(
         Verb("show", "effective rules with their source layer", Handler("policy", "cmd_policy_show"),

@@ -321,6 +321,11 @@ class Session:
             os.close(fd)
 
 
+def living_holder(sid: str) -> int | None:
+    """The pid of the living sandbox holding session ``sid`` (``stockade start``), or None."""
+    return _living_holder(sid)
+
+
 def _living_holder(sid: str) -> int | None:
     """The pid of the living sandbox holding session ``sid`` (``stockade.live``), or None."""
     from ..paths import state_dir
