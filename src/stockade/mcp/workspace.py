@@ -168,6 +168,17 @@ class Workspace:
             raise UsageError(f"cwd {cwd!r} is not a directory")
         return str(c)
 
+    def _timeout(self, timeout: float | None) -> float | None:
+        """A tool's timeout under the sandbox's own (the server's --timeout, the config's
+        limits.timeout): the API's timeout replaces that limit for a run, so it is capped here."""
+        req = self.opts.request
+        requested = set(req.requested_limits) if req.requested_limits is not None else None
+        lim, _ = self.policy().limits_over(req.limits, requested)
+        cap = lim.timeout if lim is not None else None
+        if timeout is None or cap is None:
+            return timeout if cap is None else cap
+        return min(float(timeout), float(cap))
+
     def _env(self, env: Mapping[str, str] | None) -> dict[str, str]:
         """Variables a tool adds: each checked by the policy's environment rules (a name it
         blocks, a value that looks like a token, a name the config sets: refused)."""
@@ -210,10 +221,10 @@ class Workspace:
 
     def _stop_sandbox(self, grace: float | None = None) -> bool:
         """Stop the living sandbox if one runs (its changes stay). Called under ``_life``."""
+        was = self.living()
         sb, self.sandbox = self.sandbox, None
         if sb is None:
             return False
-        was = self.living()
         try:
             if was:
                 sb.stop_sandbox(timeout=grace)
@@ -292,6 +303,7 @@ class Workspace:
     def run(self, command: str, *, cwd: str | None = None, env: Mapping[str, str] | None = None,
             timeout: float | None = None, stdin: str | None = None, call: Call | None = None) -> Reply:
         wd, extra = self._cwd(cwd), self._env(env)
+        timeout = self._timeout(timeout)
         if self.living():
             raise SessionBusy(f"run: session {self.session_id} has a living sandbox (started by exec or start); "
                               "use exec to run the command there, or call stop first (its changes stay)")
