@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from .. import plan as planmod
 from ..core.request import DEVNULL, RunIO, RunRequest
 from ..errors import SessionBusy, SessionNotFound, StockadeError, UsageError
+from ..live.client import LiveError
 from ..session import store
 from . import output
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from ..api import Sandbox
     from ..changes.scan import ChangeSet
     from ..core.result import RunResult
+    from ..live import Channel
     from ..live.client import ExecSupervisor
     from ..policy import Effective
 
@@ -103,6 +105,7 @@ class Workspace:
             store.validate_name(opts.session)
             self.session_id = opts.session
         self.sandbox: Sandbox | None = None
+        self._chan: Channel | None = None
         self._life = threading.Lock()
         self._execs: set[ExecSupervisor] = set()
         self._execs_lock = threading.Lock()
@@ -203,33 +206,44 @@ class Workspace:
 
     # ------------------------------------------------------------------ the living sandbox
 
-    def _sandbox(self) -> Sandbox:
-        """The living sandbox, started when there is none (the first exec, or start)."""
+    def _sandbox(self, check: bool = True) -> Sandbox:
+        """The living sandbox, started when there is none (the first exec, or start).
+        ``check=False``: the one this server started is taken as running (an exec finds
+        out otherwise, and the next call starts a new one)."""
         with self._life:
             if self.closed:
                 raise UsageError("the server is shutting down")
-            if self.sandbox is not None and self.living():
+            if self.sandbox is not None and (not check or self.living()):
                 return self.sandbox
-            if self.sandbox is not None:  # it ended (stopped, or its idle timeout): a new one, same session
-                self.sandbox.close()
-                self.sandbox = None
+            if self.sandbox is not None:  # it ended (stopped from outside, its holder killed): a new one
+                self._drop_sandbox()
             import stockade
 
             self.sandbox = stockade.Sandbox(self.project, session=self.session_id, persistent=True, **self.options)
             self.session_id = self.sandbox.id
+            from ..live import Channel, registry
+
+            self._chan = Channel(registry.running(self.sandbox.id))  # one connection for every exec
             return self.sandbox
+
+    def _drop_sandbox(self) -> None:
+        sb, chan, self.sandbox, self._chan = self.sandbox, self._chan, None, None
+        if chan is not None:
+            chan.close()
+        if sb is not None:
+            sb.close()
 
     def _stop_sandbox(self, grace: float | None = None) -> bool:
         """Stop the living sandbox if one runs (its changes stay). Called under ``_life``."""
         was = self.living()
-        sb, self.sandbox = self.sandbox, None
+        sb = self.sandbox
         if sb is None:
             return False
         try:
             if was:
                 sb.stop_sandbox(timeout=grace)
         finally:
-            sb.close()
+            self._drop_sandbox()
         return was
 
     def start(self) -> Reply:
@@ -266,10 +280,9 @@ class Workspace:
     def exec(self, command: str, *, cwd: str | None = None, env: Mapping[str, str] | None = None,
              timeout: float | None = None, stdin: str | None = None, call: Call | None = None) -> Reply:
         wd, extra = self._cwd(cwd), self._env(env)
-        sb = self._sandbox()
-        from ..live import Channel, registry
-
-        chan = Channel(registry.running(sb.id))
+        self._sandbox(check=False)
+        chan = self._chan
+        assert chan is not None
 
         out, err = output.Sink(), output.Sink()
         sups: list[ExecSupervisor] = []
@@ -291,9 +304,16 @@ class Workspace:
                 if got is None:
                     raise
                 res = got
+            except LiveError as e:
+                if self.living():
+                    raise
+                with self._life:
+                    if self._chan is chan:
+                        self._drop_sandbox()
+                raise LiveError(f"{e.one_line()}; the living sandbox had ended (stopped from outside?): call exec "
+                                "again to start a new one over the same files") from None
             return self._command_reply("exec", command, res, out, err, time.monotonic() - t0)
         finally:
-            chan.close()
             with self._execs_lock:
                 for s in sups:
                     self._execs.discard(s)
