@@ -258,6 +258,16 @@ VERBS: tuple[Verb, ...] = (
          Arg("--json", action="store_true"),
          Arg("command", nargs=REMAINDER, help=SUPPRESS_HELP),
          *START_ARGS),
+    # agents: an MCP server over stdio (`stockade.mcp`)
+    Verb("mcp", "serve an agent over MCP (stdio): its tools run commands in a sandbox with these options",
+         Handler("mcp", "cmd_mcp"),
+         Arg("--max-output", dest="max_output", default=None, metavar="SIZE",
+             help="cut each stream of a tool's result past SIZE, e.g. 64K (default: [mcp] max_output, else 64K)"),
+         Arg("command", nargs=REMAINDER, help=SUPPRESS_HELP),
+         *START_ARGS,
+         description="An MCP server on stdin/stdout for agent clients (Claude Code, Codex...). The run options "
+                     "given here (network, grants, limits, --session, --cwd) hold for every command the agent "
+                     "runs; its tools choose only commands. Apply through it is off unless [mcp] allow_apply."),
     # change sets
     _changes("list", "sessions with project, age, runs, change counts, disk use", "cmd_list", _JSON),
     _changes("status", "a session's changes and runs", "cmd_status", _SESSION, _CHANGES,

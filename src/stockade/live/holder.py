@@ -127,6 +127,7 @@ class Holder:
         self.idle: float | None = None  # seconds with nothing running before a detached sandbox stops
         self.prewarm = False
         self.prewarm_ttl = 300.0
+        self.live_snapshots: list[str] = []  # snapshots taken while it ran (finish: deletions since)
         self.config_idle: float | None = DEFAULT_IDLE
         self.written_at = 0.0
         self.written_execs = 0
@@ -870,6 +871,8 @@ class Holder:
             snap, how = snapshot_living(self.sess, name, cg, self.init_pid)
         except StockadeError as e:
             return {"ok": False, "error": e.one_line(), "status": e.exit_status}
+        self.live_snapshots.append(snap)  # deletions after it are made whiteouts at the end (finish)
+        self._write_record(live_snapshots=list(self.live_snapshots))  # (a scan meanwhile leaves them out)
         return {"ok": True, "snapshot": snap, "frozen_by": how}
 
     def _claim(self, c: Conn, body: dict[str, object]) -> None:
@@ -937,6 +940,14 @@ class Holder:
         for rec in list(self.execs.values()):
             self._exec_ended(rec, signal.SIGKILL, 0)
         self.execs.clear()
+        if self.live_snapshots and self.sess is not None:  # the overlay is unmounted; the lock still ours
+            from .snapshot import deletions_after
+
+            try:
+                deletions_after(self.sess, self.live_snapshots)
+            except OSError as e:
+                sys.stderr.write(f"stockade: sandbox {self.sess.id}: entries deleted after a snapshot may show "
+                                 f"again (a whiteout could not be made: {e})\n")
         if self.hold_cm is not None:
             self.hold_cm.__exit__(None, None, None)
             self.hold_cm = None

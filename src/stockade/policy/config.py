@@ -123,6 +123,9 @@ class Layer:
     prewarm_enabled: tuple[bool, Origin] | None = None
     prewarm_ttl: tuple[float, Origin] | None = None
     live_idle_timeout: tuple[float | None, Origin] | None = None
+    # [mcp]: `stockade mcp` (stockade.mcp): apply through the server, each stream's cap in bytes
+    mcp_allow_apply: tuple[bool, Origin] | None = None
+    mcp_max_output: tuple[int, Origin] | None = None
     warnings: list[str] = field(default_factory=list)
 
 
@@ -166,6 +169,8 @@ SCHEMA: dict[str, Any] = {
     "snapshots": {"auto_on_start": bool, "max_auto": int, "retention": DURATION},
     "prewarm": {"enabled": bool, "ttl": DURATION},
     "live": {"idle_timeout": DURATION},
+    # `stockade mcp`: checked further by _mcp_from_source
+    "mcp": {"allow_apply": bool, "max_output": SCALAR},
 }
 # a session's host rules (`stockade allow --host`, `deny --host`)
 SESSION_SCHEMA: dict[str, Any] = {"schema_version": int, **SCHEMA,
@@ -633,6 +638,8 @@ def layer_from_source(src: Source, *, project: Path, cwd: Path | None = None) ->
         _network_from_source(d, lay, file, origin)
     if "snapshots" in d or "prewarm" in d or "live" in d:
         _live_from_source(d, lay, file, origin)
+    if "mcp" in d:
+        _mcp_from_source(d["mcp"], lay, file, origin)
     return lay
 
 
@@ -700,6 +707,40 @@ def _live_from_source(d: Mapping[str, Any], lay: Layer, file: str, origin: Any) 
     live = d.get("live", {})
     if "idle_timeout" in live:
         lay.live_idle_timeout = seconds("live", "idle_timeout", True)
+
+
+# [mcp] max_output: each stream of a tool's result is cut past this many bytes
+DEFAULT_MCP_MAX_OUTPUT = 64 * 1024
+MCP_MAX_OUTPUT_RANGE = (256, 64 * 1024 * 1024)
+
+
+def parse_output_cap(raw: object) -> int:
+    """[mcp] max_output / `stockade mcp --max-output`: a size ("64K", "1M", 4096) within
+    MCP_MAX_OUTPUT_RANGE. Raises ValueError with the accepted form."""
+    from ..cgroups.parse import parse_size
+
+    lo, hi = MCP_MAX_OUTPUT_RANGE
+    n: int | None = None
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        n = raw
+    elif isinstance(raw, str):
+        n = parse_size(raw.strip())
+    if n is None or not lo <= n <= hi:
+        raise ValueError(f"invalid value {raw!r}: expected a size such as \"64K\" or \"1M\" "
+                         f"(bytes from {lo} to {hi // (1024 * 1024)}M)")
+    return n
+
+
+def _mcp_from_source(t: Mapping[str, Any], lay: Layer, file: str, origin: Any) -> None:
+    """[mcp]: allow_apply (bool), max_output (a size); a bad value named by file, line and key."""
+    if "allow_apply" in t:
+        lay.mcp_allow_apply = (t["allow_apply"], origin(["mcp", "allow_apply"]))
+    if "max_output" in t:
+        o = origin(["mcp", "max_output"])
+        try:
+            lay.mcp_max_output = (parse_output_cap(t["max_output"]), o)
+        except ValueError as e:
+            raise _err(file, o.line, "mcp.max_output", str(e)) from None
 
 
 def _network_from_source(d: Mapping[str, Any], lay: Layer, file: str, origin: Any) -> None:

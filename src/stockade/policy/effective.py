@@ -135,6 +135,11 @@ class Effective:
         self.prewarm_enabled: bool = bool(self._live_settings["prewarm.enabled"][0])
         self.prewarm_ttl: float = float(self._live_settings["prewarm.ttl"][0])
         self.live_idle_timeout: float | None = self._live_settings["live.idle_timeout"][0]
+        # [mcp] (`stockade mcp`): the latest tier wins
+        self._mcp_allow_apply: tuple[bool, Origin] = last("mcp_allow_apply", False)
+        self._mcp_max_output: tuple[int, Origin] = last("mcp_max_output", _config.DEFAULT_MCP_MAX_OUTPUT)
+        self.mcp_allow_apply: bool = bool(self._mcp_allow_apply[0])
+        self.mcp_max_output: int = int(self._mcp_max_output[0])
 
         self.paths: PathResolution = resolve_paths(e for lay in layers for e in lay.paths)
         for d in self.paths.denies:
@@ -399,6 +404,11 @@ class Effective:
             if o.layer != "default":  # listed once a tier sets it, as the limits
                 shown = json.dumps(val) if isinstance(val, bool | int) else ('"none"' if val is None else f'"{val:g}s"')
                 out.append(Rule("setting", "set", f"{key} = {shown}", o))
+        mcp_settings: tuple[tuple[str, tuple[bool | int, Origin]], ...] = (
+            ("mcp.allow_apply", self._mcp_allow_apply), ("mcp.max_output", self._mcp_max_output))
+        for key, (setting, where) in mcp_settings:
+            if where.layer != "default":
+                out.append(Rule("setting", "set", f"{key} = {json.dumps(setting)}", where))
         net = self._network
         last = _last_mode(self.layers)
         for lay in self.layers:
@@ -522,6 +532,7 @@ class Effective:
                           "retention": self.snapshots_retention},
             "prewarm": {"enabled": self.prewarm_enabled, "ttl": self.prewarm_ttl},
             "live": {"idle_timeout": self.live_idle_timeout},
+            "mcp": {"allow_apply": self.mcp_allow_apply, "max_output": self.mcp_max_output},
             "rules": [r.to_json() for r in self.rules()],
             "warnings": self.warnings,
         }

@@ -192,6 +192,15 @@ class Session:
         """Every layer the change set is made of, lowest first, upper last."""
         return [*self.layers(), self.upper]
 
+    def view_stack(self) -> list[Path]:
+        """The layers the session's files are made of right now: ``lower_stack``, less the
+        snapshots a running living sandbox took (copies of its upper, which it still has
+        whole: its overlay was mounted before them, ``live.snapshot``)."""
+        live = _live_snapshots(self.id)
+        if not live:
+            return self.lower_stack()
+        return [p for p in self.layers() if p.name.split("-", 1)[-1] not in live] + [self.upper]
+
     def has_layer_entries(self) -> bool:
         """Cheap: does any layer hold anything at all (else there is no change)?"""
         for layer in self.lower_stack():
@@ -344,6 +353,29 @@ def _living_holder(sid: str) -> int | None:
         return pid if fields[0] not in (b"Z", b"X") and int(fields[19]) == data.get("holder_start") else None
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _live_snapshots(sid: str) -> frozenset[str]:
+    """The snapshots the running living sandbox of ``sid`` took while it runs (its record's
+    ``live_snapshots``); empty when none runs."""
+    from ..paths import state_dir
+
+    try:
+        with open(os.path.join(state_dir(), "live", sid, "holder.json"), encoding="utf-8") as f:
+            data = json.load(f)
+        names = data.get("live_snapshots") or []
+        pid = int(data.get("holder_pid") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return frozenset()
+    if not names or data.get("status") not in ("running", "stopping") or pid <= 0:
+        return frozenset()
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        alive = fields[0] not in (b"Z", b"X") and int(fields[19]) == data.get("holder_start")
+    except (OSError, IndexError, ValueError):
+        return frozenset()
+    return frozenset(str(n) for n in names) if alive else frozenset()
 
 
 def _new_id() -> str:
