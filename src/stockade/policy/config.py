@@ -123,6 +123,8 @@ class Layer:
     prewarm_enabled: tuple[bool, Origin] | None = None
     prewarm_ttl: tuple[float, Origin] | None = None
     live_idle_timeout: tuple[float | None, Origin] | None = None
+    # [sessions] (global config only): how long sessions without unapplied changes stay
+    sessions_keep: tuple[float | None, Origin] | None = None
     warnings: list[str] = field(default_factory=list)
 
 
@@ -166,6 +168,8 @@ SCHEMA: dict[str, Any] = {
     "snapshots": {"auto_on_start": bool, "max_auto": int, "retention": DURATION},
     "prewarm": {"enabled": bool, "ttl": DURATION},
     "live": {"idle_timeout": DURATION},
+    # session retention (changes/retention.py): the global config only, checked by _sessions_from_source
+    "sessions": {"keep": DURATION},
 }
 # a session's host rules (`stockade allow --host`, `deny --host`)
 SESSION_SCHEMA: dict[str, Any] = {"schema_version": int, **SCHEMA,
@@ -633,6 +637,8 @@ def layer_from_source(src: Source, *, project: Path, cwd: Path | None = None) ->
         _network_from_source(d, lay, file, origin)
     if "snapshots" in d or "prewarm" in d or "live" in d:
         _live_from_source(d, lay, file, origin)
+    if "sessions" in d:
+        _sessions_from_source(src, lay, origin)
     return lay
 
 
@@ -700,6 +706,50 @@ def _live_from_source(d: Mapping[str, Any], lay: Layer, file: str, origin: Any) 
     live = d.get("live", {})
     if "idle_timeout" in live:
         lay.live_idle_timeout = seconds("live", "idle_timeout", True)
+
+
+DEFAULT_SESSIONS_KEEP = 7 * 86400.0  # [sessions] keep
+
+
+def _sessions_from_source(src: Source, lay: Layer, origin: Any) -> None:
+    """[sessions] keep: a duration (30m, 12h, 7d, 2w, or seconds) or "never". Sessions
+    are the state dir's, not one project's: only the global config sets it."""
+    from ..errors import UsageError
+    from ..session.age import DURATION_FORMS, parse_age
+
+    o = origin(["sessions"])
+    if src.layer != "global":
+        raise _err(str(src.file), o.line, "sessions",
+                   f"[sessions] is read from the global config only ({global_config_path()}), "
+                   "not from a project's or a session's")
+    if "keep" not in src.data["sessions"]:
+        return
+    raw = src.data["sessions"]["keep"]
+    o = origin(["sessions", "keep"])
+    if isinstance(raw, str) and raw.strip().lower() in ("never", "none"):
+        lay.sessions_keep = (None, o)
+        return
+    if isinstance(raw, int | float) and not isinstance(raw, bool) and raw >= 0:
+        lay.sessions_keep = (float(raw), o)
+        return
+    try:
+        if not isinstance(raw, str):
+            raise UsageError(str(raw))
+        lay.sessions_keep = (parse_age(raw, "sessions.keep"), o)
+    except UsageError:
+        raise _err(str(src.file), o.line, "sessions.keep",
+                   f'invalid value {raw!r}: expected {DURATION_FORMS}, a number of seconds, or "never"') from None
+
+
+def sessions_keep() -> float | None:
+    """``[sessions] keep`` of the global config (seconds; None: never), else the default."""
+    src = read_toml("global", global_config_path())
+    if src is None or "sessions" not in src.data:
+        return DEFAULT_SESSIONS_KEEP
+    lay = Layer(src.layer, str(src.file))
+    _sessions_from_source(src, lay, lambda path, value=None: Origin(src.layer, str(src.file),
+                                                                    src.locator.line(path, value)))
+    return lay.sessions_keep[0] if lay.sessions_keep is not None else DEFAULT_SESSIONS_KEEP
 
 
 def _network_from_source(d: Mapping[str, Any], lay: Layer, file: str, origin: Any) -> None:
