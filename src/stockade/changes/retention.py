@@ -33,12 +33,12 @@ import os
 import shutil
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .. import paths
-from ..errors import SessionBusy, SessionNotFound, StockadeError, UsageError
+from ..errors import SessionBusy, SessionNotFound, StockadeError
 from ..session import store
 from ..session.age import DURATION_FORMS, parse_age
 from ..session.store import Session
@@ -129,9 +129,9 @@ def _last_run_open(sess: Session) -> bool:
 def _counts(sess: Session) -> dict[str, int]:
     """The change counts (a scan of the session's layers against the project's entries
     at those paths only; never a walk of the project)."""
-    from .scan import scan
+    from .walk import walk
 
-    c = scan(sess, classify=False).counts()
+    c = walk(sess, classify=False).counts()
     return {"added": c.added, "modified": c.modified, "deleted": c.deleted}
 
 
@@ -178,13 +178,13 @@ def _judge(sess: Session, pending: set[str], applied: set[str], *, scan: bool = 
         runs = len([n for n in os.listdir(sess.runs_dir) if n.isdigit()])
     except OSError:
         runs = 0
-    base = {"id": sess.id, "project": str(meta.get("project", "")), "age_s": round(age, 1),
-            "created": str(meta.get("created", "")), "runs": runs, "anonymous": bool(meta.get("anonymous"))}
+    base = SessionInfo(sess.id, str(meta.get("project", "")), "empty", round(age, 1), str(meta.get("created", "")),
+                       runs, bool(meta.get("anonymous")))
     used = _in_use(sess, runs, age, pending)
     if used is None and probe and not _flock_free(sess):
         used = _busy_reason(sess)
     if used is not None:
-        return SessionInfo(state=used[0], reason=used[1], **base)
+        return replace(base, state=used[0], reason=used[1])
     if not sess.has_layer_entries():
         counts: dict[str, int] | None = {"added": 0, "modified": 0, "deleted": 0}
     elif scan:
@@ -192,8 +192,8 @@ def _judge(sess: Session, pending: set[str], applied: set[str], *, scan: bool = 
     else:
         counts = None
     if counts is not None and not any(counts.values()):
-        return SessionInfo(state="applied" if sess.id in applied else "empty", changes=counts, **base)
-    return SessionInfo(state="has-changes", changes=counts, **base)
+        return replace(base, state="applied" if sess.id in applied else "empty", changes=counts)
+    return replace(base, state="has-changes", changes=counts)
 
 
 def disk_usage(path: str) -> int:
@@ -227,7 +227,7 @@ def list_infos(*, size: bool = True) -> list[SessionInfo]:
         except (StockadeError, OSError, ValueError) as e:
             info = SessionInfo(s.id, "", "locked", 0.0, "", 0, False, reason=f"unreadable: {e}")
         if size:
-            info = SessionInfo(**{**asdict(info), "size": du(str(s.dir))})
+            info = replace(info, size=du(str(s.dir)))
         out.append(info)
     out.sort(key=lambda i: -i.age_s)
     return out

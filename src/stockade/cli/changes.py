@@ -404,10 +404,14 @@ def cmd_apply(args: Args) -> int:
 
 def cmd_rollback(args: Args) -> int:
     from ..changes.rollback import rollback
+    from ..session import store
 
     rec = rollback(args.apply_id, force=args.force)
-    _err(f"stockade: rolled back apply {rec.id} ({len(rec.paths)} path(s)); "
-         f"the changes are back in session {rec.session}")
+    if (store.sessions_dir() / rec.session / "meta.json").is_file():
+        where = f"the changes are back in session {rec.session}"
+    else:  # collected since (README: How long sessions stay): the project is restored all the same
+        where = f"session {rec.session} was removed since, so the changes are not kept anywhere"
+    _err(f"stockade: rolled back apply {rec.id} ({len(rec.paths)} path(s)); {where}")
     return 0
 
 
