@@ -259,9 +259,13 @@ def _remove_locked(sess: Session, *, pointers: bool = True) -> None:
     os.rename(sess.dir, trash)
     try:
         idrange.remove_tree(trash)
-    except StockadeError:  # its sandbox's ids cannot be reached now: it stays a session
-        os.rename(trash, sess.dir)
-        raise
+    except StockadeError:
+        # its sandbox's ids cannot be reached now (a subordinate range gone): what is all
+        # the caller's own goes all the same, else it stays a session
+        if not _all_own(trash):
+            os.rename(trash, sess.dir)
+            raise
+        shutil.rmtree(trash, ignore_errors=True)
     except OSError:
         shutil.rmtree(trash, ignore_errors=True)
     forget_living(sess.id)
@@ -272,6 +276,32 @@ def _remove_locked(sess: Session, *, pointers: bool = True) -> None:
         for n in os.listdir(sess.dir.parent):
             if n.startswith(".latest-empty-") and _read_pointer(sess.dir.parent / n) == sess.id:
                 os.unlink(sess.dir.parent / n)
+
+
+def _all_own(path: Path) -> bool:
+    """Every entry of the tree is the caller's (a directory of its own that it cannot
+    read, such as overlayfs's work/work of mode 0, is opened up: it is being removed)."""
+    import stat
+
+    uid = os.geteuid()
+    todo = [str(path)]
+    while todo:
+        d = todo.pop()
+        try:
+            st = os.lstat(d)
+            if st.st_uid != uid:
+                return False
+            if st.st_mode & stat.S_IRWXU != stat.S_IRWXU:
+                os.chmod(d, stat.S_IRWXU)
+            with os.scandir(d) as it:
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append(e.path)
+                    elif e.stat(follow_symlinks=False).st_uid != uid:
+                        return False
+        except OSError:
+            return False
+    return True
 
 
 def forget_living(sid: str) -> None:

@@ -65,7 +65,7 @@ def _retain(sess: store.Session, anonymous: bool, keep_latest: bool, res: RunRes
         if anonymous and retention.after_run(sess.id, keep_latest=keep_latest) and res is not None:
             res.session_removed = True
         retention.maybe_collect()
-    except Exception:  # noqa: BLE001 - retention never fails a run: the next run or `stockade clean` catches up
+    except Exception:
         pass
 
 
