@@ -115,7 +115,14 @@ def test_a_thousand_runs_leave_nothing_behind(user: User, project: Path) -> None
         from concurrent.futures import ThreadPoolExecutor
         def one(i):
             r = stockade.run(["true"], project={str(project)!r})
-            assert r.returncode == 0 and r.session_removed, (i, r)
+            if not r.session_removed:  # why: its state now, and what is in it
+                import os
+                from stockade.changes import retention
+                from stockade.session import store
+                s = store.open_session(r.session)
+                raise AssertionError((i, r, retention._judge(s, retention._pending(), set()),
+                                      sorted(os.path.join(d, n) for d, ds, fs in os.walk(s.dir) for n in ds + fs)))
+            assert r.returncode == 0, (i, r)
         t = time.monotonic()
         for i in range(1000):
             one(i)

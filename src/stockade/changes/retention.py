@@ -32,7 +32,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -401,11 +401,31 @@ def _empty_now(sess: Session) -> bool:
     return not any(_counts(sess).values())
 
 
+@contextlib.contextmanager
+def _lock_soon(sess: Session, timeout: float = 2.0) -> Iterator[int]:
+    """The session's lock, waited for a little: its run has ended, but a sandbox another
+    thread was starting at that moment may hold a copy of the lock's fd for an instant
+    (a fork's inherited descriptors, closed once it confines itself)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stack = contextlib.ExitStack()
+        try:
+            fd = stack.enter_context(sess.lock(wait=False))
+        except SessionBusy:
+            if time.monotonic() > deadline or _living(sess.id) is not None:
+                raise
+            time.sleep(0.005)
+            continue
+        with stack:
+            yield fd
+        return
+
+
 def _drop_if_empty(sess: Session, *, scan: bool = True) -> bool:
     """Remove an anonymous session that holds no change and no one uses. ``scan``: also
     when its layers hold entries that make no change (else only an empty layer counts)."""
     try:
-        with sess.lock(wait=False):
+        with _lock_soon(sess):
             if not sess.meta().get("anonymous") or _living(sess.id) is not None:
                 return False
             if not (_empty_now(sess) if scan else not sess.has_layer_entries()):
