@@ -31,19 +31,42 @@ def execute(req: RunRequest, io: RunIO) -> RunResult:
             store.open_session(str(req.session))  # (a bad name is refused here, before anything is made)
         except SessionNotFound:
             fresh = True
-    sess = store.open_or_create(project, req.session)
+    anonymous = req.session is None
+    sess = store.open_or_create(project, req.session, anonymous=anonymous)
+    res: RunResult | None = None
+    refused = False
     try:
-        return _execute(sess, project, req, io)
+        res = _execute(sess, project, req, io)
+        return res
     except StockadeError:
+        refused = True  # nothing ran, or it failed to start: discard_unused decides
         if fresh:
             discard_unused(sess)
         raise
+    finally:
+        _retain(sess, anonymous and not refused, req.keep_latest_empty, res)
 
 
 def execute_in(sess: store.Session, req: RunRequest, io: RunIO) -> RunResult:
     """Run ``req`` in the open session ``sess`` (a Sandbox's)."""
     io.checked()
-    return _execute(sess, planmod.resolve_project(req.project), req, io)
+    try:
+        return _execute(sess, planmod.resolve_project(req.project), req, io)
+    finally:
+        _retain(sess, False, False, None)
+
+
+def _retain(sess: store.Session, anonymous: bool, keep_latest: bool, res: RunResult | None) -> None:
+    """After a run (its session's lock released): an anonymous session that holds no
+    change goes (changes/retention.py), and now and then the old sessions are collected."""
+    from ..changes import retention
+
+    try:
+        if anonymous and retention.after_run(sess.id, keep_latest=keep_latest) and res is not None:
+            res.session_removed = True
+        retention.maybe_collect()
+    except Exception:
+        pass
 
 
 def _execute(sess: store.Session, project: Path, req: RunRequest, io: RunIO) -> RunResult:

@@ -43,6 +43,8 @@ class RunResult(subprocess.CompletedProcess[Any]):
         self.exec_failed = exec_failed  # the command could not be executed: its path and errno
         self.cg_manager = cg_manager  # the cgroup backend the run used
         self.network = network  # --net allow: what the proxy blocked, one line (None: nothing)
+        # the run made an anonymous session and changed nothing: the session is gone (changes/retention.py)
+        self.session_removed = False
 
     @property
     def exit_status(self) -> int:

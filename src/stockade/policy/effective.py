@@ -68,6 +68,7 @@ _LIVE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
     ("prewarm.enabled", "prewarm_enabled", False),
     ("prewarm.ttl", "prewarm_ttl", _config.DEFAULT_PREWARM_TTL),
     ("live.idle_timeout", "live_idle_timeout", _config.DEFAULT_IDLE_TIMEOUT),
+    ("sessions.keep", "sessions_keep", _config.DEFAULT_SESSIONS_KEEP),
 )
 
 
