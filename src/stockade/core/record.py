@@ -77,6 +77,9 @@ class RunRecord:
                 sys.stderr.write(f"stockade: warning: {w}\n")
             if plan.env_warnings:
                 sys.stderr.write("stockade: warning: " + "; ".join(plan.env_warnings) + "\n")
+            if self.prep.limits.disk is None and not plan.read_only:
+                sys.stderr.write("stockade: warning: --disk none: nothing caps what the sandbox writes; it can fill "
+                                 "the state dir's filesystem, and the host's RAM through /tmp and /dev/shm\n")
 
     def _ended(self) -> None:
         ended = time.time()
