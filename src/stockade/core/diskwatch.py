@@ -280,3 +280,39 @@ def held_bytes(layers: Sequence[str]) -> int:
     return layers_bytes(layers)
 
 
+
+
+def _unescape(field: str) -> str:
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def filesystem_of(path: str, mounts: str = "/proc/self/mounts") -> tuple[str, str, str]:
+    """(mount point, filesystem type, options) of the mount holding ``path``."""
+    real = os.path.realpath(path)
+    best = ("/", "?", "")
+    try:
+        with open(mounts, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 4:
+                    continue
+                mp = _unescape(parts[1])
+                if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best[0]):
+                    best = (mp, parts[2], parts[3])
+    except OSError:
+        pass
+    return best
+
+
+def mechanism(state: str) -> str:
+    """How this host holds the disk limit, in one line (``explain``, ``doctor``)."""
+    mp, fstype, opts = filesystem_of(state)
+    quota = any(o in ("prjquota", "pquota", "prjjquota") or o.startswith("prjjquota=") for o in opts.split(","))
+    upper = (f"the session's layers on {fstype} at {mp}: the supervisor's watchdog "
+             f"({'project quotas are on there but not used yet' if quota else 'no project quota there'})")
+    try:
+        s = os.statvfs(state if os.path.exists(state) else mp)
+        upper += f", {size_text(s.f_bavail * s.f_frsize)} free of {size_text(s.f_blocks * s.f_frsize)}"
+    except OSError:
+        pass
+    return "each writable tmpfs: the kernel's size= and nr_inodes=; " + upper
