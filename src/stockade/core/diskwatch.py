@@ -59,13 +59,14 @@ def tree_bytes(root: str) -> int:
         top = os.lstat(root)
     except OSError:
         return 0
-    dev = top.st_dev
-    total += top.st_blocks * 512
+    dev = top.st_dev  # (the directory itself is not counted: an empty layer holds nothing)
     stack = [root]
     while stack:
         d = stack.pop()
         try:
             it = os.scandir(d)
+        except PermissionError:
+            raise  # (a sandbox's private directory: see walk_session)
         except OSError:
             continue
         with it:
@@ -87,6 +88,19 @@ def tree_bytes(root: str) -> int:
 
 def layers_bytes(paths: Sequence[str]) -> int:
     return sum(tree_bytes(p) for p in paths)
+
+
+def walk_session(session_dir: str, paths: Sequence[str]) -> int:
+    """``layers_bytes`` of a session's layers, with the sandbox's ids where its layers
+    may hold inodes the caller cannot read (an unprivileged caller's range, or a
+    directory the sandbox made private: ``session/idrange.py``, the change set's seam)."""
+    from ..session import idrange
+
+    @idrange.with_sandbox_ids(lambda d, _p: [d], retry=True)
+    def walk(_d: str, ps: tuple[str, ...]) -> int:
+        return layers_bytes(ps)
+
+    return int(walk(session_dir, tuple(paths)))
 
 
 @dataclass
@@ -180,6 +194,7 @@ class DiskWatch:
         self.walk_cost = 0.0
         self.walked_at = -1e18
         self.last_total: int | None = None
+        self.last_layers = 0
         self.last_at = 0.0
         self.fs_at_start: FsState | None = probe.fs()
         self.full: list[str] = []  # tmpfs found full
@@ -203,7 +218,12 @@ class DiskWatch:
         return now - self.walked_at >= self.walk_cost / WALK_SHARE
 
     def tick(self, now: float | None = None) -> str | None:
-        """One look. Returns the reason to end the run (kept in ``hit``), else None."""
+        """One look. Returns the reason to end the run (kept in ``hit``), else None.
+
+        Each tmpfs already has the kernel's cap: the watchdog ends a run for them only
+        when their sum (with the layers) is past the cap. The layers have no cap of
+        their own, so their growth is also projected one look ahead: the run ends
+        before they pass it, not after."""
         now = self.clock() if now is None else now
         tm = self.probe.tmpfs()
         for t, (_u, full) in tm.items():
@@ -215,30 +235,37 @@ class DiskWatch:
         # bound while nothing else on the host frees space)
         gained = max(0, fs.used - self.used_at_walk) if fs is not None else 0
         layers = (self.layers or 0) + gained
-        dt = now - self.last_at if self.last_total is not None else 0.0
-        rate = max(0.0, (layers + tm_used - (self.last_total or 0)) / dt) if dt > 0 else 0.0
-        near = (self.cap is not None and layers + tm_used + rate * TICK >= self.cap) or (
-            self.floor is not None and fs is not None and fs.free - rate * TICK < self.floor)
+        first = self.last_total is None
+        dt = now - self.last_at if not first else 0.0
+
+        def layer_rate(n: int) -> float:
+            return max(0.0, (n - self.last_layers) / dt) if dt > 0 else 0.0
+
+        ahead = layer_rate(layers) * TICK
+        near = (self.cap is not None and layers + ahead + tm_used >= self.cap) or (
+            self.floor is not None and fs is not None and fs.free - ahead < self.floor)
         exact = False
         if (self.layers is None or now - self.walked_at >= WALK_EVERY or (near and gained > 0)) and self._walk_allowed(now):
             layers = self._walk(now)
             exact = True
+        ahead = layer_rate(layers) * TICK
         total = layers + tm_used
-        if self.last_total is None:  # the first look: anything written since the start counts
+        if first:  # the first look: anything written since the start counts
             start = self.fs_at_start
             growing = tm_used > 0 or (fs is not None and start is not None and fs.used > start.used)
         else:
-            growing = total > self.last_total
-            rate = max(0.0, (total - self.last_total) / dt) if dt > 0 else 0.0
+            growing = total > (self.last_total or 0)
         self.peak = max(self.peak, total)
         reason: str | None = None
-        if (self.cap is not None and growing and total + rate * TICK >= self.cap
-                and (exact or self.layers is None or (self.layers + tm_used) + rate * TICK >= self.cap)):
+        known = layers if exact or self.layers is None else self.layers  # never end a run on a guess
+        if self.cap is not None and growing and (known + tm_used > self.cap
+                                                 or (ahead > 0 and known + ahead + tm_used >= self.cap)):
             reason = f"disk limit {size_text(self.cap)}: {self._where(layers, tm)}"
-        elif self.floor is not None and fs is not None and growing and fs.free - rate * TICK < self.floor:
+        elif self.floor is not None and fs is not None and growing and fs.free - ahead < self.floor:
             reason = (f"disk floor {size_text(self.floor)}: the state dir's filesystem has "
                       f"{size_text(max(0, fs.free))} free")
-        self.last_total, self.last_at = total, now
+        rate = max(0.0, (total - (self.last_total or 0)) / dt) if dt > 0 else 0.0
+        self.last_total, self.last_layers, self.last_at = total, layers, now
         soon = self.cap is not None and total + rate * 2 * TICK >= self.cap
         self.next_at = now + (FAST_TICK if soon or (near and growing) else TICK)
         if reason is not None:
@@ -272,12 +299,14 @@ def for_run(cap: int | None, floor: int | None, tmpfs: Sequence[str], upper: str
     if (cap is None and floor is None) or (upper is None and (cap is None or not tmpfs)):
         return None
     paths = [upper, *layers] if upper is not None else []
-    return DiskWatch(cap, floor, tmpfs, Probe(paths, upper))
+    sdir = os.path.dirname(upper) if upper is not None else None
+    probe = Probe(paths, upper, (lambda ps: walk_session(sdir, ps)) if sdir is not None else layers_bytes)
+    return DiskWatch(cap, floor, tmpfs, probe)
 
 
-def held_bytes(layers: Sequence[str]) -> int:
+def held_bytes(session_dir: str, layers: Sequence[str]) -> int:
     """What a session holds in its layers now (the pre-run check of ``--disk``)."""
-    return layers_bytes(layers)
+    return walk_session(session_dir, layers)
 
 
 

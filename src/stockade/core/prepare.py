@@ -246,7 +246,7 @@ def _check_disk(lim: Limits, sess: store.Session) -> None:
         return
     from .diskwatch import held_bytes
 
-    held = held_bytes([str(sess.upper), *(str(p) for p in sess.layers())])
+    held = held_bytes(str(sess.dir), [str(sess.upper), *(str(p) for p in sess.layers())])
     if held > lim.disk:
         raise UsageError(
             f"--disk {format_size(lim.disk)} is smaller than the {format_size(held)} session {sess.id} already holds "
