@@ -157,6 +157,8 @@ def cmd_run(args: Args) -> int:
         status = 124
     elif res.outcome_kind == "oom-killed":
         status = 137
+    elif res.outcome_kind == "disk-limit-hit":
+        status = 122
     return status
 
 
@@ -165,7 +167,7 @@ def after_run(res: RunResult) -> None:
     from ..session import store
 
     lines: list[str] = []
-    if res.outcome and not res.outcome.startswith("exited"):
+    if res.outcome and (not res.outcome.startswith("exited") or "disk-limit-hit" in res.outcome):
         lines.append(f"stockade: run {res.run} of session {res.session} ended: {res.outcome}")
     if res.degraded:
         lines.append("stockade: DEGRADED sandbox: " + ", ".join(res.degraded))

@@ -143,6 +143,11 @@ LIMITS = Group(
     Arg("--cpu-time", dest="cpu_time", metavar="TIME", default=None, help="CPU time limit per process, e.g. 60s (SIGXCPU, then SIGKILL)"),
     Arg("--max-file-size", dest="max_file_size", metavar="SIZE", default=None, help="largest file the command may write, e.g. 1G"),
     Arg("--nofile", dest="nofile", metavar="NOFILE", default=None, help="open files per process; default: 4096"),
+    Arg("--disk", dest="disk", metavar="SIZE", default=None,
+        help="what the sandbox may write: the session's layers plus each tmpfs (/tmp, $HOME, ...), e.g. 2G; "
+             "past it the run ends (exit 122); default: 10G"),
+    Arg("--disk-floor", dest="disk_floor", metavar="SIZE", default=None,
+        help="free space kept on the state dir's filesystem; a writing run ends before less is left; default: 1G"),
 )
 LIMIT_NAMES = tuple(a.dest for a in LIMITS.args)
 

@@ -12,6 +12,8 @@ from pathlib import Path
 from .. import plan as planmod
 from ..errors import SessionNotFound, StockadeError, UsageError
 from ..session import store
+from . import diskwatch
+from .diskwatch import DiskWatch
 from .launch import Launch
 from .prepare import Prepared, prepare
 from .record import RunRecord
@@ -92,8 +94,10 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
     sup = None
     reaped = False  # init reaped: with its own PID namespace, nothing of the sandbox is left
     try:
+        watch = disk_watch(sess, prep)  # (before the start: what the filesystem held before it)
         child = launch.start(sess, record.run_no, prep, hold_fd, session_ahead)
         sup = launch.supervisor(record.run_dir, prep.timeout)
+        sup.disk = watch
         if io.forward_signals:
             with Forwarding(child.pidfd, winch_to=sup.out_r if io.pty else None, on_term=sup.terminate):
                 sup.loop()
@@ -111,6 +115,14 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
     if sup.error is not None:
         raise record.setup_failed(sup, launch)
     return record.done(sup, stats, io, raise_timeout, net=launch.net_summary)
+
+
+def disk_watch(sess: store.Session, prep: Prepared) -> DiskWatch | None:
+    """The run's disk watchdog (``core/diskwatch.py``): its limits, tmpfs and layers."""
+    plan, lim = prep.plan, prep.limits
+    upper = None if plan.read_only else str(sess.upper)
+    layers = [str(p) for p in sess.layers()] if upper is not None else []
+    return diskwatch.for_run(lim.disk, lim.disk_floor, plan.writable_tmpfs, upper, layers)
 
 
 def explain_plan(req: RunRequest) -> Prepared:

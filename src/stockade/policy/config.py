@@ -158,7 +158,8 @@ SCHEMA: dict[str, Any] = {
     "commands": {"deny": [STR_OR_ARGV]},
     "etc": {"extra": [str]},
     # the README's `limits = { memory = "512M", pids = 256 }` (or a [limits] table)
-    "limits": {n: SCALAR for n in ("memory", "cpus", "pids", "timeout", "cpu_time", "max_file_size", "nofile")},
+    "limits": {n: SCALAR for n in ("memory", "cpus", "pids", "timeout", "cpu_time", "max_file_size", "nofile",
+                                    "disk", "disk_floor")},
     "network": {
         "mode": ("none", "allow", "host"),
         "allow": [str],
