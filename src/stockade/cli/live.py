@@ -48,6 +48,8 @@ def _request(args: Args) -> RunRequest:
     vars(args)["command"] = ["--", "true"]  # run_kwargs wants one; a living sandbox never runs it
     kw = run_kwargs(args)
     kw.pop("session", None)
+    if kw.get("observe") is None:
+        kw["observe"] = False  # [audit] observe is for one-shot runs; --observe here is refused (core/launch.py)
     return RunRequest(**kw)
 
 

@@ -191,6 +191,10 @@ RUN_ARGS: tuple[Arg | Group, ...] = (
     Arg("--pass-fd", type=_natural("an open file descriptor number such as 3"), action="append", default=[], metavar="N",
         help="pass file descriptor N through"),
     Arg("--seccomp", default="default", metavar="NAME|PATH", keep=True, help="seccomp profile (default, strict, permissive, a JSON file, or off)"),
+    Arg("--observe", dest="observe", action="store_const", const=True, default=None,
+        help="log every exec, every open outside the project and every connect/send target the command tries "
+             "(seccomp user notification; `stockade log --observed`); default: [audit] observe"),
+    Arg("--no-observe", dest="observe", action="store_const", const=False, help="override a configured [audit] observe = true"),
     Arg("--no-landlock", action="store_true", help="do not apply Landlock (needs --allow-degraded landlock)"),
     Arg("--allow-degraded", action="append", default=[], metavar="WHAT",
         help="run without a layer the kernel or a container refuses: landlock, seccomp, limits, proc, hostname"),

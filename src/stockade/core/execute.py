@@ -69,7 +69,7 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
     sup = None
     reaped = False  # init reaped: with its own PID namespace, nothing of the sandbox is left
     try:
-        child = launch.start(sess, record.run_no, prep, hold_fd, session_ahead)
+        child = launch.start(sess, record.run_no, prep, hold_fd, session_ahead, run_dir=record.run_dir)
         sup = launch.supervisor(record.run_dir, prep.timeout)
         if io.forward_signals:
             with Forwarding(child.pidfd, winch_to=sup.out_r if io.pty else None, on_term=sup.terminate):
@@ -87,7 +87,8 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
     assert sup is not None  # made, or the try above raised
     if sup.error is not None:
         raise record.setup_failed(sup, launch)
-    return record.done(sup, stats, io, raise_timeout, net=launch.net_summary)
+    observed = launch.observe.finish(sess, record.run_no, prep) if launch.observe is not None else None
+    return record.done(sup, stats, io, raise_timeout, net=launch.net_summary, observed=observed)
 
 
 def explain_plan(req: RunRequest) -> Prepared:

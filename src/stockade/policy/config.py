@@ -123,6 +123,8 @@ class Layer:
     prewarm_enabled: tuple[bool, Origin] | None = None
     prewarm_ttl: tuple[float, Origin] | None = None
     live_idle_timeout: tuple[float | None, Origin] | None = None
+    # [audit] observe: log what each run's command tried (`run --observe`)
+    audit_observe: tuple[bool, Origin] | None = None
     warnings: list[str] = field(default_factory=list)
 
 
@@ -166,6 +168,7 @@ SCHEMA: dict[str, Any] = {
     "snapshots": {"auto_on_start": bool, "max_auto": int, "retention": DURATION},
     "prewarm": {"enabled": bool, "ttl": DURATION},
     "live": {"idle_timeout": DURATION},
+    "audit": {"observe": bool},
 }
 # a session's host rules (`stockade allow --host`, `deny --host`)
 SESSION_SCHEMA: dict[str, Any] = {"schema_version": int, **SCHEMA,
@@ -633,6 +636,8 @@ def layer_from_source(src: Source, *, project: Path, cwd: Path | None = None) ->
         _network_from_source(d, lay, file, origin)
     if "snapshots" in d or "prewarm" in d or "live" in d:
         _live_from_source(d, lay, file, origin)
+    if "observe" in d.get("audit", {}):
+        lay.audit_observe = (d["audit"]["observe"], origin(["audit", "observe"]))
     return lay
 
 

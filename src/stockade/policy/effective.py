@@ -135,6 +135,9 @@ class Effective:
         self.prewarm_enabled: bool = bool(self._live_settings["prewarm.enabled"][0])
         self.prewarm_ttl: float = float(self._live_settings["prewarm.ttl"][0])
         self.live_idle_timeout: float | None = self._live_settings["live.idle_timeout"][0]
+        self._observe: tuple[Any, Origin] = last("audit_observe", False)
+        self.observe: bool = bool(self._observe[0])  # [audit] observe: `run --observe` by default
+        self.observe_origin: Origin = self._observe[1]
 
         self.paths: PathResolution = resolve_paths(e for lay in layers for e in lay.paths)
         for d in self.paths.denies:
