@@ -39,6 +39,9 @@ class DecisionLike(Protocol):
     """``policy.rules.Decision``: what ``policy why PATH`` answers."""
 
     @property
+    def path(self) -> str: ...
+
+    @property
     def visible(self) -> bool: ...
 
     @property
@@ -106,9 +109,17 @@ def _path_result(ctx: Context, path: str, access: str) -> tuple[str, str, str]:
     """(allowed | blocked, policy, reason) predicted for ``access`` of the sandbox path."""
     if is_under(path, "/tmp") or is_under(path, "/dev/shm"):
         return "allowed", "sandbox-tmpfs", "the sandbox's private tmpfs (gone with the run)"
-    if is_under(path, ctx.home) and not is_under(ctx.project, ctx.home) and access == "write":
+    own_home = not is_under(ctx.project, ctx.home)
+    if own_home and (path == ctx.home or (is_under(path, ctx.home) and access == "write")):
         return "allowed", "sandbox-tmpfs", f"the sandbox's own empty $HOME {ctx.home} (a tmpfs, gone with the run)"
     d = ctx.why(path)
+    if d.path != path:
+        res, pol, why = _decided(ctx, d, path, access)
+        return res, pol, f"{path} resolves to {d.path} on the host: {why}"
+    return _decided(ctx, d, path, access)
+
+
+def _decided(ctx: Context, d: DecisionLike, path: str, access: str) -> tuple[str, str, str]:
     if not d.visible:
         policy = {"masked": "secret-mask", "denied": "path-deny"}.get(d.access, "mount-view")
         err = "ENOENT" if d.access != "masked" else "empty or absent"
@@ -193,6 +204,8 @@ def classify(records: Iterable[RecordLike], ctx: Context) -> list[dict[str, Any]
                 if hit is None:
                     hit = memo[key] = _path_result(ctx, target, access)
                 res = hit
+                if res[0] == "blocked" and " resolves to " in res[2]:
+                    extra = {"resolved": res[2].split(" resolves to ", 1)[1].split(" on the host:", 1)[0]}
         else:
             op = "observed-connect"
             assert ctx.sockaddr is not None
@@ -379,27 +392,30 @@ def suggest(events: Iterable[Mapping[str, Any]], *, project: str) -> list[Sugges
                                f"a host: the command can send data to {host} port {port} (through the proxy)", because)
             out[(s.section, s.line)] = s
             continue
+        path = str(e.get("resolved") or target)
+        if not os.path.lexists(path):
+            continue  # nothing on the host to allow (a PATH search, a probe for an optional file)
+        home = _home_note(path)
         if pol == "secret-mask":
-            rel = os.path.relpath(target, project) if is_under(target, project) else target
+            rel = os.path.relpath(path, project) if is_under(path, project) else path
             s = Suggestion(f"allow = [{_quote(rel)}]", "[secrets]",
                            f"a secret pattern: {rel} matched a sensitive-file pattern; the command could read it "
                            "(and send it out, if the network allows)", because)
         elif pol == "read-only" or access == "write":
-            d = target if e.get("operation") == "observed-exec" else os.path.dirname(target) or target
-            s = Suggestion(f'path = {_quote(d)}\naccess = "rw"', "[[paths]]",
-                           f"a write outside the project: the command can change {d} on the host directly, "
-                           "bypassing the change set and its review", because)
+            s = Suggestion(f'path = {_quote(path)}\naccess = "rw"', "[[paths]]",
+                           f"a write outside the project: the command can change {path} on the host directly, "
+                           "bypassing the change set and its review" + home, because)
         elif pol in ("mount-view", "path-deny"):
-            if is_under(target, "/etc"):
-                s = Suggestion(f"extra = [{_quote(target)}]", "[etc]",
-                               f"read access to the host's {target} (check it holds no secret)", because)
+            if is_under(path, "/etc"):
+                s = Suggestion(f"extra = [{_quote(path)}]", "[etc]",
+                               f"read access to the host's {path} (check it holds no secret: /etc/shadow, "
+                               "credentials in service configs)", because)
             else:
-                d = os.path.dirname(target) if e.get("operation") == "observed-open" else target
-                s = Suggestion(f'path = {_quote(d)}\naccess = "ro"', "[[paths]]",
-                               f"read access to {d} on the host: everything under it becomes readable "
-                               "(secret patterns still mask matching files)" + (
-                                   "; it is denied by a path rule now: remove that rule instead" if pol == "path-deny" else ""),
-                               because)
+                what = "everything under it becomes readable" if os.path.isdir(path) else "the file becomes readable"
+                s = Suggestion(f'path = {_quote(path)}\naccess = "ro"', "[[paths]]",
+                               f"read access to {path} on the host: {what} (secret patterns still mask matching files)"
+                               + home + ("; it is denied by a path rule now: remove that rule instead"
+                                         if pol == "path-deny" else ""), because)
         else:
             continue
         out.setdefault((s.section, s.line), s)
@@ -411,3 +427,10 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def _home_note(path: str) -> str:
+    homes = {os.path.expanduser("~"), "/root"}
+    if any(is_under(path, h) or is_under(h, path) for h in homes if h):
+        return "; it is (or holds) a home directory, where credentials live (~/.ssh, ~/.aws, tokens in dotfiles)"
+    return ""
