@@ -41,6 +41,13 @@
 #define SECCOMP_USER_NOTIF_FLAG_CONTINUE (1UL << 0)
 #endif
 
+#ifndef SECCOMP_IOCTL_NOTIF_SET_FLAGS
+#define SECCOMP_IOCTL_NOTIF_SET_FLAGS SECCOMP_IOW(4, __u64)
+#endif
+#ifndef SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP
+#define SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (1UL << 0)
+#endif
+
 #define SK_OBSERVE_MAX_INSNS 256
 
 /* ------------------------------------------------------------------ child side */
@@ -467,6 +474,9 @@ int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_pref
     o->len = 0;
     o->lost = 0;
     size_t plen = skip_prefix ? strlen(skip_prefix) : 0;
+    /* Linux 6.6+: the target and this thread hand over on one CPU (each notification
+     * is a synchronous round trip); older kernels refuse the flag, and wake as usual. */
+    ioctl(listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, (__u64)SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP);
     char data[OBS_PATH_MAX + 1];
     struct pollfd pf[2] = {{.fd = listener, .events = POLLIN}, {.fd = stop_fd, .events = POLLIN}};
     int ret = 0;

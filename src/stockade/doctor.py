@@ -557,7 +557,7 @@ def probe_observe() -> Probe:
     from .linux.seccomp.observe import supported
 
     data: dict[str, Any] = {}
-    rel = tuple(int(x) for x in (os.uname().release.split("-")[0].split(".") + ["0", "0"])[:2] if x.isdigit())
+    rel = tuple(int(x) for x in ([*os.uname().release.split("-")[0].split("."), "0", "0"])[:2] if x.isdigit())
     rc = libc.seccomp_action_avail(SECCOMP_RET_USER_NOTIF)
     arch = supported()
     if arch is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 OPERATIONS = ("observed-exec", "observed-open", "observed-connect")
 SUPPRESSED = "observed-suppressed"
 SUMMARY = "observed-summary"
-MAX_EVENTS = 5000  # observed events one run writes at most; the rest are counted in one event
+MAX_EVENTS = 2000  # observed events one run writes at most; the rest are counted in one event
 MAX_PIDS = 8
 
 O_ACCMODE = 0o3
@@ -87,7 +88,10 @@ class Context:
     home: str
     network: str  # none | allow | host
     tcp_connect_ports: tuple[int, ...] | None  # Landlock TCP connect rule: None = not restricted
-    why: Callable[[str], DecisionLike]  # a host path's visibility (policy.Effective.why)
+    why: Callable[[str], DecisionLike]  # a resolved host path's visibility (policy.Effective.why)
+    # True: every path beneath this resolved directory is decided by the same rule (a
+    # system directory with no deny, grant or project below): one decision for all
+    uniform: Callable[[str], bool] | None = None
     kinds: Mapping[str, int] = field(default_factory=dict)  # KIND_* of linux.seccomp.observe, by name
     unreadable_flag: int = 1
     relative_flag: int = 4
@@ -105,17 +109,53 @@ def access_of(flags: int) -> str:
     return "read"
 
 
-def _path_result(ctx: Context, path: str, access: str) -> tuple[str, str, str]:
+class _Resolver:
+    """Host paths resolved (symlinks followed, as the sandbox's view follows the same
+    links) and decided, with one ``lstat`` per new path and a memo per directory."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.real: dict[str, str] = {"/": "/"}
+        self.dirs: dict[str, DecisionLike | None] = {}
+
+    def realpath(self, p: str) -> str:
+        hit = self.real.get(p)
+        if hit is not None:
+            return hit
+        parent, base = os.path.split(p.rstrip("/") or "/")
+        rp = self.realpath(parent) if parent != p else parent
+        child = rp.rstrip("/") + "/" + base if base else rp
+        try:
+            st = os.lstat(child)
+            if stat.S_ISLNK(st.st_mode):
+                child = os.path.realpath(child)
+        except OSError:
+            pass
+        if len(self.real) < 200_000:
+            self.real[p] = child
+        return child
+
+    def decide(self, path: str) -> tuple[str, DecisionLike]:
+        rp = self.realpath(path)
+        parent = os.path.dirname(rp)
+        if parent not in self.dirs:
+            u = self.ctx.uniform
+            self.dirs[parent] = self.ctx.why(parent) if u is not None and u(parent) else None
+        d = self.dirs[parent]
+        return rp, d if d is not None else self.ctx.why(rp)
+
+
+def _path_result(ctx: Context, path: str, access: str, res: _Resolver | None = None) -> tuple[str, str, str]:
     """(allowed | blocked, policy, reason) predicted for ``access`` of the sandbox path."""
     if is_under(path, "/tmp") or is_under(path, "/dev/shm"):
         return "allowed", "sandbox-tmpfs", "the sandbox's private tmpfs (gone with the run)"
     own_home = not is_under(ctx.project, ctx.home)
     if own_home and (path == ctx.home or (is_under(path, ctx.home) and access == "write")):
         return "allowed", "sandbox-tmpfs", f"the sandbox's own empty $HOME {ctx.home} (a tmpfs, gone with the run)"
-    d = ctx.why(path)
-    if d.path != path:
-        res, pol, why = _decided(ctx, d, path, access)
-        return res, pol, f"{path} resolves to {d.path} on the host: {why}"
+    rp, d = (res or _Resolver(ctx)).decide(path)
+    if rp != path:
+        r, pol, why = _decided(ctx, d, path, access)
+        return r, pol, f"{path} resolves to {rp} on the host: {why}"
     return _decided(ctx, d, path, access)
 
 
@@ -137,8 +177,7 @@ def _net_result(ctx: Context, family: str, addr: str, port: int | None, sock_typ
     if family == "unix":
         if addr.startswith("@"):
             return "allowed", "net-" + ctx.network, "an abstract Unix socket of the sandbox's own network namespace"
-        res, pol, why = _path_result(ctx, addr, "read")
-        return res, pol, why
+        return _path_result(ctx, addr, "read")
     if family not in ("inet", "inet6"):
         return "allowed", "net-" + ctx.network, f"{family} socket"
     try:
@@ -177,60 +216,80 @@ class _Agg:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class Classifier:
+    """Records in, aggregated events out (one per operation, target, access and result).
+    Fed as the records arrive (a thread during the run), so the run's end only adds the
+    last ones."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.kinds = {v: k for k, v in ctx.kinds.items()}
+        self.resolver = _Resolver(ctx)
+        self.aggs: dict[tuple[str, str, str], _Agg] = {}
+        self.memo: dict[tuple[str, str], tuple[str, str, str]] = {}
+
+    def feed(self, records: Iterable[RecordLike]) -> None:
+        ctx, aggs, memo = self.ctx, self.aggs, self.memo
+        for r in records:
+            kind = self.kinds.get(r.kind, "")
+            extra: dict[str, Any] = {}
+            if r.flags & ctx.unreadable_flag:
+                op = {"exec": "observed-exec", "open": "observed-open"}.get(kind, "observed-connect")
+                target = f"(unreadable: errno {r.err})"
+                res: tuple[str, str, str] = ("info", "observe", "the argument could not be read from the process "
+                                             "(it changed or unmapped it, or ptrace access was refused)")
+                access = "exec" if kind == "exec" else "read" if kind == "open" else "connect"
+            elif kind in ("exec", "open"):
+                op = "observed-" + kind
+                target = os.fsdecode(r.data)
+                access = "exec" if kind == "exec" else access_of(r.arg)
+                if r.flags & ctx.relative_flag:
+                    res = ("info", "observe", "a relative path whose directory could not be resolved")
+                else:
+                    key = (target, access)
+                    hit = memo.get(key)
+                    if hit is None:
+                        hit = memo[key] = _path_result(ctx, target, access, self.resolver)
+                    res = hit
+                    if res[0] == "blocked" and " resolves to " in res[2]:
+                        extra = {"resolved": res[2].split(" resolves to ", 1)[1].split(" on the host:", 1)[0]}
+            else:
+                op = "observed-connect"
+                assert ctx.sockaddr is not None
+                fam, addr, port = ctx.sockaddr(r.data)
+                if fam in ("inet", "inet6"):
+                    target = f"[{addr}]:{port}" if fam == "inet6" else f"{addr}:{port}"
+                else:
+                    target = f"{fam}:{addr}" if addr else fam
+                access = "connect" if kind == "connect" else "send"
+                sock_type = r.arg if kind == "connect" else 2
+                res = _net_result(ctx, fam, addr, port, sock_type)
+                extra = {"family": fam}
+            k = (op, target, access)
+            a = aggs.get(k)
+            if a is None:
+                a = aggs[k] = _Agg(op, target, res[0], res[1], res[2], access, r.syscall, extra=extra)
+            a.count += 1
+            if len(a.pids) < MAX_PIDS and r.pid not in a.pids:
+                a.pids.append(r.pid)
+
+    def events(self) -> list[dict[str, Any]]:
+        """Blocked first, in the order first seen within each; each a dict of
+        AuditLog.event's arguments."""
+        ordered = sorted(self.aggs.values(), key=lambda a: a.result != "blocked")
+        return [
+            {"operation": a.operation, "target": a.target, "result": a.result, "policy": a.policy,
+             "reason": a.reason, "access": a.access, "syscall": a.syscall, "count": a.count, "pids": a.pids,
+             "basis": "predicted", **a.extra}
+            for a in ordered
+        ]
+
+
 def classify(records: Iterable[RecordLike], ctx: Context) -> list[dict[str, Any]]:
-    """Aggregated events (one per operation, target, access and result), blocked first,
-    in the order first seen; each a dict of AuditLog.event's arguments."""
-    kinds = {v: k for k, v in ctx.kinds.items()}
-    aggs: dict[tuple[str, str, str], _Agg] = {}
-    memo: dict[tuple[str, str], tuple[str, str, str]] = {}
-    for r in records:
-        kind = kinds.get(r.kind, "")
-        extra: dict[str, Any] = {}
-        if r.flags & ctx.unreadable_flag:
-            op = {"exec": "observed-exec", "open": "observed-open"}.get(kind, "observed-connect")
-            target = f"(unreadable: errno {r.err})"
-            res: tuple[str, str, str] = ("info", "observe", "the argument could not be read from the process "
-                                         "(it changed or unmapped it, or ptrace access was refused)")
-            access = "exec" if kind == "exec" else "read" if kind == "open" else "connect"
-        elif kind in ("exec", "open"):
-            op = "observed-" + kind
-            target = os.fsdecode(r.data)
-            access = "exec" if kind == "exec" else access_of(r.arg)
-            if r.flags & ctx.relative_flag:
-                res = ("info", "observe", "a relative path whose directory could not be resolved")
-            else:
-                key = (target, access)
-                hit = memo.get(key)
-                if hit is None:
-                    hit = memo[key] = _path_result(ctx, target, access)
-                res = hit
-                if res[0] == "blocked" and " resolves to " in res[2]:
-                    extra = {"resolved": res[2].split(" resolves to ", 1)[1].split(" on the host:", 1)[0]}
-        else:
-            op = "observed-connect"
-            assert ctx.sockaddr is not None
-            fam, addr, port = ctx.sockaddr(r.data)
-            if fam in ("inet", "inet6"):
-                target = f"[{addr}]:{port}" if fam == "inet6" else f"{addr}:{port}"
-            else:
-                target = f"{fam}:{addr}" if addr else fam
-            access = "connect" if kind == "connect" else "send"
-            sock_type = r.arg if kind == "connect" else 2
-            res = _net_result(ctx, fam, addr, port, sock_type)
-            extra = {"family": fam}
-        k = (op, target, access)
-        a = aggs.get(k)
-        if a is None:
-            a = aggs[k] = _Agg(op, target, res[0], res[1], res[2], access, r.syscall, extra=extra)
-        a.count += 1
-        if len(a.pids) < MAX_PIDS and r.pid not in a.pids:
-            a.pids.append(r.pid)
-    ordered = sorted(aggs.values(), key=lambda a: a.result != "blocked")  # stable: first seen within each
-    return [
-        {"operation": a.operation, "target": a.target, "result": a.result, "policy": a.policy, "reason": a.reason,
-         "access": a.access, "syscall": a.syscall, "count": a.count, "pids": a.pids, "basis": "predicted", **a.extra}
-        for a in ordered
-    ]
+    """``Classifier`` in one call."""
+    c = Classifier(ctx)
+    c.feed(records)
+    return c.events()
 
 
 def capped(events: Sequence[dict[str, Any]], limit: int = MAX_EVENTS) -> tuple[list[dict[str, Any]], dict[str, int]]:

@@ -87,7 +87,7 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
     assert sup is not None  # made, or the try above raised
     if sup.error is not None:
         raise record.setup_failed(sup, launch)
-    observed = launch.observe.finish(sess, record.run_no, prep) if launch.observe is not None else None
+    observed = launch.observe.finish(sess, record.run_no) if launch.observe is not None else None
     return record.done(sup, stats, io, raise_timeout, net=launch.net_summary, observed=observed)
 
 

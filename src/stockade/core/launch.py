@@ -11,10 +11,10 @@ import os
 import signal
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from ..errors import UsageError
 from ..launch import start as launch
 from ..launch.lower import RunChild
 from ..linux import native
-from ..errors import UsageError
 from ..session import store
 from .request import DEVNULL, PIPE, STDOUT, RunIO, Stream
 from .supervise import Supervisor, copy_winsize
@@ -142,7 +142,7 @@ class Launch:
                                  "command with `stockade run --observe -- CMD` (or set [audit] observe = false)")
             from .observe import RunObserve
 
-            obs = self.observe = RunObserve(run_dir or str(sess.dir), str(plan.project))
+            obs = self.observe = RunObserve(run_dir or str(sess.dir), prep)
             self.to_close.append(obs.child_fd)
         child = self.child = launch.start(plan, (self.stdin_fd, self.out_w, self.err_w), place.clone_fd if place else None,
                                           pty=self.io.pty, console_sock=self.console[1], hold_before_exec=hold,
@@ -234,7 +234,7 @@ class Launch:
             net, self.net = self.net, None
             self.net_summary = net.close()
         if self.observe is not None:
-            self.observe.observer.stop()  # (it ended with the sandbox; a failed start's ends here)
+            self.observe.stop()  # (it ended with the sandbox; a failed start's ends here)
         given = self.given_stdin
         if given is not None and given.copy >= 0:
             given.give_back_offset(self.stdin_caller)

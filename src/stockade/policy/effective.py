@@ -434,8 +434,10 @@ class Effective:
         base = limits if limits is not None else Limits.defaults()
         return base.replace(**changes), req | {k for k in changes if k in ("memory", "cpus", "pids")}
 
-    def why(self, path: Path | str) -> Decision:
-        p = os.path.realpath(os.path.abspath(os.path.expanduser(str(path))))
+    def why(self, path: Path | str, *, resolved: bool = False) -> Decision:
+        """``resolved``: ``path`` is already absolute with no symlink in it (observe mode
+        resolves thousands with a per-directory memo)."""
+        p = str(path) if resolved else os.path.realpath(os.path.abspath(os.path.expanduser(str(path))))
         beaten = tuple(path_rule(e, active=False) for e in self.paths.beaten(p))
         d = self.paths.deny_covering(p)
         if d is not None:

@@ -120,6 +120,9 @@ def observe_bpf(machine: str | None = None) -> bytes:
     return b"".join(prog)
 
 
+_NAMES: dict[int, str] = {}
+
+
 @dataclass(frozen=True)
 class Record:
     """One observed call, as read from the target (for the log only: see csrc/observe.c)."""
@@ -134,11 +137,9 @@ class Record:
 
     @property
     def syscall(self) -> str:
-        table = _TABLES.get(os.uname().machine, (0, {}))[1]
-        for name, nr in table.items():
-            if nr == self.nr:
-                return name
-        return str(self.nr)
+        if not _NAMES:
+            _NAMES.update({nr: name for name, nr in _TABLES.get(os.uname().machine, (0, {}))[1].items()})
+        return _NAMES.get(self.nr) or str(self.nr)
 
     @property
     def path(self) -> str:
@@ -153,6 +154,11 @@ def read_records(path: str) -> list[Record]:
             buf = f.read()
     except FileNotFoundError:
         return []
+    return parse_records(buf)[0]
+
+
+def parse_records(buf: bytes) -> tuple[list[Record], int]:
+    """The whole records at the start of ``buf``, and how many bytes they take."""
     out: list[Record] = []
     off, size = 0, REC.size
     while off + size <= len(buf):
@@ -161,7 +167,7 @@ def read_records(path: str) -> list[Record]:
             break
         out.append(Record(kind, flags, pid, nr, err, arg, bytes(buf[off + size:off + ln])))
         off += ln
-    return out
+    return out, off
 
 
 def sockaddr(data: bytes) -> tuple[str, str, int | None]:
@@ -240,6 +246,10 @@ class Observer:
             os.close(out)
             os.close(listener)  # (any task left would now get ENOSYS: there is none, or it is being killed)
         self.stats = Stats(st.notified, st.logged, st.skipped, st.stale, st.unreadable, st.lost, -r if r < 0 else 0)
+
+    def running(self) -> bool:
+        """The loop may still append records."""
+        return self._started and self._thread.is_alive()
 
     def stop(self, timeout: float = 5.0) -> Stats:
         """Wait for the loop (it ends by itself once the sandbox is gone), then end it."""
