@@ -449,7 +449,16 @@ static size_t take_arg(const struct seccomp_notif *n, const struct obs_call *c, 
     return (size_t)alen;
 }
 
-int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_prefix, struct sk_observe_stats *st)
+static int watched(const char *p, size_t plen, const char *const *watch, size_t n_watch)
+{
+    for (size_t i = 0; i < n_watch; i++)
+        if (under(p, plen, watch[i], strlen(watch[i])))
+            return 1;
+    return 0;
+}
+
+int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_prefix, const char *const *watch,
+                    size_t n_watch, struct sk_observe_stats *st)
 {
     struct seccomp_notif_sizes sizes;
     memset(st, 0, sizeof *st);
@@ -525,7 +534,7 @@ int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_pref
             if (rec.flags & SK_OBS_F_UNREADABLE)
                 st->unreadable++;
             if (c.kind == SK_OBS_OPEN && !(rec.flags & (SK_OBS_F_UNREADABLE | SK_OBS_F_RELATIVE)) &&
-                under(data, dl, skip_prefix, plen)) {
+                under(data, dl, skip_prefix, plen) && !watched(data, dl, watch, n_watch)) {
                 st->skipped++;
                 continue;
             }

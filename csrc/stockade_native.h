@@ -312,7 +312,8 @@ int sk_probe(int what);
  * listener. One record per notified syscall (struct sk_obs_rec, then data_len bytes:
  * the path, or the sockaddr) is appended to out_fd; every notification is answered
  * with SECCOMP_USER_NOTIF_FLAG_CONTINUE, so the command's behaviour is unchanged.
- * Opens resolved beneath skip_prefix (the project) are answered but not recorded.
+ * Opens resolved beneath skip_prefix (the project) are answered but not recorded,
+ * unless beneath one of the n_watch paths (the project's masked secrets).
  * Runs until the listener hangs up (no task left in the filter) or stop_fd is
  * readable. Returns 0 or -errno. */
 #define SK_OBSERVE_SOCK_K 1935831925   /* 0x7362736f: placeholder k in the observe BPF */
@@ -345,4 +346,5 @@ struct sk_observe_stats {
     unsigned long long lost;        /* records out_fd could not take */
 };
 
-int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_prefix, struct sk_observe_stats *st);
+int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_prefix, const char *const *watch,
+                    size_t n_watch, struct sk_observe_stats *st);

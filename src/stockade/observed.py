@@ -92,6 +92,7 @@ class Context:
     # True: every path beneath this resolved directory is decided by the same rule (a
     # system directory with no deny, grant or project below): one decision for all
     uniform: Callable[[str], bool] | None = None
+    grants: tuple[str, ...] = ()  # host paths granted (--allow): the host's own, wherever they are
     kinds: Mapping[str, int] = field(default_factory=dict)  # KIND_* of linux.seccomp.observe, by name
     unreadable_flag: int = 1
     relative_flag: int = 4
@@ -147,10 +148,11 @@ class _Resolver:
 
 def _path_result(ctx: Context, path: str, access: str, res: _Resolver | None = None) -> tuple[str, str, str]:
     """(allowed | blocked, policy, reason) predicted for ``access`` of the sandbox path."""
-    if is_under(path, "/tmp") or is_under(path, "/dev/shm"):
+    in_tree = is_under(path, ctx.project) or any(is_under(path, g) for g in ctx.grants)
+    if not in_tree and (is_under(path, "/tmp") or is_under(path, "/dev/shm")):
         return "allowed", "sandbox-tmpfs", "the sandbox's private tmpfs (gone with the run)"
     own_home = not is_under(ctx.project, ctx.home)
-    if own_home and (path == ctx.home or (is_under(path, ctx.home) and access == "write")):
+    if not in_tree and own_home and (path == ctx.home or (is_under(path, ctx.home) and access == "write")):
         return "allowed", "sandbox-tmpfs", f"the sandbox's own empty $HOME {ctx.home} (a tmpfs, gone with the run)"
     rp, d = (res or _Resolver(ctx)).decide(path)
     if rp != path:

@@ -49,7 +49,9 @@ class RunObserve:
         self.bpf = observe_bpf()
         self.path = os.path.join(run_dir, RECORDS)
         self.prep = prep
-        self.observer: Observer = Observer(ours, self.path, prep.plan.project)
+        project = prep.plan.project
+        masked = tuple(str(m.path) for m in prep.audit.masked if observed_under(str(m.path), project))
+        self.observer: Observer = Observer(ours, self.path, project, masked)
         self.classifier: Any = None
         self.error: str | None = None
         self._wake = threading.Event()
@@ -145,6 +147,10 @@ class RunObserve:
             self._reader.join(30.0)
 
 
+def observed_under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
 def context(prep: Prepared) -> Any:
     """The plan's facts that predict each observed call's result."""
     from .. import observed
@@ -177,6 +183,7 @@ def context(prep: Prepared) -> Any:
         ports = tuple(ll.connect_ports)
     return observed.Context(
         project=plan.project, home=plan.home, network=plan.network, tcp_connect_ports=ports, why=why, uniform=uniform,
+        grants=tuple(str(g.host_path) for g in eff.grants),
         kinds={"exec": kobs.KIND_EXEC, "open": kobs.KIND_OPEN, "connect": kobs.KIND_CONNECT,
                "sendto": kobs.KIND_SENDTO, "sendmsg": kobs.KIND_SENDMSG},
         unreadable_flag=kobs.F_UNREADABLE, relative_flag=kobs.F_RELATIVE, sockaddr=kobs.sockaddr)

@@ -202,14 +202,20 @@ class Stats:
     error: int = 0  # the loop's -errno, or 0
 
 
+MAX_WATCH = 256  # masked paths inside the project whose opens are still recorded
+
+
 class Observer:
     """The supervisor's side of one run's observe mode: a thread that takes the listener
     init sends over ``sock`` and answers every notification until no task of the
     sandbox is left (the listener hangs up). Records go to ``out_path``; opens beneath
-    ``skip_prefix`` (the project) are answered but not recorded."""
+    ``skip_prefix`` (the project) are answered but not recorded, unless beneath one of
+    ``watch`` (the project's masked secrets: a command reading .env is what a user
+    wants to see)."""
 
-    def __init__(self, sock: socket.socket, out_path: str, skip_prefix: str) -> None:
+    def __init__(self, sock: socket.socket, out_path: str, skip_prefix: str, watch: tuple[str, ...] = ()) -> None:
         self.sock = sock
+        self.watch = watch[:MAX_WATCH]
         self.out_path = out_path
         self.skip_prefix = skip_prefix
         self.stats = Stats()
@@ -240,8 +246,10 @@ class Observer:
             out = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)  # still answered: never stall the command
         st = ffi.new("struct sk_observe_stats *")
         prefix = ffi.new("char[]", os.fsencode(self.skip_prefix))
+        keep = [ffi.new("char[]", os.fsencode(w)) for w in self.watch]
+        watch = ffi.new("char *[]", [*keep, ffi.NULL])
         try:
-            r = lib.sk_observe_loop(listener, self._stop_r, out, prefix, st)
+            r = lib.sk_observe_loop(listener, self._stop_r, out, prefix, watch, len(keep), st)
         finally:
             os.close(out)
             os.close(listener)  # (any task left would now get ENOSYS: there is none, or it is being killed)
