@@ -138,8 +138,9 @@ class Launch:
         obs = None
         if prep.observe:
             if serve_fd >= 0:
-                raise UsageError("observe mode is not available for living sandboxes (stockade start): observe one "
-                                 "command with `stockade run --observe -- CMD` (or set [audit] observe = false)")
+                from .observe import LIVE_REFUSED
+
+                raise UsageError(LIVE_REFUSED)
             from .observe import RunObserve
 
             obs = self.observe = RunObserve(run_dir or str(sess.dir), prep)

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from ..session import store
     from .prepare import Prepared
 
+LIVE_REFUSED = ("observe mode is not available for living sandboxes (its filter is installed when a sandbox starts, "
+                "for one command tree): observe a command with `stockade run --observe -- CMD`")
 RECORDS = "observed.bin"  # a run's raw records (runs/N/), decoded into the audit log at its end
 
 
