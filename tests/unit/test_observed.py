@@ -249,12 +249,12 @@ def test_suggest_marks_each_line_with_its_risk(tmp_path: Path) -> None:
 # ---- bad input and config -----------------------------------------------------------------
 
 def test_observe_needs_seccomp() -> None:
-    from stockade.core.observe import check
+    from stockade.core.prepare import check_observe
 
     with pytest.raises(UsageError, match="--observe needs seccomp"):
-        check(True, "off")
-    check(True, "default")
-    check(False, "off")
+        check_observe(True, "off")
+    check_observe(True, "default")
+    check_observe(False, "off")
 
 
 def test_profiles_still_refuse_notify(tmp_path: Path) -> None:
@@ -275,5 +275,5 @@ def test_audit_observe_config(config_env: dict[str, Path]) -> None:
     assert eff.observe is True and eff.observe_origin.layer == "workspace"
     config_env["workspace"].write_text("[audit]\nobserve = \"yes\"\n")
     policy.clear_cache()
-    with pytest.raises(PolicyError, match="audit.observe"):
+    with pytest.raises(PolicyError, match=r"audit\.observe"):
         policy.load(config_env["proj"], None)

@@ -9,8 +9,6 @@ import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UsageError
-
 if TYPE_CHECKING:
     from ..linux.seccomp.observe import Observer
     from ..session import store
@@ -19,22 +17,6 @@ if TYPE_CHECKING:
 LIVE_REFUSED = ("observe mode is not available for living sandboxes (its filter is installed when a sandbox starts, "
                 "for one command tree): observe a command with `stockade run --observe -- CMD`")
 RECORDS = "observed.bin"  # a run's raw records (runs/N/), decoded into the audit log at its end
-
-
-def check(observe: bool, seccomp: str, *, origin: str = "--observe") -> None:
-    """Bad input, before anything is made: observe mode stacks its filter on the
-    policy's seccomp filter, so it needs one."""
-    if not observe:
-        return
-    if seccomp == "off":
-        fix = "drop --seccomp off, or run without --observe" if origin == "--observe" else \
-            "drop --seccomp off, or pass --no-observe"
-        raise UsageError(f"{origin} needs seccomp (observe mode stacks its own filter on the policy's); {fix}")
-    from ..linux.seccomp.observe import supported
-
-    why = supported()
-    if why is not None:
-        raise UsageError(f"{origin}: {why}")
 
 
 class RunObserve:

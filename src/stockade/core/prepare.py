@@ -463,14 +463,28 @@ def _check_options(req: RunRequest, argv: tuple[str, ...]) -> frozenset[str]:
     if not req.landlock and "landlock" not in degraded_ok:
         raise UsageError("turning Landlock off needs --allow-degraded landlock")
     if req.observe:
-        from .observe import check
-
-        check(True, req.seccomp)
+        check_observe(True, req.seccomp)
     if req.seccomp == "off" and "seccomp" not in degraded_ok:
         raise UsageError("--seccomp off needs --allow-degraded seccomp")
     if not argv:
         raise UsageError("no command given; usage: stockade run [OPTIONS] -- CMD [ARGS...]")
     return degraded_ok
+
+
+def check_observe(observe: bool, seccomp: str, *, origin: str = "--observe") -> None:
+    """Bad input, before anything is made: observe mode stacks its filter on the
+    policy's seccomp filter, so it needs one."""
+    if not observe:
+        return
+    if seccomp == "off":
+        fix = "drop --seccomp off, or run without --observe" if origin == "--observe" else \
+            "drop --seccomp off, or pass --no-observe"
+        raise UsageError(f"{origin} needs seccomp (observe mode stacks its own filter on the policy's); {fix}")
+    from ..linux.seccomp.observe import supported
+
+    why = supported()
+    if why is not None:
+        raise UsageError(f"{origin}: {why}")
 
 
 def _cwd(project: Path, cwd: str | os.PathLike[str] | None) -> Path:
@@ -574,9 +588,7 @@ def resolve(sess: store.Session, project: Path, req: RunRequest, argv: tuple[str
     proxied = net.mode == "allow" or (net.mode == "none" and bool(net.forward))
     observe = req.observe if req.observe is not None else pol.observe
     if observe and req.observe is None:
-        from .observe import check
-
-        check(True, req.seccomp, origin=f"[audit] observe = true (from {pol.observe_origin})")
+        check_observe(True, req.seccomp, origin=f"[audit] observe = true (from {pol.observe_origin})")
     return Resolved(inputs, cg_manager, lim, timeout, audit, deps, net if proxied else None, bool(observe))
 
 
