@@ -67,7 +67,12 @@ class Sandbox:
         bad = sorted(k for k in options if k in _IO or k in ("args", "pass_fds"))
         if bad:
             raise UsageError(f"Sandbox(persistent=True): {', '.join(bad)} belong to each exec, not to the sandbox")
-        req = RunRequest(("true",), project=project, **options)
+        if options.get("observe"):
+            from .core.observe import LIVE_REFUSED
+
+            raise UsageError(LIVE_REFUSED)
+        # [audit] observe is for one-shot runs
+        req = RunRequest(("true",), project=project, **{**options, "observe": False})
         spec = live.StartSpec(req, name=session, detached=detached, idle=idle_timeout,
                               owner_pid=None if detached else os.getpid())
         lv = live.start(spec)

@@ -48,6 +48,12 @@ def _request(args: Args) -> RunRequest:
     vars(args)["command"] = ["--", "true"]  # run_kwargs wants one; a living sandbox never runs it
     kw = run_kwargs(args)
     kw.pop("session", None)
+    if kw.get("observe"):
+        from ..core.observe import LIVE_REFUSED
+        from ..errors import UsageError
+
+        raise UsageError(LIVE_REFUSED)
+    kw["observe"] = False  # [audit] observe is for one-shot runs
     return RunRequest(**kw)
 
 

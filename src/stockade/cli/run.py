@@ -89,6 +89,7 @@ def run_kwargs(args: Args, default_cmd: list[str] | None = None) -> dict[str, An
         "allow_degraded": tuple(x for a in args.allow_degraded for x in a.split(",") if x),
         "no_wait": args.no_wait,
         "keep_latest_empty": True,  # a CLI run's empty session stays its project's latest (README: How long sessions stay)
+        "observe": getattr(args, "observe", None),
     }
     if any(getattr(args, n) is not None for n in LIMIT_NAMES):
         # none given: the run's own defaults (and the config's limits table), as the API's

@@ -95,7 +95,7 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
     reaped = False  # init reaped: with its own PID namespace, nothing of the sandbox is left
     try:
         watch = disk_watch(sess, prep)  # (before the start: what the filesystem held before it)
-        child = launch.start(sess, record.run_no, prep, hold_fd, session_ahead)
+        child = launch.start(sess, record.run_no, prep, hold_fd, session_ahead, run_dir=record.run_dir)
         sup = launch.supervisor(record.run_dir, prep.timeout)
         sup.disk = watch
         if io.forward_signals:
@@ -114,7 +114,8 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
     assert sup is not None  # made, or the try above raised
     if sup.error is not None:
         raise record.setup_failed(sup, launch)
-    return record.done(sup, stats, io, raise_timeout, net=launch.net_summary)
+    observed = launch.observe.finish(sess, record.run_no) if launch.observe is not None else None
+    return record.done(sup, stats, io, raise_timeout, net=launch.net_summary, observed=observed)
 
 
 def disk_watch(sess: store.Session, prep: Prepared) -> DiskWatch | None:

@@ -134,6 +134,7 @@ class Resolved:
     audit: AuditFacts
     deps: Deps | None = None  # None: cannot be revalidated, so never kept across processes
     net: NetPolicy | None = None  # as Prepared.net
+    observe: bool = False  # as Prepared.observe
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ class Prepared:
     audit: AuditFacts
     # the run's proxy policy: mode allow, or mode none with forwarded ports; None: no proxy
     net: NetPolicy | None = None
+    observe: bool = False  # observe mode: log what the command tried (core/observe.py)
 
 
 # --------------------------------------------------------------------------- the cache hook
@@ -182,7 +184,7 @@ def _key(req: RunRequest, project: Path) -> CacheKey | None:
         "run", str(project), None if req.cwd is None else os.fspath(req.cwd), req.timeout, req.shell, req.root,
         req.user, req.read_only, req.network, tuple(req.pass_fds), req.seccomp, tuple(req.allow_degraded),
         req.landlock, None if req.policy is None else req.policy.key, None if not req.env else tuple(sorted(req.env.items())),
-        tuple(req.allow_hosts), tuple(str(p) for p in req.forward),
+        tuple(req.allow_hosts), tuple(str(p) for p in req.forward), req.observe,
     )
     if not {"proc", "hostname"}.isdisjoint(req.allow_degraded):
         from ..linux import walls
@@ -201,7 +203,8 @@ def prepare(sess: store.Session, project: Path, req: RunRequest, *, foreign_stdi
     hit = _cache[0].load(key, sess) if key is not None else None
     resolved = hit if hit is not None else resolve(sess, project, req, argv, explain_only=explain_only)
     prep = finish(resolved, sess, argv, foreign_stdin=foreign_stdin, explain_only=explain_only)
-    if hit is None and key is not None and resolved.deps is not None:
+    if hit is None and key is not None and resolved.deps is not None and not resolved.observe:
+        # (an observed run classifies what it saw with the merged policy itself: never from a cached copy)
         _cache[0].save(key, resolved)  # once its plan was built: bad input leaves nothing behind
     return prep
 
@@ -233,7 +236,8 @@ def finish(resolved: Resolved, sess: store.Session, argv: tuple[str, ...], *, fo
         _no_host_sockets(i.keep_fds, foreign_stdin)
     if rw and not explain_only:
         _check_disk(resolved.limits, sess)
-    return Prepared(plan, resolved.cg_manager, resolved.limits, resolved.timeout, resolved.audit, resolved.net)
+    return Prepared(plan, resolved.cg_manager, resolved.limits, resolved.timeout, resolved.audit, resolved.net,
+                    resolved.observe)
 
 
 def _check_disk(lim: Limits, sess: store.Session) -> None:
@@ -488,11 +492,29 @@ def _check_options(req: RunRequest, argv: tuple[str, ...]) -> frozenset[str]:
         raise UsageError(f"--allow-degraded {','.join(sorted(unknown))}: unknown; accepted: landlock, seccomp, limits, proc, hostname")
     if not req.landlock and "landlock" not in degraded_ok:
         raise UsageError("turning Landlock off needs --allow-degraded landlock")
+    if req.observe:
+        check_observe(True, req.seccomp)
     if req.seccomp == "off" and "seccomp" not in degraded_ok:
         raise UsageError("--seccomp off needs --allow-degraded seccomp")
     if not argv:
         raise UsageError("no command given; usage: stockade run [OPTIONS] -- CMD [ARGS...]")
     return degraded_ok
+
+
+def check_observe(observe: bool, seccomp: str, *, origin: str = "--observe") -> None:
+    """Bad input, before anything is made: observe mode stacks its filter on the
+    policy's seccomp filter, so it needs one."""
+    if not observe:
+        return
+    if seccomp == "off":
+        fix = "drop --seccomp off, or run without --observe" if origin == "--observe" else \
+            "drop --seccomp off, or pass --no-observe"
+        raise UsageError(f"{origin} needs seccomp (observe mode stacks its own filter on the policy's); {fix}")
+    from ..linux.seccomp.observe import supported
+
+    why = supported()
+    if why is not None:
+        raise UsageError(f"{origin}: {why}")
 
 
 def _cwd(project: Path, cwd: str | os.PathLike[str] | None) -> Path:
@@ -595,7 +617,10 @@ def resolve(sess: store.Session, project: Path, req: RunRequest, argv: tuple[str
                        project=str(project), unenforced=tuple(unenforced))
     deps = None if explain_only else _deps(pol, project, req.seccomp, hard)
     proxied = net.mode == "allow" or (net.mode == "none" and bool(net.forward))
-    return Resolved(inputs, cg_manager, lim, timeout, audit, deps, net if proxied else None)
+    observe = req.observe if req.observe is not None else pol.observe
+    if observe and req.observe is None:
+        check_observe(True, req.seccomp, origin=f"[audit] observe = true (from {pol.observe_origin})")
+    return Resolved(inputs, cg_manager, lim, timeout, audit, deps, net if proxied else None, bool(observe))
 
 
 def _network(pol: Effective, req: RunRequest) -> NetPolicy:

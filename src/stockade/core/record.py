@@ -99,7 +99,7 @@ class RunRecord:
         return err
 
     def done(self, sup: Supervisor, stats: CgroupStats | None, io: RunIO, raise_timeout: bool,
-             net: NetSummary | None = None) -> RunResult:
+             net: NetSummary | None = None, observed: dict[str, Any] | None = None) -> RunResult:
         """The command ran: its outcome recorded, the caller's RunResult (or subprocess's
         TimeoutExpired / CalledProcessError, when asked for)."""
         from ..cgroups import base as cgbase
@@ -127,6 +127,8 @@ class RunRecord:
             rec["exec_failed"] = {"path": sup.exec_failed.path, "errno": sup.exec_failed.err}
         if net is not None:
             rec["network"] = net.to_json()
+        if observed is not None:
+            rec["observed"] = observed  # observe mode: what it saw (the events are in the audit log)
         store.write_json_new(self.run_dir + "/run.json", rec)
         try:
             AuditLog(self.sess).outcome(self.run_no, o.kind, outcome=o.summary(), exit_status=rec["exit_status"],

@@ -49,6 +49,7 @@ class RunRequest:
     # a run without a session makes an anonymous one, removed when the run changed nothing
     # (changes/retention.py); the CLI keeps its project's latest such session until its next run
     keep_latest_empty: bool = False
+    observe: bool | None = None  # log what the command tried (core/observe.py); None: the config's [audit] observe
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,8 @@ class Layer:
     mcp_max_output: tuple[int, Origin] | None = None
     # [sessions] (global config only): how long sessions without unapplied changes stay
     sessions_keep: tuple[float | None, Origin] | None = None
+    # [audit] observe: log what each run's command tried (`run --observe`)
+    audit_observe: tuple[bool, Origin] | None = None
     warnings: list[str] = field(default_factory=list)
 
 
@@ -176,6 +178,7 @@ SCHEMA: dict[str, Any] = {
     "mcp": {"allow_apply": bool, "max_output": SCALAR},
     # session retention (changes/retention.py): the global config only, checked by _sessions_from_source
     "sessions": {"keep": DURATION},
+    "audit": {"observe": bool},
 }
 # a session's host rules (`stockade allow --host`, `deny --host`)
 SESSION_SCHEMA: dict[str, Any] = {"schema_version": int, **SCHEMA,
@@ -647,6 +650,8 @@ def layer_from_source(src: Source, *, project: Path, cwd: Path | None = None) ->
         _mcp_from_source(d["mcp"], lay, file, origin)
     if "sessions" in d:
         _sessions_from_source(src, lay, origin)
+    if "observe" in d.get("audit", {}):
+        lay.audit_observe = (d["audit"]["observe"], origin(["audit", "observe"]))
     return lay
 
 
