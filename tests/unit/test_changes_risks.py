@@ -543,3 +543,16 @@ def test_secret_conditional_names_need_a_credential(tmp_path: Path) -> None:
     b.up("a/.npmrc", "registry=https://registry.npmjs.org/\n")  # no credential: the policy does not mask it
     b.up("b/.npmrc", "//registry.npmjs.org/:_authToken=${NPM_TOKEN}\n")
     assert [r.paths for r in _risks(b, "secret")] == [("b/.npmrc",)]
+
+
+def test_hostile_manifests_are_reported_not_crashed_on(tmp_path: Path) -> None:
+    b = Builder(tmp_path)
+    b.up("package.json", "[" * 200000)  # past the parser's recursion limit
+    b.up("pyproject.toml", "a = " + "[" * 200000)
+    b.up("setup.cfg", "no section header\n")
+    b.up("Cargo.lock", b"\xff\xfe not utf-8")
+    got = {r.paths[0]: r.reason for r in _risks(b, "dependencies")}
+    assert set(got) == {"package.json", "pyproject.toml", "setup.cfg", "Cargo.lock"}
+    assert all("cannot be parsed" in why for why in got.values())
+    assert {r.paths[0] for r in _risks(b, "build-hook")} == {"package.json", "pyproject.toml"}
+    assert any(r.paths == ("pyproject.toml",) for r in _risks(b, "held-back"))  # its policy table unreadable
