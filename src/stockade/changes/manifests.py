@@ -349,17 +349,17 @@ def parse_package_lock(data: bytes) -> dict[str, str]:
                 out[SOURCE + host] = name
         return out
 
-    def walk(deps: Any) -> None:  # lockfileVersion 1
+    todo = [doc.get("dependencies")]  # lockfileVersion 1: nested, walked without recursion
+    while todo:
+        deps = todo.pop()
         if not isinstance(deps, dict):
-            return
+            continue
         for name, p in deps.items():
             if isinstance(p, dict):
                 _versions(out, str(name), str(p.get("version", "?")))
                 if (host := _registry_host(p.get("resolved"))) is not None:
                     out[SOURCE + host] = str(name)
-                walk(p.get("dependencies"))
-
-    walk(doc.get("dependencies"))
+                todo.append(p.get("dependencies"))
     return out
 
 
