@@ -386,9 +386,19 @@ def test_secret_content_is_found_and_never_quoted(tmp_path: Path) -> None:
 def test_secret_already_there_or_placeholder_is_not_flagged(tmp_path: Path) -> None:
     b = Builder(tmp_path, {"settings.ini": f"key = {_AWS}\n"})
     b.up("settings.ini", f"# comment\nkey = {_AWS}\n")  # the same key was in the project already
-    b.up("docs/db.md", "postgres://user:${PASSWORD}@db/app and https://<user>:<pass>@h\n")
+    b.up("docs/db.md", "postgres://user:${PASSWORD}@db/app and https://<user>:<pass>@h and "
+         "https://user:password@example.com\n")
+    b.up("web/style.css", ".sk-spinner-double-bounce-container { margin: 0 }\n")
     b.up("docs/ok.md", "AKIA is how AWS ids start; ghp_ is GitHub's prefix\n")
     assert _risks(b, "secret") == []
+
+
+def test_secret_url_password_and_api_key(tmp_path: Path) -> None:
+    b = Builder(tmp_path)
+    b.up("deploy.env.sh", "DB=postgres://app:Xk29fLq0pW@db.internal/app\nKEY=sk-proj-a8F3kL0qZ7xW2mN5bV9cR4tY\n")
+    r = _one(b, "secret")
+    assert "a password in a URL on line(s) 1" in r.reason and "an API key (sk-...) on line(s) 2" in r.reason
+    assert "Xk29fLq0pW" not in r.reason and "a8F3kL0q" not in r.reason
 
 
 def test_secret_past_the_read_cap_is_not_read(tmp_path: Path) -> None:
