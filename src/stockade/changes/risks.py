@@ -22,7 +22,9 @@ build-hook          medium    build and automation files (Makefile, setup.py, Do
                               of pyproject.toml; high for install-time hooks and build backends
 dependencies        medium    dependency manifests and lock files, new packages named; high:
                               a new source (index, registry, git/URL/path); low: only
-                              versions changed or packages removed
+                              versions changed or packages removed; an installed dependency
+                              tree (node_modules/, .venv/, vendor/ ...) is one finding, and
+                              only held-back, setuid and symlinks leading out look inside it
 mass-deletion       high      >= 20 files deleted, or >= 50 % of a directory's files (>= 3)
 large-binary        medium    a new or changed binary file of >= 1 MiB
 secret              high      a credential in the new content (private key, cloud and
@@ -46,10 +48,10 @@ from ..session.idrange import with_sandbox_ids
 from . import manifests
 from ._safefs import Root, Roots
 from .held import held_back, symlinks_leading_out
-from .model import Change, Changes, Kind
+from .model import Change, Changes, Kind, count
 
 if TYPE_CHECKING:
-    from ..policy.secrets import Matcher
+    from ..policy.secrets import Matcher, PatternRule
 
 SEVERITIES: tuple[str, ...] = ("high", "medium", "low")
 
@@ -78,6 +80,7 @@ MASS_DELETE_FILES = 20  # this many deleted files (not directories) in the selec
 DIR_DELETE_SHARE = 0.5  # or this share of a directory's files (recursively, in the project)
 DIR_DELETE_MIN = 3  # ... when at least this many of them are deleted
 BINARY_PROBE = 8000  # what git reads to decide "binary"
+_CONDITIONAL_READ = 65536  # what the policy's scan reads of a conditional secret file (.npmrc)
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,10 @@ def _names(items: Iterable[str], limit: int = 8) -> str:
     return shown + (f" (+{len(xs) - limit} more)" if len(xs) > limit else "")
 
 
+def _spec(s: str) -> str:
+    return s or "(any version)"
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
@@ -248,7 +255,18 @@ def _facts(sides: _Sides, c: Change) -> _Facts | None:
 class _Assess:
     def __init__(self, cs: Changes, sel: tuple[Change, ...]) -> None:
         self.cs = cs
-        self.sel = tuple(c for c in sel if c.kind is not Kind.REFUSED)
+        self.all = tuple(c for c in sel if c.kind is not Kind.REFUSED)
+        # installed dependency trees (node_modules/, .venv/ ...) are one finding each; the
+        # per-file rules look at the project's own files
+        self.trees: dict[str, list[Change]] = {}
+        own: list[Change] = []
+        for c in self.all:
+            root = dependency_tree(c.path)
+            if root is None:
+                own.append(c)
+            else:
+                self.trees.setdefault(root, []).append(c)
+        self.sel = tuple(own)
         self.sides = _Sides(cs.project, cs.session.lower_stack())
         self.out: list[Risk] = []
         self.facts: dict[str, _Facts] = {}
@@ -260,17 +278,24 @@ class _Assess:
 
     def run(self) -> list[Risk]:
         try:
+            unread: list[str] = []
             for c in self.sel:
                 if _writes_file(c):
                     f = _facts(self.sides, c)
-                    if f is not None:
+                    if f is None:
+                        unread.append(c.path)
+                    else:
                         self.facts[c.path] = f
+            if unread:  # never a silent pass: say what could not be checked
+                self.add("secret", unread, f"{len(unread)} file(s) could not be read, so they were not checked "
+                         "for credentials, shebangs or binary content", "medium")
             self.held()
             self.setuid()
             self.executable()
             self.ci_config()
             self.build_hooks()
             self.dependencies()
+            self.dependency_trees()
             self.mass_deletion()
             self.large_binary()
             self.secrets()
@@ -282,13 +307,13 @@ class _Assess:
     # held-back: held.py's decisions and reasons, grouped by reason
     def held(self) -> None:
         by_why: dict[str, list[str]] = {}
-        for path, why in held_back(self.cs, self.sel).items():
+        for path, why in held_back(self.cs, self.all).items():
             by_why.setdefault(why, []).append(path)
         for why, paths in by_why.items():
             self.add("held-back", paths, f"`stockade apply` holds it back unless named: {why}", "high")
 
     def setuid(self) -> None:
-        for c in self.sel:
+        for c in self.all:
             if not _writes_file(c) or c.new_mode is None:
                 continue
             bits = [n for b, n in ((stat.S_ISUID, "setuid"), (stat.S_ISGID, "setgid")) if c.new_mode & b]
@@ -347,7 +372,8 @@ class _Assess:
             elif base == "pyproject.toml":
                 self._pyproject(c)
             elif (what := build_file(c.path)) is not None:
-                self.add("build-hook", [c.path], f"{what} {_verb(c)}: it runs at the next build", "medium")
+                runs = "" if c.new_mode is None else ": it runs at the next build"
+                self.add("build-hook", [c.path], f"{what} {_verb(c)}{runs}", "medium")
 
     def _both(self, c: Change, cap: int) -> tuple[bytes | None, bytes | None] | str:
         """(old, new) content, None for an absent side; a string: why it cannot be read."""
@@ -431,11 +457,18 @@ class _Assess:
             if d.sources:
                 parts.append(f"new source(s): {_names(f'{w} ({what})' for w, what in d.sources.items())}")
             if d.changed:
-                parts.append(f"changed: {_names(f'{k} {o} -> {n}' for k, (o, n) in d.changed.items())}")
+                parts.append(f"changed: {_names(f'{k} {_spec(o)} -> {_spec(n)}' for k, (o, n) in d.changed.items())}")
             if d.removed:
                 parts.append(f"removed: {_names(d.removed)}")
             sev = "high" if d.sources else "medium" if d.added else "low"
             self.add("dependencies", [c.path], "; ".join(parts), sev)
+
+    def dependency_trees(self) -> None:
+        for root, cs in self.trees.items():
+            n = count(cs)
+            what = "added" if any(c.path == root and c.kind is Kind.ADDED for c in cs) else "changed"
+            self.add("dependencies", [root], f"installed dependency tree {root}/ {what} ({n.phrase()}): "
+                     "third-party code, not reviewed file by file here", "medium")
 
     def mass_deletion(self) -> None:
         """Directories (the project included) that lose most of their files, the topmost
@@ -507,22 +540,28 @@ class _Assess:
             if c.is_dir:
                 continue
             rule = _secret_name(matcher, self.cs, c.path)
-            if rule is not None:
-                self.add("secret", [c.path], f"file named like a secret ({_verb(c)}; secret pattern {rule!r}): "
-                         "the sandbox never saw the project's files of that name", "medium")
+            if rule is None:
+                continue
+            if rule.conditional is not None:  # .npmrc, .pypirc: a secret only when they hold a credential
+                got = self.sides.new(c, _CONDITIONAL_READ)
+                if got is not None and not rule.conditional.search(got[0].decode("utf-8", "replace")):
+                    continue
+            self.add("secret", [c.path], f"file named like a secret ({_verb(c)}; secret pattern {rule.pattern!r}): "
+                     "the policy hides such files from sandboxes; check what it holds", "medium")
 
     def symlinks(self) -> None:
-        links = [c for c in self.sel if c.new_mode is not None and stat.S_ISLNK(c.new_mode)]
+        links = [c for c in self.all if c.new_mode is not None and stat.S_ISLNK(c.new_mode)]
         if not links:
             return
         out = symlinks_leading_out(self.cs, links)
+        own = {c.path for c in self.sel}
         for c in links:
             target = self.sides.new_link(c)
             shown = "(unreadable)" if target is None else manifests.clean_url(target)
             if c.path in out:
                 self.add("symlink", [c.path], f"symlink {_verb(c)}: -> {shown}, which leads out of the project",
                          "high")
-            else:
+            elif c.path in own:  # a dependency tree's own links (node_modules/.bin) are its finding's
                 self.add("symlink", [c.path], f"symlink {_verb(c)}: -> {shown}", "low")
 
 
@@ -656,6 +695,26 @@ def build_file(path: str) -> str | None:
     return None
 
 
+# directories package managers install third-party code into (one component; or two)
+DEPENDENCY_DIRS: frozenset[str] = frozenset({
+    "node_modules", "bower_components", "jspm_packages", ".venv", "venv", "site-packages", "dist-packages",
+    "__pypackages__", ".tox", ".nox", ".eggs", "vendor", "Pods", ".pnpm-store",
+})
+DEPENDENCY_PAIRS: frozenset[tuple[str, str]] = frozenset({(".yarn", "cache"), (".yarn", "unplugged"),
+                                                          (".cargo", "registry"), (".bundle", "ruby")})
+
+
+def dependency_tree(path: str) -> str | None:
+    """The installed dependency tree ``path`` is in (or is): ``a/node_modules``, else None."""
+    parts = path.split("/")
+    for i, p in enumerate(parts):
+        if p in DEPENDENCY_DIRS:
+            return "/".join(parts[:i + 1])
+        if i + 1 < len(parts) and (p, parts[i + 1]) in DEPENDENCY_PAIRS:
+            return "/".join(parts[:i + 2])
+    return None
+
+
 # ---- secret names: the policy's secret patterns -------------------------------------------------
 
 
@@ -676,7 +735,7 @@ def _secret_matcher(cs: Changes) -> Matcher:
                        [PatternRule(p, "allow", o) for p in DEFAULT_ALLOW])
 
 
-def _secret_name(matcher: Matcher, cs: Changes, path: str) -> str | None:
+def _secret_name(matcher: Matcher, cs: Changes, path: str) -> PatternRule | None:
     """The secret pattern that names ``path`` (or a directory above it), or None."""
     parts = path.split("/")
     for i in range(1, len(parts) + 1):
@@ -685,7 +744,7 @@ def _secret_name(matcher: Matcher, cs: Changes, path: str) -> str | None:
         if matcher.candidate(rel, is_dir):
             rule, _ = matcher.decide(rel, is_dir, os.path.join(os.fspath(cs.project), rel))
             if rule is not None:
-                return rule.pattern
+                return rule
     return None
 
 
