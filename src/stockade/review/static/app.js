@@ -454,11 +454,17 @@
     }
   }
 
+  // every POLL_MS, or four times as long as the last look took (a large change set): the
+  // server's work stays a small share of a core
+  let pollEvery = POLL_MS;
   async function poll() {
-    if (polling || !state) return;
+    if (polling) return;  // one chain of timeouts: never two looks at once
+    if (!state) { setTimeout(poll, pollEvery); return; }
     polling = true;
+    const t0 = performance.now();
     try {
       const fp = await get("/api/fingerprint");
+      pollEvery = Math.max(POLL_MS, 4 * (performance.now() - t0));
       if (fp.fingerprint !== state.fingerprint) {
         await loadState(true);
         banner("The change set changed (a sandbox wrote, or something was applied or discarded): the page shows it as it is now." +
@@ -466,6 +472,7 @@
       }
     } catch (e) { /* the server is gone or busy: the next poll says */ }
     polling = false;
+    setTimeout(poll, pollEvery);
   }
 
   async function doApply(force) {
@@ -601,7 +608,7 @@
       await loadState(false);
       document.body.dataset.ready = "1";
     } catch (e) { error(e.message); }
-    setInterval(poll, POLL_MS);
+    setTimeout(poll, POLL_MS);
   }
   document.addEventListener("DOMContentLoaded", start);
 })();
