@@ -425,8 +425,8 @@ class Workspace:
         if runs:
             lines.append("runs (latest last):")
             for r in data["runs"][-20:]:
-                lines.append(f"  {r['run']:>3} {r.get('kind') or 'run':<7} exit {r.get('exit_status')!s:<4} "
-                             f"{r.get('command') or ''}")
+                code = "-" if r.get("exit_status") is None else r.get("exit_status")
+                lines.append(f"  {r['run']:>3} {r.get('kind') or 'run':<7} exit {code!s:<4} {r.get('command') or ''}")
         if data["snapshots"]:
             lines.append("snapshots: " + ", ".join(data["snapshots"]))
         lines.append(f"review: `stockade diff {self.session_id}`; apply: "
@@ -553,6 +553,11 @@ def _run_brief(r: Mapping[str, Any]) -> dict[str, Any]:
     argv = r.get("argv") or r.get("args") or []
     cmd = argv[-1] if isinstance(argv, list) and argv[:2] == ["/bin/sh", "-c"] else (
         " ".join(argv) if isinstance(argv, list) else str(argv))
+    if r.get("status") == "incomplete":  # no record yet: the living sandbox itself, or a run in flight or killed
+        return {"run": r.get("run"), "kind": "running", "command": "(running, or ended without a record)",
+                "exit_status": None, "outcome": "incomplete"}
+    if r.get("kind") == "sandbox":
+        cmd = "(the living sandbox)"
     return {"run": r.get("run"), "kind": r.get("kind") or "run", "command": cmd,
             "exit_status": r.get("exit_status", r.get("returncode")), "outcome": r.get("outcome") or r.get("status")}
 
