@@ -327,12 +327,22 @@ def test_bad_arguments_are_one_line_errors_and_the_server_stays_up(user: User, p
 
 def test_bad_server_options_are_refused_before_serving(user: User, project: Path) -> None:
     for args, want in ((["--max-output", "1"], "--max-output"), (["--net", "bogus"], "--net"),
-                       (["--", "ls"], "takes no command"), (["--pass-fd", "3"], "--pass-fd")):
+                       (["--", "ls"], "takes no command"), (["--pass-fd", "3"], "--pass-fd"),
+                       (["--session", "../x"], "session")):
         r = subprocess.run(server_argv(user, project, *args), env=user.env(), capture_output=True, timeout=60,
                            stdin=subprocess.DEVNULL)
         err = r.stderr.decode()
         assert r.returncode == 2 and err.startswith("stockade: ") and want in err, (args, err)
         assert r.stdout == b""
+    # a session of another project
+    other = project.parent / "other"
+    other.mkdir()
+    user.own(other)
+    r = user.cli(["run", "--session", "theirs", "--", "true"], cwd=other, timeout=60)
+    assert r.returncode == 0, r.stderr.decode()
+    r = subprocess.run(server_argv(user, project, "--session", "theirs"), env=user.env(), capture_output=True,
+                       timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "belongs to project" in r.stderr.decode(), r.stderr.decode()
     conf = user.home / ".config" / "stockade" / "config.toml"
     conf.parent.mkdir(parents=True, exist_ok=True)
     conf.write_text("[mcp]\nallow_apply = \"yes\"\n")

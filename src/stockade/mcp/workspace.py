@@ -104,6 +104,10 @@ class Workspace:
         if opts.session is not None:
             store.validate_name(opts.session)
             self.session_id = opts.session
+            sess = self._session_or_none()
+            if sess is not None and sess.project != self.project:
+                raise UsageError(f"--session {opts.session!r} belongs to project {sess.project}, not {self.project}; "
+                                 f"pass --project {sess.project} or another --session name")
         self.sandbox: Sandbox | None = None
         self._chan: Channel | None = None
         self._life = threading.Lock()
