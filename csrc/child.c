@@ -92,7 +92,7 @@ static void setup_stdio(const struct sk_plan *p, const int *stdio, int rep)
  * Returns the report pipe's fd (moved or not). */
 static int close_fds(const struct sk_plan *p, int rep)
 {
-    int keep[67];
+    int keep[68];
     size_t n = 0;
     if (p->keep_src) {
         int floor = 2, src[64];
@@ -117,7 +117,9 @@ static int close_fds(const struct sk_plan *p, int rep)
     keep[n++] = rep;
     if (p->serve_fd >= 3)
         keep[n++] = p->serve_fd; /* a living sandbox's channel to its holder (init.c) */
-    for (size_t i = 0; i < p->n_keep_fds && n < 65; i++) {
+    if (p->observe_sock >= 3)
+        keep[n++] = p->observe_sock; /* observe mode: the listener goes over it (observe.c) */
+    for (size_t i = 0; i < p->n_keep_fds && n < 67; i++) {
         int fd = p->keep_fds[i];
         if (fd < 3)
             continue;
@@ -230,6 +232,10 @@ static void __attribute__((noreturn)) child_rest(const struct sk_plan *p, int sy
     if (p->landlock.abi > 0 && sk_landlock_child(&p->landlock, rep) < 0)
         _exit(125);
     if (p->seccomp_len && sk_seccomp_child(p->seccomp_bpf, p->seccomp_len, rep) < 0)
+        _exit(125);
+    /* After the policy filter: its denials win over a notification (the kernel takes
+     * the most restrictive answer of all filters), so behaviour stays the policy's. */
+    if (p->observe_sock >= 0 && sk_observe_child(p, rep) < 0)
         _exit(125);
     prctl(PR_SET_NAME, "stockade-init", 0, 0, 0);
     sk_init_child(p, rep);

@@ -36,6 +36,8 @@ size_t sk_strlen(const char *s);
 int sk_mounts_child(const struct sk_plan *p, int rep);
 int sk_landlock_child(const struct sk_landlock *ll, int rep);
 int sk_seccomp_child(const unsigned char *bpf, size_t len, int rep);
+/* observe.c: observe mode's filter on init and its listener's handoff (plan->observe_sock). */
+int sk_observe_child(const struct sk_plan *p, int rep);
 int sk_caps_child(unsigned long long keep, int rep);
 void sk_init_child(const struct sk_plan *p, int rep) __attribute__((noreturn));
 /* A pty of the sandbox's devpts: its master goes over sock (runc's console socket),

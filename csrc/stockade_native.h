@@ -126,6 +126,13 @@ struct sk_plan {
     int launcher_exec_fd;             /* >= 0: at SK_STAGE_IDMAP, exec this launcher binary
                                          (with launcher_ctl_fd) instead of building the sandbox */
     int launcher_ctl_fd;
+
+    int observe_sock;                 /* run: >= 0: observe mode (observe.c): after the policy
+                                         filter, init installs observe_bpf (SECCOMP_RET_USER_NOTIF)
+                                         with a new listener and sends it over this socket */
+    const unsigned char *observe_bpf; /* run: struct sock_filter[]; a k of SK_OBSERVE_SOCK_K is
+                                         replaced by observe_sock's number (init's own handoff) */
+    size_t observe_len;
 };
 
 /* The data of ops[op], an SK_OP_OVERLAY: its layers differ from session to session. */
@@ -151,6 +158,9 @@ struct sk_run {
     int serve_fd;
     int hold_fd;                      /* launcher: the fd slot of the session's overlay lock
                                          (see csrc/launcher/main.c), or -1; not a plan field */
+    int observe_sock;
+    const unsigned char *observe_bpf;
+    size_t observe_len;
 };
 
 /* Handshake: the parent releases its child one stage at a time, writing the stage's
@@ -205,6 +215,7 @@ enum sk_stage {
 #define SK_STEP_UNSHARE 30
 #define SK_STEP_CGROUP_JOIN 31 /* value = index into cgroup_join_fds */
 #define SK_STEP_STAGE_ORDER 32 /* the sync pipe brought another stage: value = it, err = EPROTO */
+#define SK_STEP_OBSERVE 33     /* observe mode: its filter, its listener's handoff */
 
 /* A living sandbox (plan->serve_fd): the holder's requests to init, one SOCK_SEQPACKET
  * message each: this header, then strings_len bytes of NUL-terminated strings (argc
@@ -296,3 +307,44 @@ int sk_landlock_abi(void);
 #define SK_PROBE_PROC 1
 #define SK_PROBE_HOSTNAME 2
 int sk_probe(int what);
+
+/* Observe mode (observe.c): the supervisor's side of the seccomp user notification
+ * listener. One record per notified syscall (struct sk_obs_rec, then data_len bytes:
+ * the path, or the sockaddr) is appended to out_fd; every notification is answered
+ * with SECCOMP_USER_NOTIF_FLAG_CONTINUE, so the command's behaviour is unchanged.
+ * Opens resolved beneath skip_prefix (the project) are answered but not recorded,
+ * unless beneath one of the n_watch paths (the project's masked secrets).
+ * Runs until the listener hangs up (no task left in the filter) or stop_fd is
+ * readable. Returns 0 or -errno. */
+#define SK_OBSERVE_SOCK_K 1935831925   /* 0x7362736f: placeholder k in the observe BPF */
+#define SK_OBS_EXEC 1
+#define SK_OBS_OPEN 2
+#define SK_OBS_CONNECT 3
+#define SK_OBS_SENDTO 4
+#define SK_OBS_SENDMSG 5
+#define SK_OBS_F_UNREADABLE 1   /* the argument could not be read: err says why */
+#define SK_OBS_F_TRUNCATED 2    /* the path was longer than the buffer */
+#define SK_OBS_F_RELATIVE 4     /* a relative path whose directory could not be resolved */
+
+struct sk_obs_rec {
+    unsigned int len;           /* the whole record, header included */
+    unsigned short kind;        /* SK_OBS_* */
+    unsigned short flags;       /* SK_OBS_F_* */
+    int pid;                    /* host pid */
+    int nr;                     /* syscall number */
+    int err;
+    unsigned int data_len;
+    unsigned long long arg;     /* open: flags; exec: execveat flags */
+};
+
+struct sk_observe_stats {
+    unsigned long long notified;
+    unsigned long long logged;
+    unsigned long long skipped;     /* inside skip_prefix */
+    unsigned long long stale;       /* the target died or the call was interrupted first */
+    unsigned long long unreadable;
+    unsigned long long lost;        /* records out_fd could not take */
+};
+
+int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_prefix, const char *const *watch,
+                    size_t n_watch, struct sk_observe_stats *st);

@@ -143,6 +143,8 @@ size_t sk_run_pack(const struct sk_run *r, unsigned char *buf, size_t cap)
     put_i32(&w, r->hold_before_exec);
     put_i32(&w, r->serve_fd);
     put_i32(&w, r->hold_fd);
+    put_i32(&w, r->observe_sock);
+    put_blob(&w, r->observe_bpf, r->observe_len, r->observe_bpf == NULL);
     put_u32(&w, SK_RUN_MAGIC);
     return w.len;
 }
@@ -172,6 +174,9 @@ int sk_run_apply(struct sk_plan *p, const struct sk_run *r)
     p->console_sock = r->console_sock;
     p->hold_before_exec = r->hold_before_exec;
     p->serve_fd = r->serve_fd;
+    p->observe_sock = r->observe_sock;
+    p->observe_bpf = r->observe_bpf;
+    p->observe_len = r->observe_len;
     return 0;
 }
 
@@ -272,7 +277,7 @@ static int plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p)
 {
     struct rbuf r = {.p = buf, .len = len, .off = 0, .bad = 0};
     memset(p, 0, sizeof *p);
-    p->cgroup_fd = p->console_sock = p->serve_fd = p->launcher_exec_fd = p->launcher_ctl_fd = -1;
+    p->cgroup_fd = p->console_sock = p->serve_fd = p->launcher_exec_fd = p->launcher_ctl_fd = p->observe_sock = -1;
     p->stdio[0] = p->stdio[1] = p->stdio[2] = -1;
     if (get_u32(&r) != SK_WIRE_MAGIC)
         return -EINVAL;
@@ -383,6 +388,8 @@ static int run_unpack(const unsigned char *buf, size_t len, struct sk_run *run)
     run->hold_before_exec = get_i32(&r);
     run->serve_fd = get_i32(&r);
     run->hold_fd = get_i32(&r);
+    run->observe_sock = get_i32(&r);
+    run->observe_bpf = (const unsigned char *)get_blob(&r, &run->observe_len);
     if (get_u32(&r) != SK_RUN_MAGIC || !ov || !jf || !run->argv || !run->envp || !run->argv[0] || r.off != r.len)
         r.bad = 1;
     if (r.bad) {

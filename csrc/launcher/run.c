@@ -80,6 +80,7 @@ void run_in_ns(struct sk_plan *p, int *fds, int nfds, int unshare_err, int hold)
         p->stdio[i] = slot(fds, nfds, p->stdio[i]);
     p->console_sock = slot(fds, nfds, p->console_sock);
     p->serve_fd = slot(fds, nfds, p->serve_fd);
+    p->observe_sock = slot(fds, nfds, p->observe_sock);
     int cgfd = slot(fds, nfds, p->cgroup_fd);
     p->cgroup_fd = -1;
     int *join = (int *)p->cgroup_join_fds;
@@ -128,6 +129,7 @@ void run_in_ns(struct sk_plan *p, int *fds, int nfds, int unshare_err, int hold)
             p->stdio[i] = lift(p->stdio[i], floor);
         p->console_sock = lift(p->console_sock, floor);
         p->serve_fd = lift(p->serve_fd, floor);
+        p->observe_sock = lift(p->observe_sock, floor);
         for (size_t i = 0; i < nk; i++)
             keep_src[i] = lift(keep_src[i], floor);
         for (size_t i = 0; i < nk; i++) {

@@ -547,6 +547,49 @@ def probe_seccomp() -> Probe:
     return Probe("seccomp", "ok", f"filters available, {lib}{note}", None, data)
 
 
+SECCOMP_RET_USER_NOTIF = 0x7FC00000
+
+
+def probe_observe() -> Probe:
+    """`run --observe`: seccomp user notification (answered CONTINUE, Linux 5.5+), and
+    whether Landlock's own denial records (kernel audit, Landlock ABI 7, Linux 6.15+)
+    could add the denials seccomp cannot see. Informational: no run needs it."""
+    from .linux.seccomp.observe import supported
+
+    data: dict[str, Any] = {}
+    rel = tuple(int(x) for x in ([*os.uname().release.split("-")[0].split("."), "0", "0"])[:2] if x.isdigit())
+    rc = libc.seccomp_action_avail(SECCOMP_RET_USER_NOTIF)
+    arch = supported()
+    if arch is not None:
+        seccomp_line, ok = f"observe via seccomp: no ({arch})", False
+    elif rc is not None and rc != 0:
+        seccomp_line, ok = "observe via seccomp: no (the kernel has no SECCOMP_RET_USER_NOTIF)", False
+    elif rel < (5, 5):
+        seccomp_line, ok = f"observe via seccomp: no (Linux {os.uname().release}: CONTINUE needs 5.5+)", False
+    else:
+        mode = libc.prctl(PR_GET_SECCOMP, 0, 0, 0, 0)
+        seccomp_line, ok = "observe via seccomp: yes (user notification, answered CONTINUE)", True
+        if mode == 2:
+            seccomp_line += "; this process already runs under a filter: a listener above it would refuse ours (EBUSY)"
+    data["seccomp"] = ok
+    abi, _err = landlock_abi()
+    audit = os.path.exists("/proc/self/loginuid")  # CONFIG_AUDIT
+    root = os.geteuid() == 0
+    data.update({"landlock_abi": abi, "kernel_audit": audit, "root": root})
+    if abi < 7:
+        ll = f"Landlock denial audit: no (Landlock ABI {abi}: its denial records need ABI 7, Linux 6.15+)"
+    elif not audit:
+        ll = "Landlock denial audit: no (the kernel has no audit subsystem, CONFIG_AUDIT)"
+    elif not root:
+        ll = "Landlock denial audit: no (its records go to the kernel audit stream, which only root reads)"
+    else:
+        ll = ("Landlock denial audit: available here (ABI 7, audit, root), not used by observe mode: its records "
+              "go to the host's audit stream (auditd, journalctl _TRANSPORT=audit), not to the session; observe "
+              "mode predicts denials from the plan instead")
+    data["landlock_audit"] = abi >= 7 and audit and root
+    return Probe("observe", "ok" if ok else "info", seccomp_line + "\n" + ll, None, data)
+
+
 def probe_cgroups() -> Probe:
     import importlib
 
@@ -576,6 +619,15 @@ def probe_cgroups() -> Probe:
                      + "".join(f"\n- {r}" for r in d.reasons),
                      rem.fix, data, cause=rem.cause, environment=env.describe())
     return Probe("cgroups", "ok", f"backend {kind}", None, data)
+
+
+def probe_disk(state: Path) -> Probe:
+    """How --disk is held on this host: tmpfs caps, and for the layers a watchdog."""
+    from .core import diskwatch
+
+    mp, fstype, opts = diskwatch.filesystem_of(str(state))
+    return Probe("disk", "info", diskwatch.mechanism(str(state)),
+                 data={"mount": mp, "fstype": fstype, "options": opts, "mechanism": "watchdog"})
 
 
 def probe_environment(proc: Path = Path("/proc"), root: Path = Path("/")) -> Probe:
@@ -1011,8 +1063,8 @@ def cached_probes(state: Path, *, refresh: bool = False) -> tuple[list[Probe], b
 
     env = remedies.detect()
     probes = [probe_environment(), *probe_userns(), probe_clone3(env), probe_setgroups(env), probe_proc(env),
-              probe_hostname(env), probe_overlay(state), probe_landlock(), probe_seccomp(), probe_cgroups(),
-              probe_apparmor(), probe_capabilities(), *probe_network(env)]
+              probe_hostname(env), probe_overlay(state), probe_landlock(), probe_seccomp(), probe_observe(),
+              probe_cgroups(), probe_disk(state), probe_apparmor(), probe_capabilities(), *probe_network(env)]
     try:
         state.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_name(f".doctor.{os.getpid()}.tmp")

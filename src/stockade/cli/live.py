@@ -48,6 +48,12 @@ def _request(args: Args) -> RunRequest:
     vars(args)["command"] = ["--", "true"]  # run_kwargs wants one; a living sandbox never runs it
     kw = run_kwargs(args)
     kw.pop("session", None)
+    if kw.get("observe"):
+        from ..core.observe import LIVE_REFUSED
+        from ..errors import UsageError
+
+        raise UsageError(LIVE_REFUSED)
+    kw["observe"] = False  # [audit] observe is for one-shot runs
     return RunRequest(**kw)
 
 
@@ -167,6 +173,9 @@ def cmd_exec(args: Args) -> int:
     if res.outcome_kind == "timeout":
         sys.stderr.write(f"stockade: exec {res.run} of sandbox {lv.id} ended: {res.outcome}\n")
         return 124
+    if res.outcome_kind == "disk-limit-hit":
+        sys.stderr.write(f"stockade: exec {res.run} of sandbox {lv.id} ended: {res.outcome}\n")
+        return 122
     return res.exit_status
 
 

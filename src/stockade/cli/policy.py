@@ -402,3 +402,34 @@ def cmd_allow(args: Args) -> int:
 
 def cmd_deny(args: Args) -> int:
     return _edit_session(args, "deny")
+
+
+def cmd_policy_suggest(args: Args) -> int:
+    """What observed runs of a session were denied, as the config lines that would allow
+    it, each with the risk it opens. Printed only: nothing is written."""
+    from .. import audit, observed
+    from ..session import store
+
+    project = getattr(args, "project", None)
+    sess = store.resolve(args.session_name, Path(os.path.realpath(project)) if project else None)
+    events = [r for r in audit.read_events(sess.events_path) if observed.is_observed(r)]
+    proj = str(sess.project)
+    sugg = observed.suggest(events, project=proj)
+    if args.json:
+        print(json.dumps([{"section": s.section, "line": s.line, "risk": s.risk, "because": s.because} for s in sugg],
+                         ensure_ascii=False, indent=1))
+        return 0
+    if not events:
+        print(f"session {sess.id} has no observed runs: run with `stockade run --observe` first", file=sys.stderr)
+        return 0
+    if not sugg:
+        print(f"session {sess.id}: nothing observed was denied; no change suggested")
+        return 0
+    print(f"# suggestions for session {sess.id} (not applied: copy what you accept into .stockade.toml)")
+    for s in sugg:
+        print()
+        print(f"# risk: {s.risk}")
+        print(f"# because: {s.because}")
+        print(s.section)
+        print(s.line)
+    return 0

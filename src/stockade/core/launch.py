@@ -11,6 +11,7 @@ import os
 import signal
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from ..errors import UsageError
 from ..launch import start as launch
 from ..launch.lower import RunChild
 from ..linux import native
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from ..callerfds import SandboxStdin
     from ..cgroups.base import CgroupStats, Limits, Manager, Placement, RunCgroup
     from ..net.run import NetRun, NetSummary
+    from .observe import RunObserve
     from .prepare import Prepared
 
 
@@ -68,6 +70,7 @@ class Launch:
         self.pid_ns = False  # the sandbox has its own PID namespace: all of it ends with its init
         self.net: NetRun | None = None  # --net allow, forwarded ports: the run's proxy
         self.net_summary: NetSummary | None = None
+        self.observe: RunObserve | None = None  # observe mode: the listener's thread
         self._stdin(io)
         self._stdout_stderr(io)
 
@@ -116,7 +119,7 @@ class Launch:
         self.to_close.extend([self.out_w] + ([self.err_w] if self.err_w != self.out_w else []))
 
     def start(self, sess: store.Session, run_no: int, prep: Prepared, hold_fd: int, session_ahead: bool,
-              serve_fd: int = -1) -> RunChild:
+              serve_fd: int = -1, run_dir: str | None = None) -> RunChild:
         """Make the run's cgroups, start the sandbox and release it. ``hold_fd``: the
         session's overlay lock (``Session.lock``). ``serve_fd``: a living sandbox's
         channel to its init (``stockade.live``): init serves execs instead of a command."""
@@ -132,9 +135,23 @@ class Launch:
         attach = place is not None and place.attach
         net_policy = prep.net
         hold = attach or net_policy is not None
+        obs = None
+        if prep.observe:
+            if serve_fd >= 0:
+                from .observe import LIVE_REFUSED
+
+                raise UsageError(LIVE_REFUSED)
+            from .observe import RunObserve
+
+            obs = self.observe = RunObserve(run_dir or str(sess.dir), prep)
+            self.to_close.append(obs.child_fd)
         child = self.child = launch.start(plan, (self.stdin_fd, self.out_w, self.err_w), place.clone_fd if place else None,
                                           pty=self.io.pty, console_sock=self.console[1], hold_before_exec=hold,
-                                          hold_fd=hold_fd, join_fds=place.join_fds if place else (), serve_fd=serve_fd)
+                                          hold_fd=hold_fd, join_fds=place.join_fds if place else (), serve_fd=serve_fd,
+                                          observe_sock=obs.child_fd if obs else -1,
+                                          observe_bpf=obs.bpf if obs else b"")
+        if obs is not None:
+            obs.start()
         if hold:
             try:
                 if attach and cg is not None:
@@ -217,6 +234,8 @@ class Launch:
         if self.net is not None:
             net, self.net = self.net, None
             self.net_summary = net.close()
+        if self.observe is not None:
+            self.observe.stop()  # (it ended with the sandbox; a failed start's ends here)
         given = self.given_stdin
         if given is not None and given.copy >= 0:
             given.give_back_offset(self.stdin_caller)

@@ -120,6 +120,7 @@ class PlanInputs:
     degraded: tuple[str, ...]
     mask_items: tuple[MaskItem, ...]  # the project's secrets: the session's mask layer
     mask_mode: str
+    tmpfs_size: int | None = None  # size= of each writable tmpfs (limits.disk_tmpfs)
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ class Resolved:
     audit: AuditFacts
     deps: Deps | None = None  # None: cannot be revalidated, so never kept across processes
     net: NetPolicy | None = None  # as Prepared.net
+    observe: bool = False  # as Prepared.observe
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,7 @@ class Prepared:
     audit: AuditFacts
     # the run's proxy policy: mode allow, or mode none with forwarded ports; None: no proxy
     net: NetPolicy | None = None
+    observe: bool = False  # observe mode: log what the command tried (core/observe.py)
 
 
 # --------------------------------------------------------------------------- the cache hook
@@ -181,7 +184,7 @@ def _key(req: RunRequest, project: Path) -> CacheKey | None:
         "run", str(project), None if req.cwd is None else os.fspath(req.cwd), req.timeout, req.shell, req.root,
         req.user, req.read_only, req.network, tuple(req.pass_fds), req.seccomp, tuple(req.allow_degraded),
         req.landlock, None if req.policy is None else req.policy.key, None if not req.env else tuple(sorted(req.env.items())),
-        tuple(req.allow_hosts), tuple(str(p) for p in req.forward),
+        tuple(req.allow_hosts), tuple(str(p) for p in req.forward), req.observe,
     )
     if not {"proc", "hostname"}.isdisjoint(req.allow_degraded):
         from ..linux import walls
@@ -200,7 +203,8 @@ def prepare(sess: store.Session, project: Path, req: RunRequest, *, foreign_stdi
     hit = _cache[0].load(key, sess) if key is not None else None
     resolved = hit if hit is not None else resolve(sess, project, req, argv, explain_only=explain_only)
     prep = finish(resolved, sess, argv, foreign_stdin=foreign_stdin, explain_only=explain_only)
-    if hit is None and key is not None and resolved.deps is not None:
+    if hit is None and key is not None and resolved.deps is not None and not resolved.observe:
+        # (an observed run classifies what it saw with the merged policy itself: never from a cached copy)
         _cache[0].save(key, resolved)  # once its plan was built: bad input leaves nothing behind
     return prep
 
@@ -230,7 +234,27 @@ def finish(resolved: Resolved, sess: store.Session, argv: tuple[str, ...], *, fo
     _check_pass_fds(i.keep_fds)
     if i.network == "allow":
         _no_host_sockets(i.keep_fds, foreign_stdin)
-    return Prepared(plan, resolved.cg_manager, resolved.limits, resolved.timeout, resolved.audit, resolved.net)
+    if rw and not explain_only:
+        _check_disk(resolved.limits, sess)
+    return Prepared(plan, resolved.cg_manager, resolved.limits, resolved.timeout, resolved.audit, resolved.net,
+                    resolved.observe)
+
+
+def _check_disk(lim: Limits, sess: store.Session) -> None:
+    """A disk cap other than the default (a flag, the config, the API) must hold what the
+    session already holds, or every write would end the run: refused before it starts.
+    (Under the default cap the watchdog's first look does it, without a walk per run.)"""
+    from ..cgroups.base import DEFAULT_DISK, format_size
+
+    if lim.disk is None or lim.disk == DEFAULT_DISK or not sess.has_layer_entries():
+        return
+    from .diskwatch import held_bytes
+
+    held = held_bytes(str(sess.dir), [str(sess.upper), *(str(p) for p in sess.layers())])
+    if held > lim.disk:
+        raise UsageError(
+            f"--disk {format_size(lim.disk)} is smaller than the {format_size(held)} session {sess.id} already holds "
+            f"in its layers; raise it, or drop its changes (stockade discard --session {sess.id})")
 
 
 def base_plan(resolved: Resolved) -> planmod.Plan:
@@ -252,6 +276,7 @@ def _request(i: PlanInputs, argv: tuple[str, ...], lower: tuple[Path, ...], uppe
         masked=i.masked,
         grants=i.grants, exec_allow=i.exec_allow, etc_extra=i.etc_extra, landlock=i.landlock,
         seccomp_name=i.seccomp_name, seccomp_bpf=i.seccomp_bpf, rlimits=i.rlimits, degraded=i.degraded,
+        tmpfs_size=i.tmpfs_size,
     )
 
 
@@ -282,7 +307,7 @@ def _build(req: planmod.Request) -> planmod.Plan:
         req.argv, str(req.project), str(req.cwd), tuple(req.env.items()), req.lower_layers, req.upper, req.work,
         req.root, req.user, req.read_only, req.network, req.forward, req.hostname, req.keep_fds, req.masked, req.grants,
         req.exec_allow, req.etc_extra, req.landlock, req.seccomp_name, req.seccomp_bpf, req.rlimits,
-        req.degraded, req.stage_dir, req.foreign_stdin, owner, passwd_sig(),
+        req.degraded, req.stage_dir, req.foreign_stdin, owner, passwd_sig(), req.tmpfs_size,
     )
     hit = _PLANS.get(key)
     if hit is not None and hit[0] == facts:
@@ -415,6 +440,15 @@ def _limits(limits: Limits | None, requested: set[str] | None, allow: bool) -> t
     return limits, manager, hit[0], hit[1], hit[2], hit[3]
 
 
+def disk_tmpfs(lim: Limits) -> int | None:
+    """The size= of each writable tmpfs: the disk cap, but never more than the memory
+    limit (tmpfs pages are RAM, charged to the run's memory cgroup: past that a write
+    would be an OOM kill rather than ENOSPC)."""
+    if lim.disk is None:
+        return None
+    return lim.disk if lim.memory is None else min(lim.disk, lim.memory)
+
+
 def clear_caches() -> None:
     """Forget every cached plan, policy, scan and profile (tests)."""
     from .. import policy
@@ -458,11 +492,29 @@ def _check_options(req: RunRequest, argv: tuple[str, ...]) -> frozenset[str]:
         raise UsageError(f"--allow-degraded {','.join(sorted(unknown))}: unknown; accepted: landlock, seccomp, limits, proc, hostname")
     if not req.landlock and "landlock" not in degraded_ok:
         raise UsageError("turning Landlock off needs --allow-degraded landlock")
+    if req.observe:
+        check_observe(True, req.seccomp)
     if req.seccomp == "off" and "seccomp" not in degraded_ok:
         raise UsageError("--seccomp off needs --allow-degraded seccomp")
     if not argv:
         raise UsageError("no command given; usage: stockade run [OPTIONS] -- CMD [ARGS...]")
     return degraded_ok
+
+
+def check_observe(observe: bool, seccomp: str, *, origin: str = "--observe") -> None:
+    """Bad input, before anything is made: observe mode stacks its filter on the
+    policy's seccomp filter, so it needs one."""
+    if not observe:
+        return
+    if seccomp == "off":
+        fix = "drop --seccomp off, or run without --observe" if origin == "--observe" else \
+            "drop --seccomp off, or pass --no-observe"
+        raise UsageError(f"{origin} needs seccomp (observe mode stacks its own filter on the policy's); {fix}")
+    from ..linux.seccomp.observe import supported
+
+    why = supported()
+    if why is not None:
+        raise UsageError(f"{origin}: {why}")
 
 
 def _cwd(project: Path, cwd: str | os.PathLike[str] | None) -> Path:
@@ -559,12 +611,16 @@ def resolve(sess: store.Session, project: Path, req: RunRequest, argv: tuple[str
         exec_allow=tuple(pol.exec_allow) if pol.exec_allow is not None else None,
         etc_extra=tuple(pol.etc_extra), landlock=use_landlock, seccomp_name=seccomp_name, seccomp_bpf=bpf,
         rlimits=rlimits, degraded=tuple(degraded), mask_items=mask_items, mask_mode=pol.mask_mode,
+        tmpfs_size=disk_tmpfs(lim),
     )
     audit = AuditFacts(policy=pol, masked=tuple(masked_l + grant_masks), removed=tuple(removed), read_only=read_only,
                        project=str(project), unenforced=tuple(unenforced))
     deps = None if explain_only else _deps(pol, project, req.seccomp, hard)
     proxied = net.mode == "allow" or (net.mode == "none" and bool(net.forward))
-    return Resolved(inputs, cg_manager, lim, timeout, audit, deps, net if proxied else None)
+    observe = req.observe if req.observe is not None else pol.observe
+    if observe and req.observe is None:
+        check_observe(True, req.seccomp, origin=f"[audit] observe = true (from {pol.observe_origin})")
+    return Resolved(inputs, cg_manager, lim, timeout, audit, deps, net if proxied else None, bool(observe))
 
 
 def _network(pol: Effective, req: RunRequest) -> NetPolicy:

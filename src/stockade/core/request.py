@@ -46,6 +46,10 @@ class RunRequest:
     policy: CliSpec | CliPolicy | None = None
     no_wait: bool = False  # a busy session is an error at once instead of a wait
     session_ahead: bool = False  # the caller makes more runs (the API): make the next session's dirs meanwhile
+    # a run without a session makes an anonymous one, removed when the run changed nothing
+    # (changes/retention.py); the CLI keeps its project's latest such session until its next run
+    keep_latest_empty: bool = False
+    observe: bool | None = None  # log what the command tried (core/observe.py); None: the config's [audit] observe
 
 
 @dataclass(frozen=True)

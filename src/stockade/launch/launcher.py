@@ -615,6 +615,8 @@ def start(
     hold_fd: int = -1,
     join_fds: tuple[int, ...] = (),
     serve_fd: int = -1,
+    observe_sock: int = -1,
+    observe_bpf: bytes = b"",
 ) -> LauncherChild | None:
     """Start the plan through a launcher; None when this plan has to start cold.
 
@@ -636,6 +638,7 @@ def start(
     join_slots = tuple(slot(fd) for fd in join_fds)
     hold_slot = slot(hold_fd)
     serve_slot = slot(serve_fd)
+    observe_slot = slot(observe_sock)
     from ..callerfds import sources
 
     fds.extend(sources(plan.keep_fds) or plan.keep_fds)  # the caller's fds (a server's supervisor: as received)
@@ -644,7 +647,8 @@ def start(
         return None
     mounts = tuple(plan.mounts[i] for i in got.run_idx)
     run = LoweredRun(plan, mounts, slots, cg_slot, pty=pty, console_sock=con_slot, join_fds=join_slots,
-                     hold_before_exec=hold_before_exec, hold_fd=hold_slot, serve_fd=serve_slot).pack()
+                     hold_before_exec=hold_before_exec, hold_fd=hold_slot, serve_fd=serve_slot,
+                     observe_sock=observe_slot, observe_bpf=observe_bpf).pack()
     base, key = got.base, got.key
     for attempt in (0, 1):
         with _lock:

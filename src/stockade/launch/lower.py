@@ -141,7 +141,7 @@ class LoweredPlan(_Keep):
         for n in plan.namespaces:
             flags |= NS_FLAG[n]
         p.clone_flags = flags if clone_flags is None else clone_flags
-        p.cgroup_fd = p.console_sock = p.serve_fd = p.launcher_exec_fd = p.launcher_ctl_fd = -1
+        p.cgroup_fd = p.console_sock = p.serve_fd = p.launcher_exec_fd = p.launcher_ctl_fd = p.observe_sock = -1
         p.stdio = [-1, -1, -1]
         # newuidmap/newgidmap write a subordinate range's maps (spawn below, before Stage.IDMAP)
         p.uid_map = ffi.NULL if plan.uid_map.helper else s(plan.uid_map.line())
@@ -216,6 +216,8 @@ class LoweredRun(_Keep):
         hold_before_exec: bool = False,
         hold_fd: int = -1,
         serve_fd: int = -1,
+        observe_sock: int = -1,
+        observe_bpf: bytes = b"",
     ) -> None:
         super().__init__()
         s = self.s
@@ -242,6 +244,10 @@ class LoweredRun(_Keep):
         r.hold_before_exec = int(hold_before_exec)
         r.serve_fd = serve_fd
         r.hold_fd = hold_fd
+        r.observe_sock = observe_sock
+        if observe_bpf:
+            r.observe_bpf = self.new("unsigned char[]", observe_bpf)
+            r.observe_len = len(observe_bpf)
         self.run = r
 
     def apply(self, lowered: LoweredPlan) -> None:

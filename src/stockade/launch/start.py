@@ -24,6 +24,8 @@ def start(
     hold_fd: int = -1,
     join_fds: tuple[int, ...] = (),
     serve_fd: int = -1,
+    observe_sock: int = -1,
+    observe_bpf: bytes = b"",
 ) -> RunChild:
     """Start a sandbox for the plan: through a launcher when possible, else cold.
     ``hold_fd``: the session's overlay lock (``Session.lock``; a cold start's overlay
@@ -31,11 +33,13 @@ def start(
     sandbox's init enters first (``RunCgroup.placement``). ``hold_before_exec``: the
     child waits for ``native.release(child, Stage.ATTACHED)`` before the command.
     ``serve_fd``: a living sandbox: its init serves exec requests on this socket
-    (``stockade.live``) instead of running the plan's command."""
+    (``stockade.live``) instead of running the plan's command. ``observe_sock``,
+    ``observe_bpf``: observe mode (core/observe.py): init installs the filter after the
+    policy's and sends its listener over the socket."""
     if launcher.enabled():
         served = launcher.start(plan, stdio, cgroup_fd, pty=pty, console_sock=console_sock,
                                 hold_before_exec=hold_before_exec, hold_fd=hold_fd, join_fds=join_fds,
-                                serve_fd=serve_fd)
+                                serve_fd=serve_fd, observe_sock=observe_sock, observe_bpf=observe_bpf)
         if served is not None:
             return served
     if hold_fd >= 0:
@@ -45,7 +49,8 @@ def start(
         fcntl.flock(hold_fd, fcntl.LOCK_EX)
     low = LoweredPlan(plan, plan.mounts)
     LoweredRun(plan, plan.mounts, stdio, -1 if cgroup_fd is None else cgroup_fd, pty=pty, console_sock=console_sock,
-               join_fds=join_fds, hold_before_exec=hold_before_exec, serve_fd=serve_fd).apply(low)
+               join_fds=join_fds, hold_before_exec=hold_before_exec, serve_fd=serve_fd, observe_sock=observe_sock,
+               observe_bpf=observe_bpf).apply(low)
     if plan.keep_fds:
         from ..callerfds import sources
 

@@ -127,8 +127,8 @@ def run_claimed(req: RunRequest, io: Any) -> Any:
     [prewarm]): claimed, the command exec'd, the sandbox stopped (its session keeps the
     change set). None when there is none to claim or the request needs a fresh sandbox
     (a named session, passed fds, a pty)."""
-    if req.session is not None or req.pass_fds or getattr(io, "pty", False):
-        return None
+    if req.session is not None or req.pass_fds or getattr(io, "pty", False) or req.observe:
+        return None  # (observe mode needs a sandbox of its own: its filter is installed at start)
     if not registry.warm_waiting():
         return None  # the common case: one listing, no policy load
     spec = StartSpec(req, owner_pid=os.getpid())

@@ -284,6 +284,24 @@ def _exec_body(argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | os
     return body, sources
 
 
+def _disk_hit(ack: Mapping[str, Any], rc: int) -> str | None:
+    """The holder's disk watchdog killed this exec (it records what hit, and when)."""
+    if rc != -9 and rc != 128 + 9:
+        return None
+    from . import registry
+
+    lv = registry.read(str(ack.get("session") or ""))
+    if lv is None:
+        return None
+    why, at = lv.data.get("disk_hit"), lv.data.get("disk_hit_at")
+    started = ack.get("started_at")
+    if not isinstance(why, str) or not isinstance(at, int | float):
+        return None
+    if isinstance(started, int | float) and at < started:
+        return None
+    return why
+
+
 def _result(argv: Sequence[str], sup: ExecSupervisor | None, ack: Mapping[str, Any], io: RunIO,
             timeout: float | None) -> RunResult:
     from ..cgroups import base as cgbase
@@ -292,7 +310,7 @@ def _result(argv: Sequence[str], sup: ExecSupervisor | None, ack: Mapping[str, A
     if sup.error is not None:
         raise native.spawn_error(sup.error.step, sup.error.err, sup.error.path or None)
     rc = sup.returncode
-    o = cgbase.classify(rc, timed_out=sup.timed_out)
+    o = cgbase.classify(rc, timed_out=sup.timed_out, disk_hit=_disk_hit(ack, rc))
     out, err = io.decoded(bytes(sup.out_buf) if sup.capture_out else None,
                           bytes(sup.err_buf) if sup.capture_err else None)
     res = RunResult(list(argv), rc, out, err, session=str(ack.get("session") or ""), run=int(ack.get("run") or 0),

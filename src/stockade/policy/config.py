@@ -126,6 +126,10 @@ class Layer:
     # [mcp]: `stockade mcp` (stockade.mcp): apply through the server, each stream's cap in bytes
     mcp_allow_apply: tuple[bool, Origin] | None = None
     mcp_max_output: tuple[int, Origin] | None = None
+    # [sessions] (global config only): how long sessions without unapplied changes stay
+    sessions_keep: tuple[float | None, Origin] | None = None
+    # [audit] observe: log what each run's command tried (`run --observe`)
+    audit_observe: tuple[bool, Origin] | None = None
     warnings: list[str] = field(default_factory=list)
 
 
@@ -156,7 +160,8 @@ SCHEMA: dict[str, Any] = {
     "commands": {"deny": [STR_OR_ARGV]},
     "etc": {"extra": [str]},
     # the README's `limits = { memory = "512M", pids = 256 }` (or a [limits] table)
-    "limits": {n: SCALAR for n in ("memory", "cpus", "pids", "timeout", "cpu_time", "max_file_size", "nofile")},
+    "limits": {n: SCALAR for n in ("memory", "cpus", "pids", "timeout", "cpu_time", "max_file_size", "nofile",
+                                    "disk", "disk_floor")},
     "network": {
         "mode": ("none", "allow", "host"),
         "allow": [str],
@@ -171,6 +176,9 @@ SCHEMA: dict[str, Any] = {
     "live": {"idle_timeout": DURATION},
     # `stockade mcp`: checked further by _mcp_from_source
     "mcp": {"allow_apply": bool, "max_output": SCALAR},
+    # session retention (changes/retention.py): the global config only, checked by _sessions_from_source
+    "sessions": {"keep": DURATION},
+    "audit": {"observe": bool},
 }
 # a session's host rules (`stockade allow --host`, `deny --host`)
 SESSION_SCHEMA: dict[str, Any] = {"schema_version": int, **SCHEMA,
@@ -640,6 +648,10 @@ def layer_from_source(src: Source, *, project: Path, cwd: Path | None = None) ->
         _live_from_source(d, lay, file, origin)
     if "mcp" in d:
         _mcp_from_source(d["mcp"], lay, file, origin)
+    if "sessions" in d:
+        _sessions_from_source(src, lay, origin)
+    if "observe" in d.get("audit", {}):
+        lay.audit_observe = (d["audit"]["observe"], origin(["audit", "observe"]))
     return lay
 
 
@@ -741,6 +753,48 @@ def _mcp_from_source(t: Mapping[str, Any], lay: Layer, file: str, origin: Any) -
             lay.mcp_max_output = (parse_output_cap(t["max_output"]), o)
         except ValueError as e:
             raise _err(file, o.line, "mcp.max_output", str(e)) from None
+DEFAULT_SESSIONS_KEEP = 7 * 86400.0  # [sessions] keep
+
+
+def _sessions_from_source(src: Source, lay: Layer, origin: Any) -> None:
+    """[sessions] keep: a duration (30m, 12h, 7d, 2w, or seconds) or "never". Sessions
+    are the state dir's, not one project's: only the global config sets it."""
+    from ..errors import UsageError
+    from ..session.age import DURATION_FORMS, parse_age
+
+    o = origin(["sessions"])
+    if src.layer != "global":
+        raise _err(str(src.file), o.line, "sessions",
+                   f"[sessions] is read from the global config only ({global_config_path()}), "
+                   "not from a project's or a session's")
+    if "keep" not in src.data["sessions"]:
+        return
+    raw = src.data["sessions"]["keep"]
+    o = origin(["sessions", "keep"])
+    if isinstance(raw, str) and raw.strip().lower() in ("never", "none"):
+        lay.sessions_keep = (None, o)
+        return
+    if isinstance(raw, int | float) and not isinstance(raw, bool) and raw >= 0:
+        lay.sessions_keep = (float(raw), o)
+        return
+    try:
+        if not isinstance(raw, str):
+            raise UsageError(str(raw))
+        lay.sessions_keep = (parse_age(raw, "sessions.keep"), o)
+    except UsageError:
+        raise _err(str(src.file), o.line, "sessions.keep",
+                   f'invalid value {raw!r}: expected {DURATION_FORMS}, a number of seconds, or "never"') from None
+
+
+def sessions_keep() -> float | None:
+    """``[sessions] keep`` of the global config (seconds; None: never), else the default."""
+    src = read_toml("global", global_config_path())
+    if src is None or "sessions" not in src.data:
+        return DEFAULT_SESSIONS_KEEP
+    lay = Layer(src.layer, str(src.file))
+    _sessions_from_source(src, lay, lambda path, value=None: Origin(src.layer, str(src.file),
+                                                                    src.locator.line(path, value)))
+    return lay.sessions_keep[0] if lay.sessions_keep is not None else DEFAULT_SESSIONS_KEEP
 
 
 def _network_from_source(d: Mapping[str, Any], lay: Layer, file: str, origin: Any) -> None:

@@ -68,6 +68,7 @@ _LIVE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
     ("prewarm.enabled", "prewarm_enabled", False),
     ("prewarm.ttl", "prewarm_ttl", _config.DEFAULT_PREWARM_TTL),
     ("live.idle_timeout", "live_idle_timeout", _config.DEFAULT_IDLE_TIMEOUT),
+    ("sessions.keep", "sessions_keep", _config.DEFAULT_SESSIONS_KEEP),
 )
 
 
@@ -140,6 +141,9 @@ class Effective:
         self._mcp_max_output: tuple[int, Origin] = last("mcp_max_output", _config.DEFAULT_MCP_MAX_OUTPUT)
         self.mcp_allow_apply: bool = bool(self._mcp_allow_apply[0])
         self.mcp_max_output: int = int(self._mcp_max_output[0])
+        self._observe: tuple[Any, Origin] = last("audit_observe", False)
+        self.observe: bool = bool(self._observe[0])  # [audit] observe: `run --observe` by default
+        self.observe_origin: Origin = self._observe[1]
 
         self.paths: PathResolution = resolve_paths(e for lay in layers for e in lay.paths)
         for d in self.paths.denies:
@@ -441,8 +445,10 @@ class Effective:
         base = limits if limits is not None else Limits.defaults()
         return base.replace(**changes), req | {k for k in changes if k in ("memory", "cpus", "pids")}
 
-    def why(self, path: Path | str) -> Decision:
-        p = os.path.realpath(os.path.abspath(os.path.expanduser(str(path))))
+    def why(self, path: Path | str, *, resolved: bool = False) -> Decision:
+        """``resolved``: ``path`` is already absolute with no symlink in it (observe mode
+        resolves thousands with a per-directory memo)."""
+        p = str(path) if resolved else os.path.realpath(os.path.abspath(os.path.expanduser(str(path))))
         beaten = tuple(path_rule(e, active=False) for e in self.paths.beaten(p))
         d = self.paths.deny_covering(p)
         if d is not None:

@@ -23,7 +23,8 @@ from .lib import libseccomp
 
 # Profile actions.  SCMP_ACT_TRACE and SCMP_ACT_NOTIFY are refused: with no tracer
 # or supervisor attached they only return ENOSYS, and a supervisor would be a host
-# process deciding on the sandbox's behalf, which stockade does not provide.
+# process deciding on the sandbox's behalf, which stockade does not provide. Observe
+# mode (linux/seccomp/observe.py) notifies with a filter of its own, never a profile's.
 _ACTIONS: dict[str, int] = {
     "SCMP_ACT_ALLOW": SECCOMP_RET_ALLOW,
     "SCMP_ACT_ERRNO": SECCOMP_RET_ERRNO,
@@ -35,7 +36,8 @@ _ACTIONS: dict[str, int] = {
 }
 _REFUSED_ACTIONS = {
     "SCMP_ACT_TRACE": "needs a ptrace supervisor, which stockade does not run",
-    "SCMP_ACT_NOTIFY": "needs a user-notification supervisor, which stockade does not run",
+    "SCMP_ACT_NOTIFY": ("is reserved to observe mode (`stockade run --observe`), whose own filter notifies its "
+                        "supervisor and always lets the call continue; a profile cannot ask for it"),
 }
 PERMISSIVE = {SECCOMP_RET_ALLOW, SECCOMP_RET_LOG}
 

@@ -1,0 +1,559 @@
+/* observe.c: observe mode (`stockade run --observe`), both halves.
+ *
+ * Child side (sk_observe_child, async-signal-safe): init, after the policy filter,
+ * installs the observe filter (compiled by the parent: SECCOMP_RET_USER_NOTIF for
+ * the observed syscalls) with SECCOMP_FILTER_FLAG_NEW_LISTENER, and sends the
+ * listener to the supervisor over plan->observe_sock. The filter is inherited by
+ * the command and every descendant. init's own sendmsg of the listener is the one
+ * call the filter lets through unnotified (its fd argument: SK_OBSERVE_SOCK_K,
+ * replaced here by the socket's number); init makes no other observed call.
+ *
+ * Supervisor side (sk_observe_loop, called from a supervisor thread through cffi,
+ * which releases the GIL): receive each notification, read its argument from the
+ * target's memory (process_vm_readv), check the notification is still valid
+ * (SECCOMP_IOCTL_NOTIF_ID_VALID) before trusting what was read, answer CONTINUE,
+ * append a record. The kernel runs the call itself after CONTINUE, rereading the
+ * arguments: what we read is for the log only (seccomp_unotify(2), TOCTOU), never a
+ * decision. The loop never blocks on the target: each read is one syscall that fails
+ * at once on a bad address.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#ifndef SECCOMP_FILTER_FLAG_NEW_LISTENER
+#define SECCOMP_FILTER_FLAG_NEW_LISTENER (1UL << 3)
+#endif
+#ifndef SECCOMP_USER_NOTIF_FLAG_CONTINUE
+#define SECCOMP_USER_NOTIF_FLAG_CONTINUE (1UL << 0)
+#endif
+
+#ifndef SECCOMP_IOCTL_NOTIF_SET_FLAGS
+#define SECCOMP_IOCTL_NOTIF_SET_FLAGS SECCOMP_IOW(4, __u64)
+#endif
+#ifndef SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP
+#define SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (1UL << 0)
+#endif
+
+#define SK_OBSERVE_MAX_INSNS 256
+
+/* ------------------------------------------------------------------ child side */
+
+int sk_observe_child(const struct sk_plan *p, int rep)
+{
+    struct sock_filter f[SK_OBSERVE_MAX_INSNS];
+    size_t n = p->observe_len / sizeof(struct sock_filter);
+    if (!p->observe_bpf || p->observe_len % sizeof(struct sock_filter) || n == 0 || n > SK_OBSERVE_MAX_INSNS) {
+        sk_report(rep, SK_REP_ERROR, SK_STEP_OBSERVE, EINVAL, 0, "observe bpf length");
+        return -1;
+    }
+    memcpy(f, p->observe_bpf, p->observe_len);
+    for (size_t i = 0; i < n; i++)
+        if (BPF_CLASS(f[i].code) == BPF_JMP && f[i].k == (uint32_t)SK_OBSERVE_SOCK_K)
+            f[i].k = (uint32_t)p->observe_sock;
+    struct sock_fprog prog = {.len = (unsigned short)n, .filter = f};
+    long fd = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, &prog);
+    if (fd < 0) {
+        sk_report(rep, SK_REP_ERROR, SK_STEP_OBSERVE, errno, 0, "SECCOMP_FILTER_FLAG_NEW_LISTENER");
+        return -1;
+    }
+    int lfd = (int)fd;
+    char byte = 'L';
+    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } u;
+    memset(&u, 0, sizeof u);
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &lfd, sizeof(int));
+    ssize_t w;
+    do
+        w = sendmsg(p->observe_sock, &msg, MSG_NOSIGNAL);
+    while (w < 0 && errno == EINTR);
+    if (w != 1) {
+        sk_report(rep, SK_REP_ERROR, SK_STEP_OBSERVE, w < 0 ? errno : EIO, 0, "send the listener");
+        return -1;
+    }
+    /* Nothing of the sandbox keeps the listener (a command holding it could answer
+     * its own notifications), nor the socket. */
+    close(lfd);
+    close(p->observe_sock);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ supervisor side */
+
+#define OBS_PATH_MAX 4096
+#define OBS_ADDR_MAX 128
+#define OBS_BUF (1 << 16)
+
+struct obs_out {
+    int fd;
+    size_t len;
+    unsigned long long lost;
+    unsigned char buf[OBS_BUF];
+};
+
+static void out_flush(struct obs_out *o)
+{
+    size_t off = 0;
+    while (off < o->len) {
+        ssize_t w = write(o->fd, o->buf + off, o->len - off);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0) {
+            o->lost++; /* a full disk: the rest of this buffer is lost, counted once */
+            break;
+        }
+        off += (size_t)w;
+    }
+    o->len = 0;
+}
+
+static void out_rec(struct obs_out *o, struct sk_obs_rec *r, const void *data, size_t n)
+{
+    r->data_len = (unsigned int)n;
+    r->len = (unsigned int)(sizeof *r + n);
+    if (o->len + r->len > sizeof o->buf)
+        out_flush(o);
+    memcpy(o->buf + o->len, r, sizeof *r);
+    memcpy(o->buf + o->len + sizeof *r, data, n);
+    o->len += r->len;
+}
+
+/* Read n bytes at addr of pid's memory. 0 or -errno. */
+static int read_mem(int pid, uint64_t addr, void *buf, size_t n)
+{
+    struct iovec l = {.iov_base = buf, .iov_len = n};
+    struct iovec r = {.iov_base = (void *)(uintptr_t)addr, .iov_len = n};
+    ssize_t got = process_vm_readv(pid, &l, 1, &r, 1, 0);
+    if (got < 0)
+        return -errno;
+    return (size_t)got == n ? 0 : -EFAULT;
+}
+
+/* A NUL-terminated string at addr, read a page at a time (a string that ends
+ * before an unmapped page is still read). Its length, or -errno; *trunc when it
+ * did not fit. */
+static long read_str(int pid, uint64_t addr, char *buf, size_t cap, int *trunc)
+{
+    size_t got = 0;
+    *trunc = 0;
+    if (addr == 0)
+        return -EFAULT;
+    while (got < cap - 1) {
+        size_t page_left = 4096 - (size_t)((addr + got) & 4095);
+        size_t want = cap - 1 - got < page_left ? cap - 1 - got : page_left;
+        struct iovec l = {.iov_base = buf + got, .iov_len = want};
+        struct iovec r = {.iov_base = (void *)(uintptr_t)(addr + got), .iov_len = want};
+        ssize_t n = process_vm_readv(pid, &l, 1, &r, 1, 0);
+        if (n <= 0) {
+            if (got)
+                break;
+            return n < 0 ? -errno : -EFAULT;
+        }
+        char *z = memchr(buf + got, 0, (size_t)n);
+        if (z)
+            return z - buf;
+        got += (size_t)n;
+    }
+    buf[got] = '\0';
+    *trunc = 1;
+    return (long)got;
+}
+
+static size_t num(char *out, long v)
+{
+    char rev[24];
+    size_t k = 0, n = 0;
+    if (v < 0) {
+        out[n++] = '-';
+        v = -v;
+    }
+    do {
+        rev[k++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v && k < sizeof rev);
+    while (k)
+        out[n++] = rev[--k];
+    out[n] = '\0';
+    return n;
+}
+
+/* The directory a relative path of pid's is resolved from: its cwd (AT_FDCWD) or
+ * the directory fd, as the sandbox names it. Its length, or -errno. */
+static long dir_of(int pid, int dirfd, char *out, size_t cap)
+{
+    char link[64];
+    size_t n = 0;
+    memcpy(link, "/proc/", 6);
+    n = 6;
+    n += num(link + n, pid);
+    if (dirfd == AT_FDCWD) {
+        memcpy(link + n, "/cwd", 5);
+    } else {
+        memcpy(link + n, "/fd/", 4);
+        n += 4;
+        num(link + n, dirfd);
+    }
+    ssize_t r = readlink(link, out, cap - 1);
+    if (r < 0)
+        return -errno;
+    out[r] = '\0';
+    return r;
+}
+
+/* Lexically normalize an absolute path in place: "//", "/./" and "/x/../". Its length. */
+static size_t normalize(char *p)
+{
+    size_t w = 0, i = 0, len = strlen(p);
+    while (i < len) {
+        while (i < len && p[i] == '/')
+            i++;
+        size_t s = i;
+        while (i < len && p[i] != '/')
+            i++;
+        size_t cl = i - s;
+        if (cl == 0 || (cl == 1 && p[s] == '.'))
+            continue;
+        if (cl == 2 && p[s] == '.' && p[s + 1] == '.') {
+            while (w > 0 && p[w - 1] != '/')
+                w--;
+            if (w > 0)
+                w--;
+            continue;
+        }
+        p[w++] = '/';
+        memmove(p + w, p + s, cl);
+        w += cl;
+    }
+    if (w == 0)
+        p[w++] = '/';
+    p[w] = '\0';
+    return w;
+}
+
+static int under(const char *p, size_t plen, const char *prefix, size_t n)
+{
+    if (n == 0)
+        return 0;
+    if (n == 1 && prefix[0] == '/')
+        return 1;
+    return plen >= n && memcmp(p, prefix, n) == 0 && (p[n] == '\0' || p[n] == '/');
+}
+
+struct obs_call {
+    int kind;
+    int path_arg; /* index of the path (or sockaddr) argument */
+    int dirfd_arg; /* -1: relative to the cwd */
+    int flags_arg; /* -1: none */
+};
+
+/* x86_64 and aarch64 numbers; the parent's filter notifies only these. */
+static int classify(int nr, struct obs_call *c)
+{
+    c->dirfd_arg = -1;
+    c->flags_arg = -1;
+    switch (nr) {
+#if defined(__x86_64__)
+    case 59: /* execve */
+        c->kind = SK_OBS_EXEC, c->path_arg = 0;
+        return 1;
+    case 322: /* execveat */
+        c->kind = SK_OBS_EXEC, c->path_arg = 1, c->dirfd_arg = 0, c->flags_arg = 4;
+        return 1;
+    case 2: /* open */
+        c->kind = SK_OBS_OPEN, c->path_arg = 0, c->flags_arg = 1;
+        return 1;
+    case 85: /* creat */
+        c->kind = SK_OBS_OPEN, c->path_arg = 0;
+        return 1;
+    case 257: /* openat */
+        c->kind = SK_OBS_OPEN, c->path_arg = 1, c->dirfd_arg = 0, c->flags_arg = 2;
+        return 1;
+    case 437: /* openat2: flags from struct open_how */
+        c->kind = SK_OBS_OPEN, c->path_arg = 1, c->dirfd_arg = 0, c->flags_arg = 2;
+        return 1;
+    case 42: /* connect */
+        c->kind = SK_OBS_CONNECT, c->path_arg = 1, c->flags_arg = 2;
+        return 1;
+    case 44: /* sendto */
+        c->kind = SK_OBS_SENDTO, c->path_arg = 4, c->flags_arg = 5;
+        return 1;
+    case 46: /* sendmsg */
+        c->kind = SK_OBS_SENDMSG, c->path_arg = 1;
+        return 1;
+#elif defined(__aarch64__)
+    case 221:
+        c->kind = SK_OBS_EXEC, c->path_arg = 0;
+        return 1;
+    case 281:
+        c->kind = SK_OBS_EXEC, c->path_arg = 1, c->dirfd_arg = 0, c->flags_arg = 4;
+        return 1;
+    case 56:
+        c->kind = SK_OBS_OPEN, c->path_arg = 1, c->dirfd_arg = 0, c->flags_arg = 2;
+        return 1;
+    case 437:
+        c->kind = SK_OBS_OPEN, c->path_arg = 1, c->dirfd_arg = 0, c->flags_arg = 2;
+        return 1;
+    case 203:
+        c->kind = SK_OBS_CONNECT, c->path_arg = 1, c->flags_arg = 2;
+        return 1;
+    case 206:
+        c->kind = SK_OBS_SENDTO, c->path_arg = 4, c->flags_arg = 5;
+        return 1;
+    case 211:
+        c->kind = SK_OBS_SENDMSG, c->path_arg = 1;
+        return 1;
+#endif
+    default:
+        return 0;
+    }
+}
+
+static int is_openat2(int nr)
+{
+#if defined(__x86_64__) || defined(__aarch64__)
+    return nr == 437;
+#else
+    return 0;
+#endif
+}
+
+static int is_creat(int nr)
+{
+#if defined(__x86_64__)
+    return nr == 85;
+#else
+    (void)nr;
+    return 0;
+#endif
+}
+
+/* The type of pid's socket fd (SOCK_STREAM...), or 0 when it cannot be seen: a TCP
+ * connect is what Landlock's network rules govern. */
+static int sock_type(int pid, int fd)
+{
+    int pfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    if (pfd < 0)
+        return 0;
+    int s = (int)syscall(SYS_pidfd_getfd, pfd, fd, 0);
+    close(pfd);
+    if (s < 0)
+        return 0;
+    int type = 0;
+    socklen_t len = sizeof type;
+    if (getsockopt(s, SOL_SOCKET, SO_TYPE, &type, &len) < 0)
+        type = 0;
+    close(s);
+    return type;
+}
+
+/* The argument of one notification, read into data; its length (0: nothing read,
+ * r->flags and r->err say why). */
+static size_t take_arg(const struct seccomp_notif *n, const struct obs_call *c, struct sk_obs_rec *r, char *data,
+                       size_t cap)
+{
+    int pid = (int)n->pid;
+    const uint64_t *a = n->data.args;
+    if (c->kind == SK_OBS_EXEC || c->kind == SK_OBS_OPEN) {
+        int trunc = 0;
+        if (c->flags_arg >= 0)
+            r->arg = a[c->flags_arg];
+        if (is_creat(n->data.nr))
+            r->arg = O_CREAT | O_WRONLY | O_TRUNC;
+        if (is_openat2(n->data.nr)) {
+            uint64_t how = 0;
+            r->arg = read_mem(pid, a[2], &how, sizeof how) == 0 ? how : 0;
+        }
+        char path[OBS_PATH_MAX];
+        long len = read_str(pid, a[c->path_arg], path, sizeof path, &trunc);
+        if (len < 0) {
+            r->flags |= SK_OBS_F_UNREADABLE;
+            r->err = (int)-len;
+            return 0;
+        }
+        if (trunc)
+            r->flags |= SK_OBS_F_TRUNCATED;
+        if (path[0] == '/' && (size_t)len < cap) {
+            memcpy(data, path, (size_t)len + 1);
+            return normalize(data);
+        }
+        /* relative (or execveat's AT_EMPTY_PATH ""): from its directory */
+        int dirfd = c->dirfd_arg >= 0 ? (int)a[c->dirfd_arg] : AT_FDCWD;
+        long dl = dir_of(pid, dirfd, data, cap);
+        if (dl < 0 || data[0] != '/' || (size_t)dl + 1 + (size_t)len + 1 > cap) {
+            r->flags |= SK_OBS_F_RELATIVE;
+            if ((size_t)len + 1 > cap)
+                len = (long)cap - 1;
+            memcpy(data, path, (size_t)len);
+            data[len] = '\0';
+            return (size_t)len;
+        }
+        if (len > 0) {
+            data[dl] = '/';
+            memcpy(data + dl + 1, path, (size_t)len + 1);
+        }
+        return normalize(data);
+    }
+    /* connect(fd, addr, len), sendto(.., addr, len), sendmsg(fd, msghdr, ..) */
+    uint64_t addr = a[c->path_arg], alen;
+    if (c->kind == SK_OBS_SENDMSG) {
+        struct {
+            uint64_t name;
+            uint32_t namelen;
+        } mh;
+        int e = read_mem(pid, addr, &mh, sizeof mh);
+        if (e < 0) {
+            r->flags |= SK_OBS_F_UNREADABLE;
+            r->err = -e;
+            return 0;
+        }
+        addr = mh.name;
+        alen = mh.namelen;
+    } else {
+        alen = c->kind == SK_OBS_CONNECT ? a[2] : a[5];
+    }
+    if (c->kind == SK_OBS_CONNECT)
+        r->arg = (uint64_t)sock_type(pid, (int)a[0]);
+    if (addr == 0 || alen == 0)
+        return 0; /* a connected socket's send: no target of its own */
+    if (alen > cap)
+        alen = cap;
+    if (alen > OBS_ADDR_MAX)
+        alen = OBS_ADDR_MAX;
+    int e = read_mem(pid, addr, data, (size_t)alen);
+    if (e < 0) {
+        r->flags |= SK_OBS_F_UNREADABLE;
+        r->err = -e;
+        return 0;
+    }
+    return (size_t)alen;
+}
+
+static int watched(const char *p, size_t plen, const char *const *watch, size_t n_watch)
+{
+    for (size_t i = 0; i < n_watch; i++)
+        if (under(p, plen, watch[i], strlen(watch[i])))
+            return 1;
+    return 0;
+}
+
+int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_prefix, const char *const *watch,
+                    size_t n_watch, struct sk_observe_stats *st)
+{
+    struct seccomp_notif_sizes sizes;
+    memset(st, 0, sizeof *st);
+    if (syscall(SYS_seccomp, SECCOMP_GET_NOTIF_SIZES, 0, &sizes) < 0)
+        return -errno;
+    /* The kernel's structs may be larger than ours (newer kernels): receive into a
+     * buffer of its size. */
+    union {
+        struct seccomp_notif n;
+        unsigned char raw[512];
+    } req;
+    union {
+        struct seccomp_notif_resp r;
+        unsigned char raw[512];
+    } resp;
+    if (sizes.seccomp_notif > sizeof req || sizes.seccomp_notif_resp > sizeof resp)
+        return -EOVERFLOW;
+    struct obs_out *o = malloc(sizeof *o); /* 64 KiB: off the thread's stack */
+    if (!o)
+        return -ENOMEM;
+    o->fd = out_fd;
+    o->len = 0;
+    o->lost = 0;
+    size_t plen = skip_prefix ? strlen(skip_prefix) : 0;
+    /* Linux 6.6+: the target and this thread hand over on one CPU (each notification
+     * is a synchronous round trip); older kernels refuse the flag, and wake as usual. */
+    ioctl(listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, (__u64)SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP);
+    char data[OBS_PATH_MAX + 1];
+    struct pollfd pf[2] = {{.fd = listener, .events = POLLIN}, {.fd = stop_fd, .events = POLLIN}};
+    int ret = 0;
+    for (;;) {
+        int pr = poll(pf, stop_fd >= 0 ? 2 : 1, -1);
+        if (pr < 0) {
+            if (errno == EINTR)
+                continue;
+            ret = -errno;
+            break;
+        }
+        if (pf[0].revents & POLLIN) {
+            memset(req.raw, 0, sizes.seccomp_notif);
+            if (ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, &req) < 0) {
+                if (errno == EINTR || errno == ENOENT)
+                    continue; /* ENOENT: the target died before we took it */
+                ret = -errno;
+                break;
+            }
+            struct seccomp_notif *n = &req.n;
+            st->notified++;
+            struct sk_obs_rec rec;
+            memset(&rec, 0, sizeof rec);
+            struct obs_call c;
+            size_t dl = 0;
+            int known = classify(n->data.nr, &c);
+            if (known) {
+                rec.kind = (unsigned short)c.kind;
+                rec.pid = (int)n->pid;
+                rec.nr = n->data.nr;
+                dl = take_arg(n, &c, &rec, data, sizeof data);
+            }
+            /* Only now is what we read the target's: it was still in this call. */
+            int valid = ioctl(listener, SECCOMP_IOCTL_NOTIF_ID_VALID, &n->id) == 0;
+            memset(resp.raw, 0, sizes.seccomp_notif_resp);
+            resp.r.id = n->id;
+            resp.r.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
+            while (ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp) < 0 && errno == EINTR)
+                ;
+            if (!known)
+                continue;
+            if (!valid) {
+                st->stale++;
+                continue;
+            }
+            if (rec.flags & SK_OBS_F_UNREADABLE)
+                st->unreadable++;
+            if (c.kind == SK_OBS_OPEN && !(rec.flags & (SK_OBS_F_UNREADABLE | SK_OBS_F_RELATIVE)) &&
+                under(data, dl, skip_prefix, plen) && !watched(data, dl, watch, n_watch)) {
+                st->skipped++;
+                continue;
+            }
+            if ((c.kind == SK_OBS_SENDTO || c.kind == SK_OBS_SENDMSG) && dl == 0 &&
+                !(rec.flags & SK_OBS_F_UNREADABLE)) {
+                st->skipped++; /* no target of its own (a connected socket) */
+                continue;
+            }
+            out_rec(o, &rec, data, dl);
+            st->logged++;
+            continue;
+        }
+        if (pf[0].revents & (POLLHUP | POLLERR | POLLNVAL))
+            break; /* no task left in the filter */
+        if (pf[1].revents)
+            break;
+    }
+    out_flush(o);
+    st->lost = o->lost;
+    free(o);
+    return ret;
+}

@@ -1,0 +1,173 @@
+"""Observe mode in the run path: the listener's socket and thread for one run, and its
+records written to the session's audit log when the run ends (``observed.py`` says
+what each means)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..linux.seccomp.observe import Observer
+    from ..session import store
+    from .prepare import Prepared
+
+LIVE_REFUSED = ("observe mode is not available for living sandboxes (its filter is installed when a sandbox starts, "
+                "for one command tree): observe a command with `stockade run --observe -- CMD`")
+RECORDS = "observed.bin"  # a run's raw records (runs/N/), decoded into the audit log at its end
+
+
+class RunObserve:
+    """One run's observe mode: the socket init sends the listener over (its end goes to
+    the sandbox), the thread that answers the notifications (C, no GIL), the records it
+    writes, and a thread that classifies them as they arrive (``observed.Classifier``),
+    so the run's end only adds the last ones to the audit log."""
+
+    def __init__(self, run_dir: str, prep: Prepared) -> None:
+        from ..linux.seccomp.observe import Observer, observe_bpf
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.child_fd = theirs.detach()  # closed once the sandbox has it (Launch.handed_over)
+        self.bpf = observe_bpf()
+        self.path = os.path.join(run_dir, RECORDS)
+        self.prep = prep
+        project = prep.plan.project
+        masked = tuple(str(m.path) for m in prep.audit.masked if observed_under(str(m.path), project))
+        self.observer: Observer = Observer(ours, self.path, project, masked)
+        self.classifier: Any = None
+        self.error: str | None = None
+        self._wake = threading.Event()
+        self._reader = threading.Thread(target=self._classify, name="stockade-observe-log", daemon=True)
+
+    def start(self) -> None:
+        self.observer.start()
+        self._reader.start()
+
+    def _classify(self) -> None:
+        """Read the records as the loop appends them, classify each batch; a last read
+        once the loop is over."""
+        from .. import observed
+        from ..linux.seccomp import observe as kobs
+
+        try:
+            self.classifier = observed.Classifier(context(self.prep))
+        except Exception as e:  # never lose the run to its log
+            self.error = f"classify: {e}"
+            return
+        fd = -1
+        buf = b""
+        off = 0
+        try:
+            while True:
+                over = not self.observer.running()
+                if fd < 0:
+                    try:
+                        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                    except FileNotFoundError:
+                        pass
+                while fd >= 0:
+                    chunk = os.pread(fd, 1 << 20, off)
+                    if not chunk:
+                        break
+                    off += len(chunk)
+                    buf += chunk
+                    recs, used = kobs.parse_records(buf)
+                    buf = buf[used:]
+                    self.classifier.feed(recs)
+                if over:
+                    return
+                self._wake.wait(0.05)
+        except Exception as e:
+            self.error = f"classify: {e}"
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def finish(self, sess: store.Session, run_no: int) -> dict[str, Any]:
+        """Wait for the threads (the loop ends with the sandbox), write the classified
+        records to the session's audit log; the run's summary of them."""
+        from .. import observed
+        from ..audit import AuditLog
+
+        st = self.observer.stop()
+        self._wake.set()
+        self._reader.join(30.0)
+        summary: dict[str, Any] = {"notified": st.notified, "logged": st.logged, "inside_project": st.skipped,
+                                   "stale": st.stale, "unreadable": st.unreadable, "lost": st.lost}
+        if st.error:
+            summary["error"] = os.strerror(st.error)
+        if not self.observer.got_listener:
+            summary["error"] = "the sandbox sent no listener (it ended before its command started)"
+        if self.error:
+            summary["error"] = self.error
+        events = self.classifier.events() if self.classifier is not None and not self._reader.is_alive() else []
+        kept, left = observed.capped(events)
+        summary["events"] = len(events)
+        summary["blocked"] = sum(1 for e in events if e["result"] == "blocked")
+        log = AuditLog(sess, batch=True)
+        try:
+            for e in kept:
+                e = dict(e)
+                log.event(e.pop("operation"), e.pop("target"), e.pop("result"), run=run_no, policy=e.pop("policy"),
+                          reason=e.pop("reason"), **e)
+            if left:
+                log.event(observed.SUPPRESSED, f"run {run_no}", "info", run=run_no, policy="observe",
+                          reason=f"more than {observed.MAX_EVENTS} distinct observed entries: the rest counted",
+                          counts=left)
+            log.event(observed.SUMMARY, f"run {run_no}", "info", run=run_no, policy="observe",
+                      reason="what observe mode saw (results predicted from the plan)", **summary)
+            log.flush()
+        except OSError:
+            pass  # the audit log never breaks a run
+        return summary
+
+    def stop(self) -> None:
+        """The run is over (or failed to start): end both threads."""
+        self.observer.stop()
+        self._wake.set()
+        if self._reader.ident is not None:
+            self._reader.join(30.0)
+
+
+def observed_under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def context(prep: Prepared) -> Any:
+    """The plan's facts that predict each observed call's result."""
+    from .. import observed
+    from ..linux.seccomp import observe as kobs
+    from ..plan import LL_NET_CONNECT_TCP
+    from ..sandbox_fs import SYSTEM_DIRS
+
+    plan = prep.plan
+    eff: Any = prep.audit.policy
+    if not hasattr(eff, "why"):  # a cached preparation's policy facts: the merged policy again
+        from pathlib import Path
+
+        from .. import policy as polmod
+
+        eff = polmod.load(Path(plan.project), None)
+    trees = [plan.project, *(str(g.host_path) for g in eff.grants), *(d.path for d in eff.paths.denies)]
+
+    def why(p: str) -> Any:
+        return eff.why(p, resolved=True)
+
+    def uniform(d: str) -> bool:
+        """Beneath a system directory, with no project, grant or deny at or below d."""
+        if not any(observed.is_under(d, s) for s in SYSTEM_DIRS):
+            return False
+        return not any(observed.is_under(t, d) or observed.is_under(d, t) for t in trees)
+
+    ll = plan.landlock
+    ports: tuple[int, ...] | None = None
+    if ll is not None and ll.abi >= 4 and ll.handled_net & LL_NET_CONNECT_TCP:
+        ports = tuple(ll.connect_ports)
+    return observed.Context(
+        project=plan.project, home=plan.home, network=plan.network, tcp_connect_ports=ports, why=why, uniform=uniform,
+        grants=tuple(str(g.host_path) for g in eff.grants),
+        kinds={"exec": kobs.KIND_EXEC, "open": kobs.KIND_OPEN, "connect": kobs.KIND_CONNECT,
+               "sendto": kobs.KIND_SENDTO, "sendmsg": kobs.KIND_SENDMSG},
+        unreadable_flag=kobs.F_UNREADABLE, relative_flag=kobs.F_RELATIVE, sockaddr=kobs.sockaddr)

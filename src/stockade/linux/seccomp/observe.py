@@ -1,0 +1,285 @@
+"""Observe mode's kernel side: the notifying filter, the listener's thread, the records.
+
+The filter (``observe_bpf``) returns ``SECCOMP_RET_USER_NOTIF`` for the observed calls
+(execve, execveat, open, creat, openat, openat2, connect, sendto with an address,
+sendmsg) and ALLOW for everything else; the sandbox's init installs it after the
+policy filter (csrc/observe.c), so a call the policy denies is never notified (the
+kernel takes the most restrictive answer of all filters). ``Observer`` takes the
+listener init sends and runs the C loop (``sk_observe_loop``) in a thread of the
+supervisor: every notification is answered ``SECCOMP_USER_NOTIF_FLAG_CONTINUE``, so
+the command behaves exactly as unobserved, and one binary record per observed call
+lands in a file; ``read_records`` decodes it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+
+from ..native import ffi, lib
+from .bpf import (
+    AUDIT_ARCH_X86_64,
+    BPF_ABS,
+    BPF_JEQ,
+    BPF_JGE,
+    BPF_JMP,
+    BPF_K,
+    BPF_LD,
+    BPF_RET,
+    BPF_W,
+    SECCOMP_RET_ALLOW,
+    X32_SYSCALL_BIT,
+    insn,
+)
+
+SECCOMP_RET_USER_NOTIF = 0x7FC00000
+AUDIT_ARCH_AARCH64 = 0xC00000B7
+
+# (arch token, {name: number}) of the machines observe mode knows
+_TABLES: dict[str, tuple[int, dict[str, int]]] = {
+    "x86_64": (AUDIT_ARCH_X86_64, {"execve": 59, "execveat": 322, "open": 2, "creat": 85, "openat": 257,
+                                   "openat2": 437, "connect": 42, "sendto": 44, "sendmsg": 46}),
+    "aarch64": (AUDIT_ARCH_AARCH64, {"execve": 221, "execveat": 281, "openat": 56, "openat2": 437,
+                                     "connect": 203, "sendto": 206, "sendmsg": 211}),
+}
+OBSERVED = ("execve", "execveat", "open", "creat", "openat", "openat2", "connect", "sendto", "sendmsg")
+
+KIND_EXEC = lib.SK_OBS_EXEC
+KIND_OPEN = lib.SK_OBS_OPEN
+KIND_CONNECT = lib.SK_OBS_CONNECT
+KIND_SENDTO = lib.SK_OBS_SENDTO
+KIND_SENDMSG = lib.SK_OBS_SENDMSG
+F_UNREADABLE = lib.SK_OBS_F_UNREADABLE
+F_TRUNCATED = lib.SK_OBS_F_TRUNCATED
+F_RELATIVE = lib.SK_OBS_F_RELATIVE
+
+REC = struct.Struct("=IHHiiiIQ")
+assert REC.size == ffi.sizeof("struct sk_obs_rec")
+
+
+def supported() -> str | None:
+    """None when observe mode knows this machine's syscall numbers, else why not."""
+    m = os.uname().machine
+    return None if m in _TABLES else f"observe mode knows the syscall numbers of x86_64 and aarch64, not {m}"
+
+
+def observe_bpf(machine: str | None = None) -> bytes:
+    """The observe filter for this machine (``struct sock_filter[]``). sendto without an
+    address (a connected socket's send) is not notified; init's own sendmsg of the
+    listener (its socket's fd, ``SK_OBSERVE_SOCK_K``, filled in by csrc/observe.c) is
+    the one sendmsg let through unnotified."""
+    arch, nrs = _TABLES[machine or os.uname().machine]
+    simple = [nrs[n] for n in ("execve", "execveat", "open", "creat", "openat", "openat2", "connect") if n in nrs]
+    ld = BPF_LD | BPF_W | BPF_ABS
+    jeq = BPF_JMP | BPF_JEQ | BPF_K
+    ret = BPF_RET | BPF_K
+    # layout (jumps only go forward): [head 4][simple n][jeq sendto][jeq sendmsg][ret allow]
+    # [sendto block 4][sendmsg block 2][ret allow][ret notif]
+    n = len(simple)
+    sendto_blk = 4 + n + 3
+    sendmsg_blk = sendto_blk + 4
+    allow = sendmsg_blk + 2
+    notif = allow + 1
+
+    def to(at: int, target: int) -> int:
+        return target - at - 1
+
+    prog: list[bytes] = [
+        insn(ld, 0, 0, 4),  # arch
+        insn(jeq, 0, to(1, allow), arch),  # another ABI: the policy filter's business
+        insn(ld, 0, 0, 0),  # nr
+        insn(BPF_JMP | BPF_JGE | BPF_K, to(3, allow), 0, X32_SYSCALL_BIT),
+    ]
+    for nr in simple:
+        prog.append(insn(jeq, to(len(prog), notif), 0, nr))
+    prog.append(insn(jeq, to(len(prog), sendto_blk), 0, nrs["sendto"]))
+    prog.append(insn(jeq, to(len(prog), sendmsg_blk), 0, nrs["sendmsg"]))
+    prog.append(insn(ret, 0, 0, SECCOMP_RET_ALLOW))
+    # sendto: dest_addr (args[4]) NULL -> allow
+    a4 = 16 + 8 * 4
+    assert len(prog) == sendto_blk
+    prog.append(insn(ld, 0, 0, a4))
+    prog.append(insn(jeq, 0, to(len(prog), notif), 0))
+    prog.append(insn(ld, 0, 0, a4 + 4))
+    prog.append(insn(jeq, to(len(prog), allow), to(len(prog), notif), 0))
+    # sendmsg: init's handoff of the listener (fd = its socket) -> allow
+    assert len(prog) == sendmsg_blk
+    prog.append(insn(ld, 0, 0, 16))
+    prog.append(insn(jeq, to(len(prog), allow), to(len(prog), notif), lib.SK_OBSERVE_SOCK_K))
+    assert len(prog) == allow
+    prog.append(insn(ret, 0, 0, SECCOMP_RET_ALLOW))
+    prog.append(insn(ret, 0, 0, SECCOMP_RET_USER_NOTIF))
+    for i, b in enumerate(prog):  # every jump goes forward and fits (checked: the kernel would refuse it)
+        code, jt, jf, _k = struct.unpack("=HBBI", b)
+        if code & 0x07 == BPF_JMP:
+            assert i + 1 + jt < len(prog) and i + 1 + jf < len(prog), i
+    return b"".join(prog)
+
+
+_NAMES: dict[int, str] = {}
+
+
+@dataclass(frozen=True)
+class Record:
+    """One observed call, as read from the target (for the log only: see csrc/observe.c)."""
+
+    kind: int
+    flags: int
+    pid: int
+    nr: int
+    err: int
+    arg: int  # open: its flags; execveat: its flags
+    data: bytes  # a path (opens, execs) or a sockaddr (connect, sendto, sendmsg)
+
+    @property
+    def syscall(self) -> str:
+        if not _NAMES:
+            _NAMES.update({nr: name for name, nr in _TABLES.get(os.uname().machine, (0, {}))[1].items()})
+        return _NAMES.get(self.nr) or str(self.nr)
+
+    @property
+    def path(self) -> str:
+        return os.fsdecode(self.data)
+
+
+def read_records(path: str) -> list[Record]:
+    """The records of an observe file; a torn last record (the loop was stopped mid
+    write) is left out."""
+    try:
+        with open(path, "rb") as f:
+            buf = f.read()
+    except FileNotFoundError:
+        return []
+    return parse_records(buf)[0]
+
+
+def parse_records(buf: bytes) -> tuple[list[Record], int]:
+    """The whole records at the start of ``buf``, and how many bytes they take."""
+    out: list[Record] = []
+    off, size = 0, REC.size
+    while off + size <= len(buf):
+        ln, kind, flags, pid, nr, err, dlen, arg = REC.unpack_from(buf, off)
+        if ln != size + dlen or off + ln > len(buf):
+            break
+        out.append(Record(kind, flags, pid, nr, err, arg, bytes(buf[off + size:off + ln])))
+        off += ln
+    return out, off
+
+
+def sockaddr(data: bytes) -> tuple[str, str, int | None]:
+    """(family, address, port) of a raw sockaddr: ("inet", "10.0.0.1", 443),
+    ("inet6", "::1", 80), ("unix", "/run/x.sock" or "@abstract", None), or
+    ("family N", "", None)."""
+    if len(data) < 2:
+        return ("unknown", "", None)
+    fam = struct.unpack_from("=H", data)[0]
+    if fam == socket.AF_INET and len(data) >= 8:
+        return ("inet", str(ipaddress.IPv4Address(data[4:8])), struct.unpack_from("!H", data, 2)[0])
+    if fam == socket.AF_INET6 and len(data) >= 24:
+        return ("inet6", str(ipaddress.IPv6Address(data[8:24])), struct.unpack_from("!H", data, 2)[0])
+    if fam == socket.AF_UNIX:
+        p = data[2:]
+        if p[:1] == b"\0":
+            return ("unix", "@" + os.fsdecode(p[1:].rstrip(b"\0")), None)
+        return ("unix", os.fsdecode(p.split(b"\0", 1)[0]), None)
+    if fam == socket.AF_UNSPEC:
+        return ("unspec", "", None)
+    return (f"family {fam}", "", None)
+
+
+@dataclass
+class Stats:
+    notified: int = 0
+    logged: int = 0
+    skipped: int = 0
+    stale: int = 0
+    unreadable: int = 0
+    lost: int = 0
+    error: int = 0  # the loop's -errno, or 0
+
+
+MAX_WATCH = 256  # masked paths inside the project whose opens are still recorded
+
+
+class Observer:
+    """The supervisor's side of one run's observe mode: a thread that takes the listener
+    init sends over ``sock`` and answers every notification until no task of the
+    sandbox is left (the listener hangs up). Records go to ``out_path``; opens beneath
+    ``skip_prefix`` (the project) are answered but not recorded, unless beneath one of
+    ``watch`` (the project's masked secrets: a command reading .env is what a user
+    wants to see)."""
+
+    def __init__(self, sock: socket.socket, out_path: str, skip_prefix: str, watch: tuple[str, ...] = ()) -> None:
+        self.sock = sock
+        self.watch = watch[:MAX_WATCH]
+        self.out_path = out_path
+        self.skip_prefix = skip_prefix
+        self.stats = Stats()
+        self.got_listener = False
+        self._started = False
+        self._stopped = False
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._run, name="stockade-observe", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._started = True
+
+    def _run(self) -> None:
+        try:
+            _msg, fds, _flags, _addr = socket.recv_fds(self.sock, 1, 1)
+        except OSError:
+            return
+        if not fds:
+            return  # the sandbox ended (or failed) before it sent one
+        listener = fds[0]
+        for extra in fds[1:]:
+            os.close(extra)
+        self.got_listener = True
+        try:
+            out = os.open(self.out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError:
+            out = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)  # still answered: never stall the command
+        st = ffi.new("struct sk_observe_stats *")
+        prefix = ffi.new("char[]", os.fsencode(self.skip_prefix))
+        keep = [ffi.new("char[]", os.fsencode(w)) for w in self.watch]
+        watch = ffi.new("char *[]", [*keep, ffi.NULL])
+        try:
+            r = lib.sk_observe_loop(listener, self._stop_r, out, prefix, watch, len(keep), st)
+        finally:
+            os.close(out)
+            os.close(listener)  # (any task left would now get ENOSYS: there is none, or it is being killed)
+        self.stats = Stats(st.notified, st.logged, st.skipped, st.stale, st.unreadable, st.lost, -r if r < 0 else 0)
+
+    def running(self) -> bool:
+        """The loop may still append records."""
+        return self._started and self._thread.is_alive()
+
+    def stop(self, timeout: float = 5.0) -> Stats:
+        """Wait for the loop (it ends by itself once the sandbox is gone), then end it."""
+        if self._stopped:
+            return self.stats
+        self._stopped = True
+        if self._started:
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            try:
+                os.write(self._stop_w, b"x")
+            except OSError:
+                pass
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # a recv still waiting for the listener
+            except OSError:
+                pass
+            self._thread.join(timeout)
+        self.sock.close()
+        for fd in (self._stop_r, self._stop_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        return self.stats

@@ -1,0 +1,497 @@
+"""Observe mode's records as the user reads them: what a command tried, classified.
+
+The kernel runs each observed call itself after the supervisor lets it continue
+(csrc/observe.c), so its return value is never seen here. The result of each entry
+is therefore *predicted*: the run's plan evaluated for that path or address (the
+mount view and secret masks ``policy why`` explains, the read-only mounts and
+Landlock rules for writes, the network mode for addresses). Every event says so
+(``basis: "predicted"``). An allowed open of a file that does not exist still fails
+with ENOENT; a prediction never claims the call succeeded, only that the sandbox's
+walls let it through.
+
+Three parts: ``classify`` (records to audit events, aggregated), ``group`` (the
+events of a session for ``stockade log --observed``), ``suggest`` (blocked entries
+as the config lines that would allow them, each with the risk it opens).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import stat
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+OPERATIONS = ("observed-exec", "observed-open", "observed-connect")
+SUPPRESSED = "observed-suppressed"
+SUMMARY = "observed-summary"
+MAX_EVENTS = 2000  # observed events one run writes at most; the rest are counted in one event
+MAX_PIDS = 8
+
+O_ACCMODE = 0o3
+O_WRONLY = 0o1
+O_RDWR = 0o2
+O_CREAT = 0o100
+O_TRUNC = 0o1000
+
+
+class DecisionLike(Protocol):
+    """``policy.rules.Decision``: what ``policy why PATH`` answers."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def visible(self) -> bool: ...
+
+    @property
+    def access(self) -> str: ...
+
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
+
+
+class RecordLike(Protocol):
+    """``linux.seccomp.observe.Record``."""
+
+    @property
+    def kind(self) -> int: ...
+
+    @property
+    def flags(self) -> int: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def err(self) -> int: ...
+
+    @property
+    def arg(self) -> int: ...
+
+    @property
+    def data(self) -> bytes: ...
+
+    @property
+    def syscall(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Context:
+    """The facts of a run's plan that predict a result."""
+
+    project: str
+    home: str
+    network: str  # none | allow | host
+    tcp_connect_ports: tuple[int, ...] | None  # Landlock TCP connect rule: None = not restricted
+    why: Callable[[str], DecisionLike]  # a resolved host path's visibility (policy.Effective.why)
+    # True: every path beneath this resolved directory is decided by the same rule (a
+    # system directory with no deny, grant or project below): one decision for all
+    uniform: Callable[[str], bool] | None = None
+    grants: tuple[str, ...] = ()  # host paths granted (--allow): the host's own, wherever they are
+    kinds: Mapping[str, int] = field(default_factory=dict)  # KIND_* of linux.seccomp.observe, by name
+    unreadable_flag: int = 1
+    relative_flag: int = 4
+    sockaddr: Callable[[bytes], tuple[str, str, int | None]] | None = None
+
+
+def is_under(path: str, root: str) -> bool:
+    return root == "/" or path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def access_of(flags: int) -> str:
+    """"write" when an open's flags can change the file, else "read"."""
+    if flags & O_ACCMODE in (O_WRONLY, O_RDWR) or flags & (O_CREAT | O_TRUNC):
+        return "write"
+    return "read"
+
+
+class _Resolver:
+    """Host paths resolved (symlinks followed, as the sandbox's view follows the same
+    links) and decided, with one ``lstat`` per new path and a memo per directory."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.real: dict[str, str] = {"/": "/"}
+        self.dirs: dict[str, DecisionLike | None] = {}
+
+    def realpath(self, p: str) -> str:
+        hit = self.real.get(p)
+        if hit is not None:
+            return hit
+        parent, base = os.path.split(p.rstrip("/") or "/")
+        rp = self.realpath(parent) if parent != p else parent
+        child = rp.rstrip("/") + "/" + base if base else rp
+        try:
+            st = os.lstat(child)
+            if stat.S_ISLNK(st.st_mode):
+                child = os.path.realpath(child)
+        except OSError:
+            pass
+        if len(self.real) < 200_000:
+            self.real[p] = child
+        return child
+
+    def decide(self, path: str) -> tuple[str, DecisionLike]:
+        rp = self.realpath(path)
+        parent = os.path.dirname(rp)
+        if parent not in self.dirs:
+            u = self.ctx.uniform
+            self.dirs[parent] = self.ctx.why(parent) if u is not None and u(parent) else None
+        d = self.dirs[parent]
+        return rp, d if d is not None else self.ctx.why(rp)
+
+
+def _path_result(ctx: Context, path: str, access: str, res: _Resolver | None = None) -> tuple[str, str, str]:
+    """(allowed | blocked, policy, reason) predicted for ``access`` of the sandbox path."""
+    in_tree = is_under(path, ctx.project) or any(is_under(path, g) for g in ctx.grants)
+    if not in_tree and (is_under(path, "/tmp") or is_under(path, "/dev/shm")):
+        return "allowed", "sandbox-tmpfs", "the sandbox's private tmpfs (gone with the run)"
+    own_home = not is_under(ctx.project, ctx.home)
+    if not in_tree and own_home and (path == ctx.home or (is_under(path, ctx.home) and access == "write")):
+        return "allowed", "sandbox-tmpfs", f"the sandbox's own empty $HOME {ctx.home} (a tmpfs, gone with the run)"
+    rp, d = (res or _Resolver(ctx)).decide(path)
+    if rp != path:
+        r, pol, why = _decided(ctx, d, path, access)
+        return r, pol, f"{path} resolves to {rp} on the host: {why}"
+    return _decided(ctx, d, path, access)
+
+
+def _decided(ctx: Context, d: DecisionLike, path: str, access: str) -> tuple[str, str, str]:
+    if not d.visible:
+        policy = {"masked": "secret-mask", "denied": "path-deny"}.get(d.access, "mount-view")
+        err = "ENOENT" if d.access != "masked" else "empty or absent"
+        if is_under(path, ctx.home) and d.access == "absent":
+            return "blocked", policy, f"{d.reason} (reads {err} unless the command made it)"
+        return "blocked", policy, f"{d.reason} ({err})"
+    if access == "write" and d.access == "ro":
+        return "blocked", "read-only", f"{d.reason}; writes fail (EROFS/EACCES: read-only mount and Landlock)"
+    if access == "exec" and d.access == "rw" and is_under(path, ctx.project):
+        return "allowed", "project", d.reason
+    return "allowed", d.source if d.source != "default" else "view", d.reason
+
+
+def _net_result(ctx: Context, family: str, addr: str, port: int | None, sock_type: int) -> tuple[str, str, str]:
+    if family == "unix":
+        if addr.startswith("@"):
+            return "allowed", "net-" + ctx.network, "an abstract Unix socket of the sandbox's own network namespace"
+        return _path_result(ctx, addr, "read")
+    if family not in ("inet", "inet6"):
+        return "allowed", "net-" + ctx.network, f"{family} socket"
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return "allowed", "net-" + ctx.network, "unparsed address"
+    loopback = ip.is_loopback or (isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None
+                                  and ip.ipv4_mapped.is_loopback)
+    tcp = sock_type == 1  # SOCK_STREAM
+    if ctx.network == "host":
+        return "allowed", "net-host", "--net host: the host's network"
+    if tcp and ctx.tcp_connect_ports is not None and port not in ctx.tcp_connect_ports:
+        why = "Landlock refuses TCP connect to every port" if not ctx.tcp_connect_ports else (
+            "Landlock allows TCP connect only to ports " + ", ".join(map(str, ctx.tcp_connect_ports)))
+        return "blocked", "landlock-net", f"{why} (EACCES)"
+    if loopback:
+        if ctx.network == "allow":
+            return "allowed", "net-allow", "the sandbox's own loopback (the run's proxy listens there)"
+        return "allowed", "net-none", "the sandbox's own loopback (its own network namespace, not the host's)"
+    if ctx.network == "allow":
+        return "blocked", "net-allow", "no route out: --net allow reaches hosts only through the run's proxy (ENETUNREACH)"
+    return "blocked", "net-none", "no route out: --net none has only loopback (ENETUNREACH)"
+
+
+@dataclass
+class _Agg:
+    operation: str
+    target: str
+    result: str
+    policy: str
+    reason: str
+    access: str
+    syscall: str
+    count: int = 0
+    pids: list[int] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Classifier:
+    """Records in, aggregated events out (one per operation, target, access and result).
+    Fed as the records arrive (a thread during the run), so the run's end only adds the
+    last ones."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.kinds = {v: k for k, v in ctx.kinds.items()}
+        self.resolver = _Resolver(ctx)
+        self.aggs: dict[tuple[str, str, str], _Agg] = {}
+        self.memo: dict[tuple[str, str], tuple[str, str, str]] = {}
+
+    def feed(self, records: Iterable[RecordLike]) -> None:
+        ctx, aggs, memo = self.ctx, self.aggs, self.memo
+        for r in records:
+            kind = self.kinds.get(r.kind, "")
+            extra: dict[str, Any] = {}
+            if r.flags & ctx.unreadable_flag:
+                op = {"exec": "observed-exec", "open": "observed-open"}.get(kind, "observed-connect")
+                target = f"(unreadable: errno {r.err})"
+                res: tuple[str, str, str] = ("info", "observe", "the argument could not be read from the process "
+                                             "(it changed or unmapped it, or ptrace access was refused)")
+                access = "exec" if kind == "exec" else "read" if kind == "open" else "connect"
+            elif kind in ("exec", "open"):
+                op = "observed-" + kind
+                target = os.fsdecode(r.data)
+                access = "exec" if kind == "exec" else access_of(r.arg)
+                if r.flags & ctx.relative_flag:
+                    res = ("info", "observe", "a relative path whose directory could not be resolved")
+                else:
+                    key = (target, access)
+                    hit = memo.get(key)
+                    if hit is None:
+                        hit = memo[key] = _path_result(ctx, target, access, self.resolver)
+                    res = hit
+                    if res[0] == "blocked" and " resolves to " in res[2]:
+                        extra = {"resolved": res[2].split(" resolves to ", 1)[1].split(" on the host:", 1)[0]}
+            else:
+                op = "observed-connect"
+                assert ctx.sockaddr is not None
+                fam, addr, port = ctx.sockaddr(r.data)
+                if fam in ("inet", "inet6"):
+                    target = f"[{addr}]:{port}" if fam == "inet6" else f"{addr}:{port}"
+                else:
+                    target = f"{fam}:{addr}" if addr else fam
+                access = "connect" if kind == "connect" else "send"
+                sock_type = r.arg if kind == "connect" else 2
+                res = _net_result(ctx, fam, addr, port, sock_type)
+                extra = {"family": fam}
+            k = (op, target, access)
+            a = aggs.get(k)
+            if a is None:
+                a = aggs[k] = _Agg(op, target, res[0], res[1], res[2], access, r.syscall, extra=extra)
+            a.count += 1
+            if len(a.pids) < MAX_PIDS and r.pid not in a.pids:
+                a.pids.append(r.pid)
+
+    def events(self) -> list[dict[str, Any]]:
+        """Blocked first, in the order first seen within each; each a dict of
+        AuditLog.event's arguments."""
+        ordered = sorted(self.aggs.values(), key=lambda a: a.result != "blocked")
+        return [
+            {"operation": a.operation, "target": a.target, "result": a.result, "policy": a.policy,
+             "reason": a.reason, "access": a.access, "syscall": a.syscall, "count": a.count, "pids": a.pids,
+             "basis": "predicted", **a.extra}
+            for a in ordered
+        ]
+
+
+def classify(records: Iterable[RecordLike], ctx: Context) -> list[dict[str, Any]]:
+    """``Classifier`` in one call."""
+    c = Classifier(ctx)
+    c.feed(records)
+    return c.events()
+
+
+def capped(events: Sequence[dict[str, Any]], limit: int = MAX_EVENTS) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The events a run writes (blocked ones first) and the counts of those left out."""
+    kept = list(events[:limit])
+    left: dict[str, int] = {}
+    for e in events[limit:]:
+        k = f"{e['operation']} {e['result']}"
+        left[k] = left.get(k, 0) + 1
+    return kept, left
+
+
+# --------------------------------------------------------------------------- reading back
+
+
+@dataclass
+class Grouped:
+    """A session's observed events, as ``stockade log --observed`` shows them."""
+
+    programs: dict[str, int] = field(default_factory=dict)  # exec'd path -> times
+    denied: list[Mapping[str, Any]] = field(default_factory=list)  # blocked execs and opens
+    opened: dict[str, int] = field(default_factory=dict)  # allowed opens outside the project -> times
+    hosts: list[Mapping[str, Any]] = field(default_factory=list)  # connect/send targets
+    suppressed: dict[str, int] = field(default_factory=dict)
+    runs: set[int] = field(default_factory=set)
+    summaries: list[Mapping[str, Any]] = field(default_factory=list)
+
+
+def is_observed(rec: Mapping[str, Any]) -> bool:
+    op = str(rec.get("operation", ""))
+    return op in OPERATIONS or op in (SUPPRESSED, SUMMARY)
+
+
+def group(events: Iterable[Mapping[str, Any]], run: int | None = None) -> Grouped:
+    g = Grouped()
+    hosts: dict[tuple[str, str], dict[str, Any]] = {}
+    denied: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for e in events:
+        if not is_observed(e) or (run is not None and e.get("run") != run):
+            continue
+        if isinstance(e.get("run"), int):
+            g.runs.add(int(e["run"]))
+        op, target, count = e.get("operation"), str(e.get("target", "")), int(e.get("count") or 1)
+        if op == SUPPRESSED:
+            for k, v in (e.get("counts") or {}).items():
+                g.suppressed[str(k)] = g.suppressed.get(str(k), 0) + int(v)
+            continue
+        if op == SUMMARY:
+            g.summaries.append(e)
+            continue
+        if op == "observed-exec" and e.get("result") != "blocked":
+            g.programs[target] = g.programs.get(target, 0) + count
+        if op in ("observed-exec", "observed-open") and e.get("result") == "blocked":
+            k = (str(op), target, str(e.get("access", "")))
+            if k in denied:
+                denied[k]["count"] += count
+            else:
+                denied[k] = {**e, "count": count}
+        elif op == "observed-open":
+            g.opened[target] = g.opened.get(target, 0) + count
+        elif op == "observed-connect":
+            hk = (target, str(e.get("result")))
+            if hk in hosts:
+                hosts[hk]["count"] += count
+            else:
+                hosts[hk] = {**e, "count": count}
+    g.denied = list(denied.values())
+    g.hosts = list(hosts.values())
+    return g
+
+
+def top_dirs(paths: Mapping[str, int], depth: int = 2) -> dict[str, int]:
+    """Paths counted by their first ``depth`` components (/usr/lib, /etc/ssl...)."""
+    out: dict[str, int] = {}
+    for p, n in paths.items():
+        parts = p.split("/")[1:depth + 1]
+        d = "/" + "/".join(parts) if parts else p
+        out[d] = out.get(d, 0) + n
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def format_grouped(g: Grouped, *, summary: bool) -> list[str]:
+    lines: list[str] = []
+    if not (g.programs or g.denied or g.opened or g.hosts or g.summaries):
+        return ["no observed events: run with `stockade run --observe` (or [audit] observe = true)"]
+    n_runs = len(g.runs)
+    lines.append(f"observed: {n_runs} run{'s' if n_runs != 1 else ''} "
+                 "(results are predicted from each run's plan, not the calls' return values)")
+    lines.append("")
+    lines.append(f"programs run ({len(g.programs)}):")
+    for p, n in sorted(g.programs.items(), key=lambda kv: (-kv[1], kv[0]))[: 15 if summary else None]:
+        lines.append(f"  {p}" + (f"  x{n}" if n > 1 else ""))
+    lines.append("")
+    lines.append(f"paths denied ({len(g.denied)}):")
+    for e in g.denied[: 15 if summary else None]:
+        n = int(e.get("count") or 1)
+        lines.append(f"  {e.get('access', '')} {e.get('target')}" + (f"  x{n}" if n > 1 else "")
+                     + f"  [{e.get('policy')}]  {e.get('reason')}")
+    lines.append("")
+    lines.append(f"hosts tried ({len(g.hosts)}):")
+    for e in g.hosts[: 15 if summary else None]:
+        n = int(e.get("count") or 1)
+        lines.append(f"  {e.get('access', '')} {e.get('target')}  {str(e.get('result', '')).upper()}"
+                     + (f"  x{n}" if n > 1 else "") + f"  [{e.get('policy')}]  {e.get('reason')}")
+    lines.append("")
+    if summary:
+        dirs = top_dirs(g.opened)
+        lines.append(f"opened outside the project: {sum(g.opened.values())} opens of {len(g.opened)} paths, by directory:")
+        for d, n in list(dirs.items())[:10]:
+            lines.append(f"  {d}  {n}")
+    else:
+        lines.append(f"opened outside the project ({len(g.opened)}):")
+        for p, n in sorted(g.opened.items()):
+            lines.append(f"  {p}" + (f"  x{n}" if n > 1 else ""))
+    if g.suppressed:
+        lines.append("")
+        lines.append("not logged one by one (over the per-run cap): "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(g.suppressed.items())))
+    for s in g.summaries:
+        lost = [f"{k} {s[k]}" for k in ("stale", "unreadable", "lost") if s.get(k)]
+        if lost:
+            lines.append(f"run {s.get('run')}: " + ", ".join(lost))
+    return lines
+
+
+# --------------------------------------------------------------------------- policy suggest
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    line: str  # a config line (TOML) for .stockade.toml
+    section: str  # the table it goes in
+    risk: str  # what allowing it opens
+    because: str  # the observed entry
+
+
+def _quote(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def suggest(events: Iterable[Mapping[str, Any]], *, project: str) -> list[Suggestion]:
+    """The config lines that would allow what the observed runs were denied. Never
+    applied: the user copies what they accept."""
+    out: dict[tuple[str, str], Suggestion] = {}
+    for e in events:
+        if e.get("operation") not in OPERATIONS or e.get("result") != "blocked":
+            continue
+        target, pol, access = str(e.get("target", "")), str(e.get("policy", "")), str(e.get("access", ""))
+        because = f"{e.get('operation')} {access} {target}: {e.get('reason')}"
+        if e.get("operation") == "observed-connect":
+            host = target.rsplit(":", 1)[0].strip("[]")
+            port = target.rsplit(":", 1)[-1]
+            if pol == "landlock-net" and is_loopback(host):
+                s = Suggestion(f"forward = [{port}]", "[network]",
+                               f"the sandbox reaches the host's loopback port {port} (a service there acts for it)",
+                               because)
+            else:
+                s = Suggestion(f'mode = "allow"\nallow = [{_quote(host + ":" + port)}]', "[network]",
+                               f"a host: the command can send data to {host} port {port} (through the proxy)", because)
+            out[(s.section, s.line)] = s
+            continue
+        path = str(e.get("resolved") or target)
+        if not os.path.lexists(path):
+            continue  # nothing on the host to allow (a PATH search, a probe for an optional file)
+        home = _home_note(path)
+        if pol == "secret-mask":
+            rel = os.path.relpath(path, project) if is_under(path, project) else path
+            s = Suggestion(f"allow = [{_quote(rel)}]", "[secrets]",
+                           f"a secret pattern: {rel} matched a sensitive-file pattern; the command could read it "
+                           "(and send it out, if the network allows)", because)
+        elif pol == "read-only" or access == "write":
+            s = Suggestion(f'path = {_quote(path)}\naccess = "rw"', "[[paths]]",
+                           f"a write outside the project: the command can change {path} on the host directly, "
+                           "bypassing the change set and its review" + home, because)
+        elif pol in ("mount-view", "path-deny"):
+            if is_under(path, "/etc"):
+                s = Suggestion(f"extra = [{_quote(path)}]", "[etc]",
+                               f"read access to the host's {path} (check it holds no secret: /etc/shadow, "
+                               "credentials in service configs)", because)
+            else:
+                what = "everything under it becomes readable" if os.path.isdir(path) else "the file becomes readable"
+                s = Suggestion(f'path = {_quote(path)}\naccess = "ro"', "[[paths]]",
+                               f"read access to {path} on the host: {what} (secret patterns still mask matching files)"
+                               + home + ("; it is denied by a path rule now: remove that rule instead"
+                                         if pol == "path-deny" else ""), because)
+        else:
+            continue
+        out.setdefault((s.section, s.line), s)
+    return list(out.values())
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _home_note(path: str) -> str:
+    homes = {os.path.expanduser("~"), "/root"}
+    if any(is_under(path, h) or is_under(h, path) for h in homes if h):
+        return "; it is (or holds) a home directory, where credentials live (~/.ssh, ~/.aws, tokens in dotfiles)"
+    return ""

@@ -1,0 +1,247 @@
+"""Observe mode end to end (issue 19, part 3): `stockade run --observe`, `log --observed`,
+`policy suggest`, the Python API, as root and unprivileged, in-process and served.
+
+What the command tried is known here because the test wrote the command: a probe that
+execs a program, opens files outside the project (one the sandbox shows, one it hides,
+a masked secret inside it), and connects to a loopback port and to an address with no
+route. The probe prints the errno each call got *inside*; the log's predicted result
+must agree with it. Behaviour is checked unchanged by running the same probe with and
+without observe mode.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..conftest import User
+
+pytestmark = pytest.mark.cli_paths  # every test with a `user`: in-process and served (one run path)
+
+PY3 = "/usr/bin/python3"
+
+PROBE = r'''
+import errno, json, os, socket, subprocess, sys
+out = {}
+out["true"] = subprocess.run(["/usr/bin/true"]).returncode
+def try_open(p):
+    try:
+        os.close(os.open(p, os.O_RDONLY))
+        return 0
+    except OSError as e:
+        return e.errno
+out["hosts"] = try_open("/etc/hosts")
+out["shadow"] = try_open("/etc/shadow")
+out["env"] = try_open(".env")
+def try_connect(addr):
+    s = socket.socket()
+    s.settimeout(2)
+    try:
+        return s.connect_ex(addr)
+    finally:
+        s.close()
+out["loopback"] = try_connect(("127.0.0.1", int(sys.argv[1])))
+out["outside"] = try_connect(("10.255.255.1", 80))
+print(json.dumps(out, sort_keys=True))
+'''
+
+RACE = r'''
+import ctypes, os, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+buf = ctypes.create_string_buffer(4300)
+a = b"/etc/hosts\0"
+b = b"/usr/" + b"x" * 4200  # no NUL within PATH_MAX: a truncated read
+stop = time.monotonic() + 2.0
+def flip():
+    while time.monotonic() < stop:
+        ctypes.memmove(buf, a, len(a))
+        ctypes.memmove(buf, b, len(b))
+def bad():
+    while time.monotonic() < stop:
+        libc.open(ctypes.c_void_p(1), 0)  # EFAULT: nothing to read
+threads = [threading.Thread(target=flip), threading.Thread(target=bad)]
+for t in threads:
+    t.start()
+n = 0
+while time.monotonic() < stop:
+    fd = libc.open(buf, 0)
+    if fd >= 0:
+        os.close(fd)
+    n += 1
+for t in threads:
+    t.join()
+print("done", n > 0)
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def setup_project(user: User, project: Path) -> None:
+    (project / "probe.py").write_text(PROBE)
+    (project / ".env").write_text("API_KEY=not-a-real-one\n")
+    user.own(project)
+
+
+def session_of(stderr: bytes) -> str:
+    for line in stderr.decode().splitlines():
+        if line.startswith("stockade: session "):
+            return line.split()[-1]
+    raise AssertionError(f"no session named in: {stderr.decode()!r}")
+
+
+def observed_json(user: User, project: Path, sess: str) -> dict[str, Any]:
+    r = user.cli(["log", "--observed", "--json", sess], cwd=project)
+    assert r.returncode == 0, r.stderr.decode()
+    return dict(json.loads(r.stdout))
+
+
+def test_observe_names_what_the_command_tried(user: User, project: Path) -> None:
+    setup_project(user, project)
+    port = free_port()
+    argv = ["run", "--observe", "--", PY3, "probe.py", str(port)]
+    r = user.cli(argv, cwd=project)
+    assert r.returncode == 0, r.stderr.decode()
+    got = json.loads(r.stdout)
+    assert got["true"] == 0 and got["hosts"] == 0
+    assert got["shadow"] == errno.ENOENT and got["env"] == errno.ENOENT  # hidden; masked (absent)
+    sess = session_of(r.stderr)
+    obs = observed_json(user, project, sess)
+
+    assert "/usr/bin/true" in obs["programs"] and PY3 in obs["programs"]
+    assert "/etc/hosts" in obs["opened"]
+    denied = {d["target"]: d for d in obs["denied"]}
+    assert denied["/etc/shadow"]["policy"] == "mount-view"
+    assert denied[str(project / ".env")]["policy"] == "secret-mask"
+    assert "/etc/hosts" not in denied
+    hosts = {h["target"]: h for h in obs["hosts"]}
+    loop = hosts[f"127.0.0.1:{port}"]
+    # the prediction agrees with what the call got inside: refused by nobody (ECONNREFUSED,
+    # nothing listens in the sandbox's own loopback) or by Landlock's TCP rule (EACCES)
+    assert got["loopback"] in (errno.ECONNREFUSED, errno.EACCES)
+    assert loop["result"] == ("blocked" if got["loopback"] == errno.EACCES else "allowed")
+    out = hosts["10.255.255.1:80"]
+    assert out["result"] == "blocked"
+    assert got["outside"] in (errno.ENETUNREACH, errno.EACCES)
+    assert all(h.get("basis") == "predicted" for h in obs["hosts"])
+    # the run's record says what the observer saw
+    (summ,) = obs["summaries"]
+    assert summ["notified"] >= summ["logged"] > 0 and summ["stale"] == 0 and not summ.get("error")
+
+    text = user.cli(["log", "--observed", "--summary", sess], cwd=project)
+    assert text.returncode == 0
+    for part in ("programs run", "paths denied", "/etc/shadow", "hosts tried", "10.255.255.1:80"):
+        assert part in text.stdout.decode(), part
+
+
+@pytest.mark.vm
+def test_behaviour_is_unchanged(user: User, project: Path) -> None:
+    setup_project(user, project)
+    port = str(free_port())
+    plain = user.cli(["run", "--", PY3, "probe.py", port], cwd=project)
+    watched = user.cli(["run", "--observe", "--", PY3, "probe.py", port], cwd=project)
+    assert plain.returncode == watched.returncode == 0, (plain.stderr, watched.stderr)
+    assert plain.stdout == watched.stdout
+    code = "import sys; print('out'); sys.stderr.write('err\\n'); sys.exit(7)"
+    a = user.cli(["run", "--", PY3, "-c", code], cwd=project)
+    b = user.cli(["run", "--observe", "--", PY3, "-c", code], cwd=project)
+    assert a.returncode == b.returncode == 7 and a.stdout == b.stdout == b"out\n"
+
+
+@pytest.mark.vm
+def test_a_racing_command_cannot_crash_or_hang_the_observer(user: User, project: Path) -> None:
+    (project / "race.py").write_text(RACE)
+    user.own(project)
+    t = time.monotonic()
+    r = user.cli(["run", "--observe", "--timeout", "60", "--", PY3, "race.py"], cwd=project, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout == b"done True\n"
+    assert time.monotonic() - t < 60
+    obs = observed_json(user, project, session_of(r.stderr))
+    (summ,) = obs["summaries"]
+    assert summ["notified"] > 0 and not summ.get("error")
+    # what the racing reads gave is logged as what it was: /etc/hosts, a truncated path, an unreadable one
+    seen = set(obs["opened"]) | {d["target"] for d in obs["denied"]}
+    assert "/etc/hosts" in seen
+    assert summ["unreadable"] > 0
+
+
+def test_policy_suggest_names_each_risk(user: User, project: Path) -> None:
+    setup_project(user, project)
+    r = user.cli(["run", "--observe", "--", PY3, "probe.py", str(free_port())], cwd=project)
+    assert r.returncode == 0, r.stderr.decode()
+    sess = session_of(r.stderr)
+    before = (project / ".stockade.toml").exists()
+    s = user.cli(["policy", "suggest", sess], cwd=project)
+    assert s.returncode == 0, s.stderr.decode()
+    text = s.stdout.decode()
+    assert "[etc]\nextra = [\"/etc/shadow\"]" in text
+    assert "[secrets]\nallow = [\".env\"]" in text and "# risk: a secret pattern" in text
+    assert 'allow = ["10.255.255.1:80"]' in text and "# risk: a host" in text
+    assert "not applied" in text
+    assert (project / ".stockade.toml").exists() == before  # never applied by itself
+    j = user.cli(["policy", "suggest", "--json", sess], cwd=project)
+    assert {x["section"] for x in json.loads(j.stdout)} >= {"[etc]", "[secrets]", "[network]"}
+
+
+def test_bad_input(user: User, project: Path) -> None:
+    sessions = user.state / "sessions"
+    before = sorted(os.listdir(sessions)) if sessions.exists() else []
+    r = user.cli(["run", "--observe", "--seccomp", "off", "--allow-degraded", "seccomp", "--", "true"], cwd=project)
+    assert r.returncode == 2
+    assert r.stderr.decode().count("\n") == 1 and "--observe needs seccomp" in r.stderr.decode()
+    prof = user.home / "notify.json"
+    prof.write_text(json.dumps({"defaultAction": "SCMP_ACT_ALLOW", "architectures": ["SCMP_ARCH_NATIVE"],
+                                "syscalls": [{"names": ["openat"], "action": "SCMP_ACT_NOTIFY"}]}))
+    user.own(prof)
+    r = user.cli(["run", "--seccomp", str(prof), "--", "true"], cwd=project)
+    assert r.returncode == 2 and "observe mode" in r.stderr.decode(), r.stderr.decode()
+    r = user.cli(["start", "--observe"], cwd=project)
+    assert r.returncode == 2 and "not available for living sandboxes" in r.stderr.decode(), r.stderr.decode()
+    after = sorted(os.listdir(sessions)) if sessions.exists() else []
+    assert after == before  # nothing created
+    r = user.cli(["log", "--summary"], cwd=project)
+    assert r.returncode == 2
+
+
+def test_config_turns_it_on_and_the_flag_off(user: User, project: Path) -> None:
+    (project / ".stockade.toml").write_text("[audit]\nobserve = true\n")
+    user.own(project)
+    r = user.cli(["run", "--", "/usr/bin/true"], cwd=project)
+    assert r.returncode == 0, r.stderr.decode()
+    assert "/usr/bin/true" in observed_json(user, project, session_of(r.stderr))["programs"]
+    r = user.cli(["run", "--no-observe", "--", "/usr/bin/true"], cwd=project)
+    assert r.returncode == 0
+    assert observed_json(user, project, session_of(r.stderr))["programs"] == {}
+
+
+def test_python_api(api_project: Path) -> None:
+    import stockade
+    from stockade import audit
+    from stockade.errors import UsageError
+    from stockade.session import store
+
+    r = stockade.run(["/usr/bin/cat", "/etc/hostname"], project=api_project, observe=True, capture_output=True)
+    assert r.returncode == 0
+    sess = store.open_session(r.session)
+    ops = [e for e in audit.read_events(sess.events_path) if str(e.get("operation", "")).startswith("observed-")]
+    assert any(e["operation"] == "observed-exec" and e["target"] == "/usr/bin/cat" for e in ops)
+    with stockade.Sandbox(api_project, observe=True) as sb:
+        r2 = sb.run(["/usr/bin/true"])
+        assert r2.returncode == 0
+        evs = list(audit.read_events(sb.session.events_path))
+        assert any(e.get("operation") == "observed-exec" and e.get("target") == "/usr/bin/true" for e in evs)
+    with pytest.raises(UsageError, match="living sandboxes"):
+        stockade.Sandbox(api_project, persistent=True, observe=True)
+    with pytest.raises(UsageError, match="needs seccomp"):
+        stockade.run(["true"], project=api_project, observe=True, seccomp="off", allow_degraded=["seccomp"])

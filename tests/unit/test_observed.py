@@ -1,0 +1,279 @@
+"""Observe mode without a sandbox: the notifying filter (run on the BPF evaluator), the
+records' decoding, the classification of what a command tried, the grouping for
+`log --observed`, `policy suggest`, and the bad input around it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stockade import observed, policy
+from stockade.errors import PolicyError, UsageError
+from stockade.linux.native import lib
+from stockade.linux.seccomp import evaluate
+from stockade.linux.seccomp import observe as kobs
+from stockade.linux.seccomp.bpf import SECCOMP_RET_ALLOW
+
+pytestmark = pytest.mark.skipif(kobs.supported() is not None, reason="observe mode knows x86_64 and aarch64 only")
+
+NOTIF = kobs.SECCOMP_RET_USER_NOTIF
+NRS = kobs._TABLES[os.uname().machine][1]
+
+
+# ---- the filter ---------------------------------------------------------------------------
+
+def test_filter_notifies_the_observed_calls_and_allows_the_rest() -> None:
+    bpf = kobs.observe_bpf()
+    for name in ("execve", "execveat", "openat", "openat2", "connect"):
+        assert evaluate(bpf, NRS[name]) == NOTIF, name
+    for nr in (0, 1, 3, 39, 60, 231):  # read/write/close/getpid/exit... (never one of ours)
+        if nr not in NRS.values():
+            assert evaluate(bpf, nr) == SECCOMP_RET_ALLOW, nr
+
+
+def test_sendto_without_an_address_is_not_notified() -> None:
+    bpf = kobs.observe_bpf()
+    assert evaluate(bpf, NRS["sendto"], [3, 0x1000, 10, 0, 0, 0]) == SECCOMP_RET_ALLOW
+    assert evaluate(bpf, NRS["sendto"], [3, 0x1000, 10, 0, 0x2000, 16]) == NOTIF
+    assert evaluate(bpf, NRS["sendto"], [3, 0x1000, 10, 0, 1 << 40, 16]) == NOTIF  # a high word alone
+
+
+def test_sendmsg_of_inits_handoff_only_is_let_through() -> None:
+    bpf = kobs.observe_bpf()
+    k = lib.SK_OBSERVE_SOCK_K  # init's socket number goes here (csrc/observe.c)
+    assert evaluate(bpf, NRS["sendmsg"], [k, 0x1000, 0]) == SECCOMP_RET_ALLOW
+    assert evaluate(bpf, NRS["sendmsg"], [5, 0x1000, 0]) == NOTIF
+
+
+def test_filter_leaves_other_abis_to_the_policy_filter() -> None:
+    bpf = kobs.observe_bpf()
+    assert evaluate(bpf, NRS["openat"], arch=0x40000003) == SECCOMP_RET_ALLOW  # i386
+    assert evaluate(bpf, NRS["openat"] | 0x40000000) == SECCOMP_RET_ALLOW  # x32 numbers
+
+
+def test_every_jump_lands_inside_the_program() -> None:
+    for machine in kobs._TABLES:
+        bpf = kobs.observe_bpf(machine)
+        n = len(bpf) // 8
+        for i in range(n):
+            code, jt, jf, _k = struct.unpack_from("=HBBI", bpf, i * 8)
+            if code & 0x07 == 0x05:
+                assert i + 1 + jt < n and i + 1 + jf < n
+        assert n < 256  # csrc/observe.c's copy
+
+
+# ---- records ------------------------------------------------------------------------------
+
+def rec(kind: int, data: bytes, *, pid: int = 7, nr: int = 257, flags: int = 0, err: int = 0, arg: int = 0) -> bytes:
+    return kobs.REC.pack(kobs.REC.size + len(data), kind, flags, pid, nr, err, len(data), arg) + data
+
+
+def test_records_decode_and_a_torn_tail_waits() -> None:
+    buf = rec(kobs.KIND_OPEN, b"/etc/hosts") + rec(kobs.KIND_EXEC, b"/usr/bin/true", nr=NRS["execve"])
+    torn = rec(kobs.KIND_OPEN, b"/etc/passwd")[:-3]
+    got, used = kobs.parse_records(buf + torn)
+    assert [r.path for r in got] == ["/etc/hosts", "/usr/bin/true"]
+    assert used == len(buf)
+    assert got[1].syscall == "execve"
+
+
+def test_sockaddrs() -> None:
+    v4 = struct.pack("=H", socket.AF_INET) + struct.pack("!H", 443) + socket.inet_aton("10.1.2.3") + b"\0" * 8
+    assert kobs.sockaddr(v4) == ("inet", "10.1.2.3", 443)
+    v6 = struct.pack("=H", socket.AF_INET6) + struct.pack("!H", 80) + b"\0" * 4 + socket.inet_pton(socket.AF_INET6, "::1")
+    assert kobs.sockaddr(v6) == ("inet6", "::1", 80)
+    assert kobs.sockaddr(struct.pack("=H", socket.AF_UNIX) + b"/run/x.sock\0") == ("unix", "/run/x.sock", None)
+    assert kobs.sockaddr(struct.pack("=H", socket.AF_UNIX) + b"\0abs") == ("unix", "@abs", None)
+    assert kobs.sockaddr(b"\x01") == ("unknown", "", None)
+
+
+# ---- classification -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class D:
+    path: str
+    visible: bool
+    access: str
+    reason: str
+    source: str = "default"
+
+
+def ctx(tmp_path: Path, network: str = "none", ports: tuple[int, ...] | None = None) -> observed.Context:
+    proj = str(tmp_path / "proj")
+
+    def why(p: str) -> D:
+        if p.endswith("/.env"):
+            return D(p, False, "masked", "masked: matches sensitive pattern '.env'")
+        if p.startswith("/usr/"):
+            return D(p, True, "ro", "visible read-only: system directory /usr")
+        if p.startswith(proj):
+            return D(p, True, "rw", "visible: inside the project")
+        return D(p, False, "absent", "not visible: outside the project and every grant")
+
+    return observed.Context(project=proj, home="/home/u", network=network, tcp_connect_ports=ports, why=why,
+                            kinds={"exec": kobs.KIND_EXEC, "open": kobs.KIND_OPEN, "connect": kobs.KIND_CONNECT,
+                                   "sendto": kobs.KIND_SENDTO, "sendmsg": kobs.KIND_SENDMSG},
+                            unreadable_flag=kobs.F_UNREADABLE, relative_flag=kobs.F_RELATIVE, sockaddr=kobs.sockaddr)
+
+
+def inet(addr: str, port: int) -> bytes:
+    return struct.pack("=H", socket.AF_INET) + struct.pack("!H", port) + socket.inet_aton(addr) + b"\0" * 8
+
+
+def test_classify_paths_and_hosts(tmp_path: Path) -> None:
+    c = ctx(tmp_path)
+    proj = c.project
+    recs, _ = kobs.parse_records(
+        rec(kobs.KIND_EXEC, b"/usr/bin/git", nr=NRS["execve"])
+        + rec(kobs.KIND_OPEN, b"/usr/lib/x.so") * 3
+        + rec(kobs.KIND_OPEN, b"/srv/data", arg=os.O_RDONLY)
+        + rec(kobs.KIND_OPEN, b"/usr/lib/new", arg=os.O_WRONLY | os.O_CREAT)
+        + rec(kobs.KIND_OPEN, proj.encode() + b"/.env")
+        + rec(kobs.KIND_OPEN, b"/tmp/scratch", arg=os.O_RDWR | os.O_CREAT)
+        + rec(kobs.KIND_OPEN, b"/home/u/.cache/x", arg=os.O_WRONLY | os.O_CREAT)
+        + rec(kobs.KIND_CONNECT, inet("127.0.0.1", 5432), nr=NRS["connect"], arg=1)
+        + rec(kobs.KIND_CONNECT, inet("93.184.216.34", 443), nr=NRS["connect"], arg=1)
+        + rec(kobs.KIND_OPEN, b"", flags=kobs.F_UNREADABLE, err=14)
+    )
+    ev = observed.classify(recs, c)
+    by = {(e["operation"], e["target"]): e for e in ev}
+    assert ev[0]["result"] == "blocked"  # blocked ones first
+    assert by[("observed-exec", "/usr/bin/git")]["result"] == "allowed"
+    assert by[("observed-open", "/usr/lib/x.so")]["count"] == 3
+    assert by[("observed-open", "/srv/data")]["result"] == "blocked"
+    assert by[("observed-open", "/srv/data")]["policy"] == "mount-view"
+    w = by[("observed-open", "/usr/lib/new")]
+    assert (w["result"], w["policy"], w["access"]) == ("blocked", "read-only", "write")
+    s = by[("observed-open", proj + "/.env")]
+    assert (s["result"], s["policy"]) == ("blocked", "secret-mask")
+    assert by[("observed-open", "/tmp/scratch")]["policy"] == "sandbox-tmpfs"
+    assert by[("observed-open", "/home/u/.cache/x")]["result"] == "allowed"  # the sandbox's own $HOME
+    assert by[("observed-connect", "127.0.0.1:5432")]["result"] == "allowed"
+    out = by[("observed-connect", "93.184.216.34:443")]
+    assert (out["result"], out["policy"]) == ("blocked", "net-none")
+    assert by[("observed-open", "(unreadable: errno 14)")]["result"] == "info"
+    assert all(e["basis"] == "predicted" for e in ev)
+
+
+def test_landlock_tcp_rules_decide_a_loopback_connect(tmp_path: Path) -> None:
+    recs, _ = kobs.parse_records(rec(kobs.KIND_CONNECT, inet("127.0.0.1", 5432), nr=NRS["connect"], arg=1)
+                                 + rec(kobs.KIND_CONNECT, inet("127.0.0.1", 8080), nr=NRS["connect"], arg=1)
+                                 + rec(kobs.KIND_CONNECT, inet("127.0.0.1", 53), nr=NRS["connect"], arg=2))
+    ev = {e["target"]: e for e in observed.classify(recs, ctx(tmp_path, ports=(5432,)))}
+    assert ev["127.0.0.1:5432"]["result"] == "allowed"
+    assert (ev["127.0.0.1:8080"]["result"], ev["127.0.0.1:8080"]["policy"]) == ("blocked", "landlock-net")
+    assert ev["127.0.0.1:53"]["result"] == "allowed"  # UDP: Landlock has no rule for it
+
+
+def test_host_network_allows(tmp_path: Path) -> None:
+    recs, _ = kobs.parse_records(rec(kobs.KIND_SENDTO, inet("8.8.8.8", 53), nr=NRS["sendto"]))
+    (e,) = observed.classify(recs, ctx(tmp_path, network="host"))
+    assert (e["result"], e["access"]) == ("allowed", "send")
+
+
+def test_cap_counts_what_is_left_out() -> None:
+    ev = [{"operation": "observed-open", "result": "allowed", "target": str(i)} for i in range(5)]
+    kept, left = observed.capped(ev, 2)
+    assert len(kept) == 2 and left == {"observed-open allowed": 3}
+
+
+# ---- reading back -------------------------------------------------------------------------
+
+EVENTS = [
+    {"operation": "observed-exec", "target": "/usr/bin/git", "result": "allowed", "count": 2, "run": 1},
+    {"operation": "observed-open", "target": "/etc/shadow", "result": "blocked", "policy": "mount-view",
+     "reason": "/etc is hidden", "access": "read", "count": 1, "run": 1},
+    {"operation": "observed-open", "target": "/usr/lib/a.so", "result": "allowed", "count": 4, "run": 1},
+    {"operation": "observed-open", "target": "/usr/lib/b.so", "result": "allowed", "count": 1, "run": 2},
+    {"operation": "observed-connect", "target": "10.0.0.1:443", "result": "blocked", "policy": "net-none",
+     "reason": "no route out", "access": "connect", "count": 1, "run": 2},
+    {"operation": "observed-suppressed", "counts": {"observed-open allowed": 9}, "run": 2},
+    {"operation": "run", "target": "/p", "result": "started", "run": 1},
+]
+
+
+def test_group_and_format() -> None:
+    g = observed.group(EVENTS)
+    assert g.programs == {"/usr/bin/git": 2}
+    assert [e["target"] for e in g.denied] == ["/etc/shadow"]
+    assert g.opened == {"/usr/lib/a.so": 4, "/usr/lib/b.so": 1}
+    assert [e["target"] for e in g.hosts] == ["10.0.0.1:443"]
+    assert g.suppressed == {"observed-open allowed": 9}
+    assert g.runs == {1, 2}
+    assert observed.group(EVENTS, run=2).programs == {}
+    text = "\n".join(observed.format_grouped(g, summary=True))
+    for part in ("programs run (1)", "paths denied (1)", "/etc/shadow", "hosts tried (1)", "10.0.0.1:443",
+                 "/usr/lib  5", "not logged one by one"):
+        assert part in text, part
+    assert "no observed events" in observed.format_grouped(observed.group([]), summary=False)[0]
+
+
+def test_suggest_marks_each_line_with_its_risk(tmp_path: Path) -> None:
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / ".env").write_text("x")
+    data = tmp_path / "data"
+    data.mkdir()
+    events = [
+        {"operation": "observed-open", "target": str(proj / ".env"), "result": "blocked", "policy": "secret-mask",
+         "access": "read"},
+        {"operation": "observed-open", "target": "/etc/hostname", "result": "blocked", "policy": "mount-view",
+         "access": "read"},
+        {"operation": "observed-open", "target": str(data), "result": "blocked", "policy": "mount-view",
+         "access": "read"},
+        {"operation": "observed-open", "target": str(data / "out"), "result": "blocked", "policy": "read-only",
+         "access": "write", "resolved": str(data)},
+        {"operation": "observed-connect", "target": "93.184.216.34:443", "result": "blocked", "policy": "net-none",
+         "access": "connect"},
+        {"operation": "observed-exec", "target": "/nonexistent/x", "result": "blocked", "policy": "mount-view",
+         "access": "exec"},  # nothing on the host to allow: no line
+        {"operation": "observed-open", "target": "/usr/lib/a", "result": "allowed"},
+    ]
+    sugg = observed.suggest(events, project=str(proj))
+    by = {s.section + " " + s.line: s for s in sugg}
+    assert '[secrets] allow = [".env"]' in by and "secret pattern" in by['[secrets] allow = [".env"]'].risk
+    assert '[etc] extra = ["/etc/hostname"]' in by
+    assert f'[[paths]] path = "{data}"\naccess = "ro"' in by
+    rw = by[f'[[paths]] path = "{data}"\naccess = "rw"']
+    assert "write outside the project" in rw.risk
+    net = by['[network] mode = "allow"\nallow = ["93.184.216.34:443"]']
+    assert "a host" in net.risk
+    assert len(sugg) == 5
+
+
+# ---- bad input and config -----------------------------------------------------------------
+
+def test_observe_needs_seccomp() -> None:
+    from stockade.core.prepare import check_observe
+
+    with pytest.raises(UsageError, match="--observe needs seccomp"):
+        check_observe(True, "off")
+    check_observe(True, "default")
+    check_observe(False, "off")
+
+
+def test_profiles_still_refuse_notify(tmp_path: Path) -> None:
+    import json
+
+    from stockade.linux import seccomp
+
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"defaultAction": "SCMP_ACT_ALLOW", "architectures": ["SCMP_ARCH_NATIVE"],
+                                "syscalls": [{"names": ["openat"], "action": "SCMP_ACT_NOTIFY"}]}))
+    with pytest.raises(PolicyError, match="observe mode"):
+        seccomp.compile_profile(str(prof))
+
+
+def test_audit_observe_config(config_env: dict[str, Path]) -> None:
+    config_env["workspace"].write_text("[audit]\nobserve = true\n")
+    eff = policy.load(config_env["proj"], None)
+    assert eff.observe is True and eff.observe_origin.layer == "workspace"
+    config_env["workspace"].write_text("[audit]\nobserve = \"yes\"\n")
+    policy.clear_cache()
+    with pytest.raises(PolicyError, match=r"audit\.observe"):
+        policy.load(config_env["proj"], None)
