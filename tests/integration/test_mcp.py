@@ -239,6 +239,23 @@ def test_the_server_options_bind_every_command(user: User, project: Path) -> Non
     drive(body)
 
 
+def test_the_diff_names_the_risks(user: User, project: Path) -> None:
+    async def body() -> None:
+        async with client(user, project) as s:
+            await call(s, "exec", command="mkdir -p .github/workflows && echo 'on: push' > .github/workflows/ci.yml "
+                                          "&& printf '#!/bin/sh\\necho hi\\n' > run.sh && chmod +x run.sh")
+            text, d = await call(s, "diff")
+            rules = {r["rule"]: r for r in d["risks"]}
+            assert {"ci-config", "executable"} <= set(rules), d["risks"]
+            assert rules["ci-config"]["paths"] == [".github/workflows/ci.yml"]
+            assert "risks: " in text and "ci-config" in text and "run.sh" in text
+            assert d["risk_counts"] == {k: sum(1 for r in d["risks"] if r["severity"] == k)
+                                        for k in ("high", "medium", "low")}
+            _, d = await call(s, "diff", paths=["run.sh"])  # the risks of the paths asked for
+            assert {r["rule"] for r in d["risks"]} == {"executable"}
+    drive(body)
+
+
 # --------------------------------------------------------------------------- apply
 
 

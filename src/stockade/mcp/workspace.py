@@ -454,15 +454,14 @@ class Workspace:
         if held:
             lines.append(f"held back from apply unless named explicitly ({len(held)}):")
             lines += [f"  {p}: {why}" for p, why in held.items()]
-        risks = _risks(cs)  # the risk summary (issue 18 part 3), when stockade.changes.risks is there
-        if risks is not None:
-            data["risks"] = risks
-            if risks:
-                lines.append(f"risks ({len(risks)}): worth a second look before applying:")
-                lines += [f"  {r.get('kind', '?')}: {', '.join(map(str, r.get('paths') or []))}: {r.get('reason', '')}"
-                          for r in risks]
-            else:
-                lines.append("risks: none found")
+        from ..changes.risks import counts, format_risks, summary
+
+        risks = cs.risks(list(paths) or None)  # what deserves a second look (diff --risks's rules)
+        data["risks"] = [r.to_json() for r in risks]
+        data["risk_counts"] = counts(risks)
+        lines.append(f"risks: {summary(risks)}" + (" (worth a second look before applying):" if risks else ""))
+        if risks:
+            lines.append(format_risks(risks).rstrip("\n"))
         return Reply("\n".join(lines), data)
 
     def snapshot(self, name: str = "") -> Reply:
@@ -564,16 +563,3 @@ def _run_brief(r: Mapping[str, Any]) -> dict[str, Any]:
         cmd = "(the living sandbox)"
     return {"run": r.get("run"), "kind": r.get("kind") or "run", "command": cmd,
             "exit_status": r.get("exit_status", r.get("returncode")), "outcome": r.get("outcome") or r.get("status")}
-
-
-def _risks(cs: ChangeSet) -> list[dict[str, Any]] | None:
-    """RISK SUMMARY CALL SITE (issue 18 part 3): ``stockade.changes.risks.assess`` when it
-    exists on this branch, else None (the diff result then has no ``risks``)."""
-    import importlib
-
-    try:
-        mod = importlib.import_module("stockade.changes.risks")
-    except ImportError:
-        return None
-    assess: Callable[[ChangeSet], Sequence[Any]] = mod.assess
-    return [dict(r.to_json()) for r in assess(cs)]
