@@ -303,7 +303,7 @@ class Classifier:
         ordered = sorted(self.aggs.values(), key=lambda a: a.result != "blocked")
         return [
             {"operation": a.operation, "target": a.target, "result": a.result, "policy": a.policy,
-             "reason": a.reason, "access": a.access, "syscall": a.syscall, "count": a.count, "pids": a.pids,
+             "reason": a.reason, "access": a.access, "syscall": a.syscall, "count": a.count, "host_pids": a.pids,
              "basis": "predicted", **a.extra}
             for a in ordered
         ]
