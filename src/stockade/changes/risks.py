@@ -356,7 +356,7 @@ class _Assess:
             self.add("executable", scripts, f"{len(scripts)} script(s) with a shebang or ELF binary(ies) "
                      "without an execute bit (run with an interpreter, or after a chmod)", "low")
         if made_x:
-            what = made_x[0][1] if len(made_x) == 1 else "; ".join(f"{p}: {m}" for p, m in made_x[:8])
+            what = made_x[0][1] if len(made_x) == 1 else _names((f"{p}: {m}" for p, m in made_x), sep="; ")
             self.add("mode-exec", [p for p, _ in made_x], f"mode changed to executable ({what})", "medium")
 
     def ci_config(self) -> None:
