@@ -432,10 +432,13 @@ def test_symlinks_inside_and_outside(tmp_path: Path) -> None:
     b.symlink("latest", "docs/a.md")
     b.symlink("escape", "../../../etc/shadow")
     b.symlink("abs", "/etc/passwd")
-    got = {r.paths[0]: r for r in _risks(b, "symlink")}
-    assert got["latest"].severity == "low" and "-> docs/a.md" in got["latest"].reason
-    assert got["escape"].severity == "high" and "-> ../../../etc/shadow" in got["escape"].reason
-    assert got["abs"].severity == "high" and "leads out of the project" in got["abs"].reason
+    got = {r.severity: r for r in _risks(b, "symlink")}
+    assert got["low"].paths == ("latest",) and got["low"].reason == "symlink added: -> docs/a.md"
+    assert got["high"].paths == ("abs", "escape")  # one finding, each link with its target
+    assert got["high"].reason == "2 symlinks lead out of the project: abs -> /etc/passwd; escape -> ../../../etc/shadow"
+    b.symlink("latest2", "docs")
+    low = next(r for r in _risks(b, "symlink") if r.severity == "low")
+    assert low.reason == "2 symlinks added or changed: latest -> docs/a.md; latest2 -> docs"
 
 
 def test_symlinks_negative_and_never_followed(tmp_path: Path) -> None:

@@ -171,9 +171,9 @@ def _mode(m: int | None) -> str:
     return "-" if m is None else f"{stat.S_IMODE(m):o}"
 
 
-def _names(items: Iterable[str], limit: int = 8) -> str:
+def _names(items: Iterable[str], limit: int = 8, sep: str = ", ") -> str:
     xs = list(items)
-    shown = ", ".join(xs[:limit])
+    shown = sep.join(xs[:limit])
     return shown + (f" (+{len(xs) - limit} more)" if len(xs) > limit else "")
 
 
@@ -356,7 +356,7 @@ class _Assess:
             self.add("executable", scripts, f"{len(scripts)} script(s) with a shebang or ELF binary(ies) "
                      "without an execute bit (run with an interpreter, or after a chmod)", "low")
         if made_x:
-            what = made_x[0][1] if len(made_x) == 1 else "; ".join(f"{p}: {m}" for p, m in made_x[:8])
+            what = made_x[0][1] if len(made_x) == 1 else _names((f"{p}: {m}" for p, m in made_x), sep="; ")
             self.add("mode-exec", [p for p, _ in made_x], f"mode changed to executable ({what})", "medium")
 
     def ci_config(self) -> None:
@@ -564,14 +564,23 @@ class _Assess:
             return
         out = symlinks_leading_out(self.cs, links)
         own = {c.path for c in self.sel}
+        leading_out: list[tuple[Change, str]] = []
+        inside: list[tuple[Change, str]] = []
         for c in links:
             target = self.sides.new_link(c)
             shown = "(unreadable)" if target is None else manifests.clean_url(target)
             if c.path in out:
-                self.add("symlink", [c.path], f"symlink {_verb(c)}: -> {shown}, which leads out of the project",
-                         "high")
+                leading_out.append((c, shown))
             elif c.path in own:  # a dependency tree's own links (node_modules/.bin) are its finding's
-                self.add("symlink", [c.path], f"symlink {_verb(c)}: -> {shown}", "low")
+                inside.append((c, shown))
+        for group, sev, tail in ((leading_out, "high", ", which leads out of the project"), (inside, "low", "")):
+            if len(group) == 1:
+                c, shown = group[0]
+                self.add("symlink", [c.path], f"symlink {_verb(c)}: -> {shown}{tail}", sev)
+            elif group:
+                what = "lead out of the project" if tail else "added or changed"
+                self.add("symlink", [c.path for c, _ in group],
+                         f"{len(group)} symlinks {what}: {_names((f'{c.path} -> {t}' for c, t in group), sep='; ')}", sev)
 
 
 def _verbs(cs: list[Change]) -> str:
