@@ -83,6 +83,22 @@ def main() -> None:
                   f"{'within' if ok else 'OVER':<6} {n if n is not None else '-'}")
         print(f"  observe mode: {'within' if all(verdicts) else 'OVER'} budget on every workload "
               f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: wall times are noisy under load)")
+        # one notification's round trip: a loop of opens outside the project, observed or not
+        opens = 5000
+        code = f"import os\nfor _ in range({opens}): os.close(os.open('/etc/hosts', os.O_RDONLY))"
+        fns = []
+        for sb in (plain, watched):
+
+            def loop(sb: Any = sb) -> float | None:
+                r = sb.run(["/usr/bin/python3", "-I", "-S", "-c", code], **quiet)
+                assert r.returncode == 0, r
+                return None
+
+            fns.append(loop)
+        wall, _cpu = _interleaved_cpu(fns, N)
+        per = (median(wall[1]) - median(wall[0])) / opens
+        print(f"  one observed call (open outside the project), wall: {per * 1e6:+.1f} us "
+              f"(a loop of {opens} opens, observed minus unobserved)")
         sys.stdout.flush()
 
 

@@ -548,6 +548,33 @@ def probe_seccomp() -> Probe:
 
 
 SECCOMP_RET_USER_NOTIF = 0x7FC00000
+NETLINK_AUDIT = 9
+AUDIT_GET = 1000
+
+
+def _audit_enabled() -> bool | None:
+    """The kernel audit subsystem's ``enabled`` (AUDIT_GET over NETLINK_AUDIT: root); None: unknown."""
+    import socket
+    import struct
+
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_AUDIT) as s:
+            s.settimeout(1.0)
+            s.bind((0, 0))
+            s.send(struct.pack("=IHHII", 16, AUDIT_GET, 0x1 | 0x4, 1, 0))  # NLM_F_REQUEST | NLM_F_ACK
+            for _ in range(4):
+                data = s.recv(8192)
+                off = 0
+                while off + 16 <= len(data):
+                    ln, typ = struct.unpack_from("=IH", data, off)
+                    if typ == AUDIT_GET and off + 24 <= len(data):
+                        return bool(struct.unpack_from("=I", data, off + 20)[0])  # struct audit_status.enabled
+                    if typ == 2 and struct.unpack_from("=i", data, off + 16)[0] < 0:  # NLMSG_ERROR, an error
+                        return None
+                    off += max(16, (ln + 3) & ~3)
+    except OSError:
+        return None
+    return None
 
 
 def probe_observe() -> Probe:
@@ -582,6 +609,9 @@ def probe_observe() -> Probe:
         ll = "Landlock denial audit: no (the kernel has no audit subsystem, CONFIG_AUDIT)"
     elif not root:
         ll = "Landlock denial audit: no (its records go to the kernel audit stream, which only root reads)"
+    elif _audit_enabled() is False:
+        ll = ("Landlock denial audit: no (kernel audit is off here, so Landlock logs nothing; `auditctl -e 1` "
+              "turns it on)")
     else:
         ll = ("Landlock denial audit: available here (ABI 7, audit, root), not used by observe mode: its records "
               "go to the host's audit stream (auditd, journalctl _TRANSPORT=audit), not to the session; observe "

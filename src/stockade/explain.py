@@ -32,4 +32,7 @@ def explain(**kw: Any) -> str:
     if net is not None:
         out.append("network rules (checked by the proxy per connection; deny wins; session rules are re-read live):")
         out.extend(f"  {ln}" for ln in net.explain_lines())
+    if prep.observe:
+        out.append("observe:     on: every exec, open outside the project and connect/send target is logged "
+                   "(seccomp user notification, answered CONTINUE; `stockade log --observed`)")
     return "\n".join(out)

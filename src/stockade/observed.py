@@ -118,6 +118,10 @@ class _Resolver:
         self.ctx = ctx
         self.real: dict[str, str] = {"/": "/"}
         self.dirs: dict[str, DecisionLike | None] = {}
+        self.results: dict[tuple[int, str], tuple[str, str, str]] = {}  # (uniform decision, access) -> result
+        # a path starting with none of these needs none of _path_result's special cases
+        self.special = ("/tmp", "/dev/shm", ctx.home, ctx.project, *ctx.grants)
+        self.own_home = not is_under(ctx.project, ctx.home)
 
     def realpath(self, p: str) -> str:
         hit = self.real.get(p)
@@ -136,29 +140,47 @@ class _Resolver:
             self.real[p] = child
         return child
 
-    def decide(self, path: str) -> tuple[str, DecisionLike]:
-        rp = self.realpath(path)
-        parent = os.path.dirname(rp)
-        if parent not in self.dirs:
+    def uniform_dir(self, d: str) -> DecisionLike | None:
+        """The one decision for everything beneath ``d`` (resolved), or None."""
+        if d in self.dirs:
+            return self.dirs[d]
+        up = os.path.dirname(d)
+        hit = self.dirs.get(up) if up != d else None
+        if hit is None:  # (a uniform directory's subdirectories are uniform, with its decision)
             u = self.ctx.uniform
-            self.dirs[parent] = self.ctx.why(parent) if u is not None and u(parent) else None
-        d = self.dirs[parent]
-        return rp, d if d is not None else self.ctx.why(rp)
+            hit = self.ctx.why(d) if u is not None and u(d) else None
+        self.dirs[d] = hit
+        return hit
+
+    def decide(self, path: str) -> tuple[str, DecisionLike, bool]:
+        """(resolved path, its decision, whether that decision is a uniform directory's)."""
+        rp = self.realpath(path)
+        d = self.uniform_dir(os.path.dirname(rp))
+        if d is not None:
+            return rp, d, True
+        return rp, self.ctx.why(rp), False
 
 
 def _path_result(ctx: Context, path: str, access: str, res: _Resolver | None = None) -> tuple[str, str, str]:
     """(allowed | blocked, policy, reason) predicted for ``access`` of the sandbox path."""
-    in_tree = is_under(path, ctx.project) or any(is_under(path, g) for g in ctx.grants)
-    if not in_tree and (is_under(path, "/tmp") or is_under(path, "/dev/shm")):
-        return "allowed", "sandbox-tmpfs", "the sandbox's private tmpfs (gone with the run)"
-    own_home = not is_under(ctx.project, ctx.home)
-    if not in_tree and own_home and (path == ctx.home or (is_under(path, ctx.home) and access == "write")):
-        return "allowed", "sandbox-tmpfs", f"the sandbox's own empty $HOME {ctx.home} (a tmpfs, gone with the run)"
-    rp, d = (res or _Resolver(ctx)).decide(path)
+    res = res or _Resolver(ctx)
+    if path.startswith(res.special):
+        in_tree = is_under(path, ctx.project) or any(is_under(path, g) for g in ctx.grants)
+        if not in_tree and (is_under(path, "/tmp") or is_under(path, "/dev/shm")):
+            return "allowed", "sandbox-tmpfs", "the sandbox's private tmpfs (gone with the run)"
+        if not in_tree and res.own_home and (path == ctx.home or (is_under(path, ctx.home) and access == "write")):
+            return "allowed", "sandbox-tmpfs", f"the sandbox's own empty $HOME {ctx.home} (a tmpfs, gone with the run)"
+    rp, d, uniform = res.decide(path)
     if rp != path:
         r, pol, why = _decided(ctx, d, path, access)
         return r, pol, f"{path} resolves to {rp} on the host: {why}"
-    return _decided(ctx, d, path, access)
+    if not uniform:
+        return _decided(ctx, d, path, access)
+    key = (id(d), access)
+    hit = res.results.get(key)
+    if hit is None:
+        hit = res.results[key] = _decided(ctx, d, path, access)
+    return hit
 
 
 def _decided(ctx: Context, d: DecisionLike, path: str, access: str) -> tuple[str, str, str]:
@@ -281,7 +303,7 @@ class Classifier:
         ordered = sorted(self.aggs.values(), key=lambda a: a.result != "blocked")
         return [
             {"operation": a.operation, "target": a.target, "result": a.result, "policy": a.policy,
-             "reason": a.reason, "access": a.access, "syscall": a.syscall, "count": a.count, "pids": a.pids,
+             "reason": a.reason, "access": a.access, "syscall": a.syscall, "count": a.count, "host_pids": a.pids,
              "basis": "predicted", **a.extra}
             for a in ordered
         ]

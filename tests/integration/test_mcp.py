@@ -239,6 +239,23 @@ def test_the_server_options_bind_every_command(user: User, project: Path) -> Non
     drive(body)
 
 
+def test_the_diff_names_the_risks(user: User, project: Path) -> None:
+    async def body() -> None:
+        async with client(user, project) as s:
+            await call(s, "exec", command="mkdir -p .github/workflows && echo 'on: push' > .github/workflows/ci.yml "
+                                          "&& printf '#!/bin/sh\\necho hi\\n' > run.sh && chmod +x run.sh")
+            text, d = await call(s, "diff")
+            rules = {r["rule"]: r for r in d["risks"]}
+            assert {"ci-config", "executable"} <= set(rules), d["risks"]
+            assert rules["ci-config"]["paths"] == [".github/workflows/ci.yml"]
+            assert "risks: " in text and "ci-config" in text and "run.sh" in text
+            assert d["risk_counts"] == {k: sum(1 for r in d["risks"] if r["severity"] == k)
+                                        for k in ("high", "medium", "low")}
+            _, d = await call(s, "diff", paths=["run.sh"])  # the risks of the paths asked for
+            assert {r["rule"] for r in d["risks"]} == {"executable"}
+    drive(body)
+
+
 # --------------------------------------------------------------------------- apply
 
 
@@ -327,12 +344,22 @@ def test_bad_arguments_are_one_line_errors_and_the_server_stays_up(user: User, p
 
 def test_bad_server_options_are_refused_before_serving(user: User, project: Path) -> None:
     for args, want in ((["--max-output", "1"], "--max-output"), (["--net", "bogus"], "--net"),
-                       (["--", "ls"], "takes no command"), (["--pass-fd", "3"], "--pass-fd")):
+                       (["--", "ls"], "takes no command"), (["--pass-fd", "3"], "--pass-fd"),
+                       (["--session", "../x"], "session")):
         r = subprocess.run(server_argv(user, project, *args), env=user.env(), capture_output=True, timeout=60,
                            stdin=subprocess.DEVNULL)
         err = r.stderr.decode()
         assert r.returncode == 2 and err.startswith("stockade: ") and want in err, (args, err)
         assert r.stdout == b""
+    # a session of another project
+    other = project.parent / "other"
+    other.mkdir()
+    user.own(other)
+    r = user.cli(["run", "--session", "theirs", "--", "true"], cwd=other, timeout=60)
+    assert r.returncode == 0, r.stderr.decode()
+    r = subprocess.run(server_argv(user, project, "--session", "theirs"), env=user.env(), capture_output=True,
+                       timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "belongs to project" in r.stderr.decode(), r.stderr.decode()
     conf = user.home / ".config" / "stockade" / "config.toml"
     conf.parent.mkdir(parents=True, exist_ok=True)
     conf.write_text("[mcp]\nallow_apply = \"yes\"\n")

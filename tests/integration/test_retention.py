@@ -395,3 +395,29 @@ def test_bad_sessions_config_is_one_line(user: User, project: Path) -> None:
     (project / ".stockade.toml").write_text('[sessions]\nkeep = "1s"\n')
     r = user.cli(["run", "--", "true"], cwd=project)
     assert r.returncode == 2 and "[sessions] is read from the global config only" in r.stderr.decode()
+
+
+def test_locked_and_interrupted_apply_sessions_are_skipped(api_project: Path, state_dir: Path) -> None:
+    """A session another stockade command holds (its lock), and one an interrupted apply
+    still needs (its journal's layers, for `stockade recover`), stay, with the reason."""
+    import stockade
+    from stockade.session import store
+
+    for name in ("held", "journaled", "free"):
+        stockade.run(["sh", "-c", "echo x > f"], project=api_project, session=name)
+        age(state_dir, name, 30 * DAY)
+    adir = state_dir / "applies" / "20260101-000000-abcd"
+    adir.mkdir(parents=True)
+    (adir / "plan.json").write_text(json.dumps({"session": "journaled", "project": str(api_project),
+                                             "created": 0, "paths": []}))
+    (state_dir / "applies" / "pending").mkdir()
+    (state_dir / "applies" / "pending" / adir.name).touch()
+    with store.open_session("held").lock(wait=False):
+        rows = {i.id: i for i in stockade.sessions()}
+        assert rows["held"].state == "locked" and "locked by another stockade command" in rows["held"].reason
+        assert rows["journaled"].state == "locked" and "stockade recover" in rows["journaled"].reason
+        out = {o.id: o for o in stockade.clean("1d", include_unapplied=True)}
+    assert out["held"].action == "skipped" and out["held"].state == "locked", out
+    assert out["journaled"].action == "skipped" and "interrupted apply" in out["journaled"].reason
+    assert out["free"].action == "removed"
+    assert sessions(state_dir) == {"held", "journaled"}

@@ -294,6 +294,10 @@ def test_manifest_parsers_directly() -> None:
     assert M.parse_setup_cfg(b"[options]\ninstall_requires =\n    click>=8\n    rich\n") == {"click": ">=8", "rich": ""}
     assert M.parse_toml_lock(b'[[package]]\nname = "a"\nversion = "1"\nsource = { git = "https://g/a" }\n') == {
         "a": "1", "source:https://g/a": "a"}
+    v1 = {"dependencies": {"a": {"version": "1", "dependencies": {"b": {"version": "2", "resolved": "https://evil/b"}}}}}
+    assert M.parse_package_lock(json.dumps(v1).encode()) == {"a": "1", "b": "2", "source:https://evil": "b"}
+    assert M.parse_yarn_lock(b'__metadata:\n  version: 6\n\n"lodash@npm:^4.17.0":\n  version: 4.17.21\n') == {
+        "lodash": "4.17.21"}
     assert M.manifest_parser("sub/requirements-dev.txt") is M.parse_requirements
     assert M.manifest_parser("app.csproj") is True and M.manifest_parser("src/main.py") is None
     assert M.clean_url("https://u:p@h/x and ssh://git@h/y") == "https://***@h/x and ssh://***@h/y"
@@ -382,9 +386,19 @@ def test_secret_content_is_found_and_never_quoted(tmp_path: Path) -> None:
 def test_secret_already_there_or_placeholder_is_not_flagged(tmp_path: Path) -> None:
     b = Builder(tmp_path, {"settings.ini": f"key = {_AWS}\n"})
     b.up("settings.ini", f"# comment\nkey = {_AWS}\n")  # the same key was in the project already
-    b.up("docs/db.md", "postgres://user:${PASSWORD}@db/app and https://<user>:<pass>@h\n")
+    b.up("docs/db.md", "postgres://user:${PASSWORD}@db/app and https://<user>:<pass>@h and "
+         "https://user:password@example.com\n")
+    b.up("web/style.css", ".sk-spinner-double-bounce-container { margin: 0 }\n")
     b.up("docs/ok.md", "AKIA is how AWS ids start; ghp_ is GitHub's prefix\n")
     assert _risks(b, "secret") == []
+
+
+def test_secret_url_password_and_api_key(tmp_path: Path) -> None:
+    b = Builder(tmp_path)
+    b.up("deploy.env.sh", "DB=postgres://app:Xk29fLq0pW@db.internal/app\nKEY=sk-proj-a8F3kL0qZ7xW2mN5bV9cR4tY\n")
+    r = _one(b, "secret")
+    assert "a password in a URL on line(s) 1" in r.reason and "an API key (sk-...) on line(s) 2" in r.reason
+    assert "Xk29fLq0pW" not in r.reason and "a8F3kL0q" not in r.reason
 
 
 def test_secret_past_the_read_cap_is_not_read(tmp_path: Path) -> None:
@@ -543,3 +557,67 @@ def test_secret_conditional_names_need_a_credential(tmp_path: Path) -> None:
     b.up("a/.npmrc", "registry=https://registry.npmjs.org/\n")  # no credential: the policy does not mask it
     b.up("b/.npmrc", "//registry.npmjs.org/:_authToken=${NPM_TOKEN}\n")
     assert [r.paths for r in _risks(b, "secret")] == [("b/.npmrc",)]
+
+
+def test_hostile_manifests_are_reported_not_crashed_on(tmp_path: Path) -> None:
+    b = Builder(tmp_path)
+    b.up("package.json", "[" * 200000)  # past the parser's recursion limit
+    b.up("pyproject.toml", "a = " + "[" * 200000)
+    b.up("setup.cfg", "no section header\n")
+    b.up("Cargo.lock", b"\xff\xfe not utf-8")
+    got = {r.paths[0]: r.reason for r in _risks(b, "dependencies")}
+    assert set(got) == {"package.json", "pyproject.toml", "setup.cfg", "Cargo.lock"}
+    assert all("cannot be parsed" in why for why in got.values())
+    assert {r.paths[0] for r in _risks(b, "build-hook")} == {"package.json", "pyproject.toml"}
+    assert any(r.paths == ("pyproject.toml",) for r in _risks(b, "held-back"))  # its policy table unreadable
+
+
+def test_manifest_parsers_raise_only_value_errors_on_odd_documents() -> None:
+    """Type-confused JSON and TOML (a list where a table goes, numbers for names): a
+    parse error (ValueError) or a result, never another exception. Seeded, so stable."""
+    import random
+
+    from stockade.changes import manifests as M
+
+    rng = random.Random(18)
+    leaves = [None, 1, "x", [], {}, [1, "a", {}], {"a": 1}, True, {"version": []}, {"git": 1}, {"name": 3}]
+    keys = ["dependencies", "devDependencies", "packages", "scripts", "require", "repositories", "default",
+            "packages-dev", "name", "version", "resolved", "node_modules/a", "", "project", "tool", "poetry",
+            "build-system", "requires", "group", "uv", "sources", "index", "source", "package", "target",
+            "workspace", "optional-dependencies", "dependency-groups", "url"]
+
+    def doc(depth: int = 0) -> object:
+        if depth > 3 or rng.random() < 0.3:
+            return rng.choice(leaves)
+        if rng.random() < 0.6:
+            return {rng.choice(keys): doc(depth + 1) for _ in range(rng.randint(0, 4))}
+        return [doc(depth + 1) for _ in range(rng.randint(0, 3))]
+
+    def toml(d: object) -> bytes:
+        def val(v: object) -> str:
+            if v is None:
+                return '"none"'
+            if isinstance(v, dict):
+                return "{" + ", ".join(f"{json.dumps(k)} = {val(x)}" for k, x in v.items()) + "}"
+            if isinstance(v, list):
+                return "[" + ", ".join(val(x) for x in v) + "]"
+            return json.dumps(v)
+        items = d.items() if isinstance(d, dict) else [("x", d)]
+        return "\n".join(f"{json.dumps(k)} = {val(v)}" for k, v in items).encode()
+
+    json_parsers = [M.parse_package_json, M.parse_package_lock, M.parse_composer_json, M.parse_composer_lock,
+                    M.parse_pipfile_lock]
+    toml_parsers = [M.parse_pyproject, M.parse_pipfile, M.parse_toml_lock, M.parse_cargo_toml]
+    for _ in range(1500):
+        d = doc()
+        for data, parsers in ((json.dumps(d).encode(), json_parsers), (toml(d), toml_parsers)):
+            for p in parsers:
+                try:
+                    p(data)
+                except ValueError:
+                    pass
+        try:
+            M.scripts_delta("package.json", json.dumps(d).encode(), b"{}")
+            M.pyproject_hooks(toml(d), b"")
+        except ValueError:
+            pass

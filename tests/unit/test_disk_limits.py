@@ -231,6 +231,30 @@ def test_nothing_written_nothing_ended_even_over_the_cap() -> None:
     assert w.tick() is not None
 
 
+def test_other_writers_on_the_host_never_end_the_run() -> None:
+    """The filesystem's figures move with every process of the host: they only say
+    when to walk; the run is ended on what its layers hold."""
+    w, pr, clock = _watch(cap=GiB)
+    pr.layer_bytes = 900 * MiB
+    for _ in range(200):
+        clock.t = w.next_at
+        pr.fs_used += 200 * MiB  # someone else writes 2 GB/s
+        pr.fs_free -= 200 * MiB
+        assert w.tick() is None
+    assert pr.walks > 2  # it did look
+
+
+def test_a_full_tmpfs_beside_a_small_layer_is_not_ended() -> None:
+    w, pr, clock = _watch(cap=GiB)
+    pr.layer_bytes = 8192  # a directory copied up
+    pr.tm["/tmp"] = (GiB, True)
+    clock.t = w.next_at
+    assert w.tick() is None
+    pr.tm["/dev/shm"] = (2 * MiB, False)  # but a second tmpfs on top of it is
+    clock.t = w.next_at
+    assert w.tick() == "disk limit 1G: /tmp"
+
+
 def test_the_floor_ends_a_writing_run() -> None:
     w, pr, clock = _watch(cap=None, floor=GiB)
     pr.fs_free = 3 * GiB

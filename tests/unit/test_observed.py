@@ -277,3 +277,13 @@ def test_audit_observe_config(config_env: dict[str, Path]) -> None:
     policy.clear_cache()
     with pytest.raises(PolicyError, match=r"audit\.observe"):
         policy.load(config_env["proj"], None)
+
+
+def test_doctor_says_what_this_host_gives() -> None:
+    from stockade import doctor
+
+    p = doctor.probe_observe()
+    assert p.name == "observe" and p.status in ("ok", "info")
+    first, second = p.detail.split("\n")
+    assert first.startswith("observe via seccomp: ") and second.startswith("Landlock denial audit: ")
+    assert p.data["seccomp"] is (p.status == "ok")

@@ -103,7 +103,7 @@ _MAX_POLICY_BYTES = 16 << 20
 def _table(data: bytes, table: tuple[str, ...]) -> Any:
     try:
         node: Any = tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError):
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):  # nested too deeply: not readable either
         return _UNKNOWN
     for key in table:
         if not isinstance(node, dict):

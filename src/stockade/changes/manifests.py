@@ -81,11 +81,17 @@ def _text(data: bytes) -> str:
 
 
 def _toml(data: bytes) -> dict[str, Any]:
-    return tomllib.loads(data.decode("utf-8"))
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except RecursionError:  # nested past the interpreter's stack: untrusted input, not a manifest
+        raise ValueError("nested too deeply") from None
 
 
 def _json(data: bytes) -> Any:
-    return json.loads(data.decode("utf-8"))
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _dig(node: Any, *keys: str) -> Any:
@@ -206,7 +212,10 @@ def parse_pyproject(data: bytes) -> dict[str, str]:
 
 def parse_setup_cfg(data: bytes) -> dict[str, str]:
     cp = configparser.ConfigParser(interpolation=None)
-    cp.read_string(_text(data))
+    try:
+        cp.read_string(_text(data))
+    except configparser.Error as e:
+        raise ValueError(f"not an INI file: {e.message.splitlines()[0]}") from None
     out: dict[str, str] = {}
     if cp.has_option("options", "install_requires"):
         for line in cp.get("options", "install_requires").splitlines():
@@ -340,17 +349,17 @@ def parse_package_lock(data: bytes) -> dict[str, str]:
                 out[SOURCE + host] = name
         return out
 
-    def walk(deps: Any) -> None:  # lockfileVersion 1
+    todo = [doc.get("dependencies")]  # lockfileVersion 1: nested, walked without recursion
+    while todo:
+        deps = todo.pop()
         if not isinstance(deps, dict):
-            return
+            continue
         for name, p in deps.items():
             if isinstance(p, dict):
                 _versions(out, str(name), str(p.get("version", "?")))
                 if (host := _registry_host(p.get("resolved"))) is not None:
                     out[SOURCE + host] = str(name)
-                walk(p.get("dependencies"))
-
-    walk(doc.get("dependencies"))
+                todo.append(p.get("dependencies"))
     return out
 
 

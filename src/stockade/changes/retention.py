@@ -135,13 +135,15 @@ def _counts(sess: Session) -> dict[str, int]:
     return {"added": c.added, "modified": c.modified, "deleted": c.deleted}
 
 
-def _in_use(sess: Session, runs: int, age: float, pending: set[str]) -> tuple[str, str] | None:
+def _in_use(sess: Session, meta: dict[str, Any], runs: int, age: float,
+            pending: set[str]) -> tuple[str, str] | None:
     living = _living(sess.id)
     if living is not None:
         return living
     if sess.id in pending:
         return "locked", "an interrupted apply needs it; run `stockade recover`"
-    if runs == 0 and age < STARTING_GRACE:
+    if runs == 0 and age < STARTING_GRACE and meta.get("anonymous"):
+        # made by a run that locks it next (a named one is its caller's: `clean` is asked for)
         return "running", "just made; its first run is starting"
     return None
 
@@ -180,7 +182,7 @@ def _judge(sess: Session, pending: set[str], applied: set[str], *, scan: bool = 
         runs = 0
     base = SessionInfo(sess.id, str(meta.get("project", "")), "empty", round(age, 1), str(meta.get("created", "")),
                        runs, bool(meta.get("anonymous")))
-    used = _in_use(sess, runs, age, pending)
+    used = _in_use(sess, meta, runs, age, pending)
     if used is None and probe and not _flock_free(sess):
         used = _busy_reason(sess)
     if used is not None:

@@ -196,7 +196,9 @@ class _Facts:
 
 
 # token formats that are too noisy in files to flag: a placeholder URL is the common case
-_URL_PASSWORD_PLACEHOLDER = re.compile(r"://[^/\s:@]+:[$%{<*]")
+# placeholders, not credentials: ``://user:${PASS}@``, ``://user:<password>@``, ``://u:password@``
+_URL_PASSWORD_PLACEHOLDER = re.compile(
+    r"://[^/\s:@]+:(?:[$%{<*\[]|(?:pass|password|passwd|pwd|secret|token|changeme|x+|\*+)@)", re.I)
 _SECRET_LABELS = {
     "github-token": "a GitHub token",
     "aws-access-key-id": "an AWS access key id",
@@ -221,6 +223,11 @@ _EXTRA_SECRETS: tuple[tuple[str, re.Pattern[str]], ...] = (
 _EXTRA_NEEDLES = ("aws_secret", "AWS_SECRET", "aws_Secret", "secret_access_key", "SecretAccessKey", "secretaccesskey")
 
 
+def _looks_random(s: str) -> bool:
+    """A generated key mixes digits with upper- and lower-case letters; words do not."""
+    return any(c.isdigit() for c in s) and any(c.isupper() for c in s) and any(c.islower() for c in s)
+
+
 def _secret_hits(text: str) -> list[tuple[str, int, str]]:
     """(label, line, the matched text) of every credential in ``text`` (the text is only
     compared with the old side's, never shown)."""
@@ -231,6 +238,8 @@ def _secret_hits(text: str) -> list[tuple[str, int, str]]:
         for m in rx.finditer(text):
             if label == "url-password" and _URL_PASSWORD_PLACEHOLDER.search(m.group(0)):
                 continue
+            if label == "api-key" and not _looks_random(m.group(0)[3:]):
+                continue  # sk-spinner-double-bounce (a CSS class), not a key
             out.append((label, text.count("\n", 0, m.start()) + 1, m.group(0)))
     return out
 

@@ -39,6 +39,9 @@ FAST_TICK = 0.01
 WALK_EVERY = 2.0
 #: A walk may take at most this share of the time (adaptive interval).
 WALK_SHARE = 0.1
+#: What the sum may pass the cap by before a run is ended for it (a tmpfs full at the
+#: cap beside an upper layer holding a directory entry is the kernel's ENOSPC).
+SLACK = 1024 * 1024
 #: A tmpfs with less than this free (or no inode left) counts as full.
 FULL_SLACK = 64 * 1024
 
@@ -194,7 +197,8 @@ class DiskWatch:
         self.walk_cost = 0.0
         self.walked_at = -1e18
         self.last_total: int | None = None
-        self.last_layers = 0
+        self.last_fs_used = 0
+        self.layer_rate = 0.0  # bytes/s between the last two walks
         self.last_at = 0.0
         self.fs_at_start: FsState | None = probe.fs()
         self.full: list[str] = []  # tmpfs found full
@@ -222,8 +226,10 @@ class DiskWatch:
 
         Each tmpfs already has the kernel's cap: the watchdog ends a run for them only
         when their sum (with the layers) is past the cap. The layers have no cap of
-        their own, so their growth is also projected one look ahead: the run ends
-        before they pass it, not after."""
+        their own, so their growth (the rate between the last two walks: the
+        filesystem's figures also move with the rest of the host's writes, and only
+        say when to walk) is projected one look ahead: the run ends before they pass
+        the cap, not after."""
         now = self.clock() if now is None else now
         tm = self.probe.tmpfs()
         for t, (_u, full) in tm.items():
@@ -231,43 +237,36 @@ class DiskWatch:
                 self.full.append(t)
         tm_used = sum(u for u, _f in tm.values())
         fs = self.probe.fs()
-        # the layers: the last walk plus what the filesystem gained since (an upper
-        # bound while nothing else on the host frees space)
+        # the layers at most: the last walk plus what the filesystem gained since (an
+        # upper bound while nothing else on the host frees space)
         gained = max(0, fs.used - self.used_at_walk) if fs is not None else 0
-        layers = (self.layers or 0) + gained
-        first = self.last_total is None
-        dt = now - self.last_at if not first else 0.0
-
-        def layer_rate(n: int) -> float:
-            return max(0.0, (n - self.last_layers) / dt) if dt > 0 else 0.0
-
-        ahead = layer_rate(layers) * TICK
-        near = (self.cap is not None and layers + ahead + tm_used >= self.cap) or (
+        guess = (self.layers or 0) + gained
+        ahead = self.layer_rate * TICK
+        near = (self.cap is not None and guess + ahead + tm_used >= self.cap) or (
             self.floor is not None and fs is not None and fs.free - ahead < self.floor)
-        exact = False
         if (self.layers is None or now - self.walked_at >= WALK_EVERY or (near and gained > 0)) and self._walk_allowed(now):
-            layers = self._walk(now)
-            exact = True
-        ahead = layer_rate(layers) * TICK
+            before, at = self.layers, self.walked_at
+            self._walk(now)
+            if before is not None and now > at:
+                self.layer_rate = max(0.0, ((self.layers or 0) - before) / (now - at))
+            ahead = self.layer_rate * TICK
+        layers = self.layers or 0  # never end a run on a guess
         total = layers + tm_used
-        if first:  # the first look: anything written since the start counts
+        if self.last_total is None:  # the first look: anything written since the start counts
             start = self.fs_at_start
             growing = tm_used > 0 or (fs is not None and start is not None and fs.used > start.used)
         else:
-            growing = total > (self.last_total or 0)
+            growing = total > self.last_total or (fs is not None and fs.used > self.last_fs_used and gained > 0)
         self.peak = max(self.peak, total)
         reason: str | None = None
-        known = layers if exact or self.layers is None else self.layers  # never end a run on a guess
-        if self.cap is not None and growing and (known + tm_used > self.cap
-                                                 or (ahead > 0 and known + ahead + tm_used >= self.cap)):
+        if self.cap is not None and growing and (total > self.cap + SLACK or (ahead > 0 and total + ahead >= self.cap)):
             reason = f"disk limit {size_text(self.cap)}: {self._where(layers, tm)}"
         elif self.floor is not None and fs is not None and growing and fs.free - ahead < self.floor:
             reason = (f"disk floor {size_text(self.floor)}: the state dir's filesystem has "
                       f"{size_text(max(0, fs.free))} free")
-        rate = max(0.0, (total - (self.last_total or 0)) / dt) if dt > 0 else 0.0
-        self.last_total, self.last_layers, self.last_at = total, layers, now
-        soon = self.cap is not None and total + rate * 2 * TICK >= self.cap
-        self.next_at = now + (FAST_TICK if soon or (near and growing) else TICK)
+        self.last_total, self.last_at = total, now
+        self.last_fs_used = fs.used if fs is not None else 0
+        self.next_at = now + (FAST_TICK if near and (growing or gained > 0) else TICK)
         if reason is not None:
             self.hit = reason
         return reason

@@ -102,7 +102,13 @@ class RunObserve:
             summary["error"] = "the sandbox sent no listener (it ended before its command started)"
         if self.error:
             summary["error"] = self.error
-        events = self.classifier.events() if self.classifier is not None and not self._reader.is_alive() else []
+        done = self.classifier is not None and not self._reader.is_alive()
+        events = self.classifier.events() if done else []
+        if done and not self.error:
+            try:  # classified: its entries are in the audit log now (a long build's raw records are large)
+                os.unlink(self.path)
+            except OSError:
+                pass
         kept, left = observed.capped(events)
         summary["events"] = len(events)
         summary["blocked"] = sum(1 for e in events if e["result"] == "blocked")

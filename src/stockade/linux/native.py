@@ -192,6 +192,9 @@ REMEDIES: dict[str, str] = {
     "lo-up": "bringing up loopback failed in the new network namespace",
     "rlimit": "a resource limit is above the hard limit of the caller; lower it",
     "launcher": "the sandbox launcher could not start; set STOCKADE_LAUNCHER=0 to start each sandbox directly",
+    "observe": "observe mode's filter was refused (EBUSY: a seccomp filter this process runs under already has a "
+               "listener, as some container engines install; EACCES/EPERM: the seccomp profile denies seccomp(2)); "
+               "run without --observe, or check `stockade doctor`",
 }
 
 

@@ -505,7 +505,7 @@ def for_step(step: str, err: int, env: Env | None = None, *, op_kind: str | None
 
 
 # steps whose words need no environment (linux/native.py's REMEDIES)
-_OWN_WORDS = frozenset({"chdir", "lo-up", "rlimit"})
+_OWN_WORDS = frozenset({"chdir", "lo-up", "rlimit", "observe"})
 
 
 def other(step: str, err: int, env: Env) -> Remedy:

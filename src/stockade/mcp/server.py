@@ -128,15 +128,20 @@ async def _serve(ws: Workspace) -> None:
 
 
 def serve(opts: Options) -> int:
-    """Serve one client on stdin/stdout until it goes; the exit status."""
+    """Serve one client on stdin/stdout until it goes, then exit the process (0, or 1
+    when the server failed); a bad option or config raises its UsageError first."""
     _setup_logging()
     ws = Workspace(opts)  # a bad option or config: the caller's one-line error, before serving
     log.info("serving project %s over stdio (session %s; the sandbox starts on the first exec)",
              ws.project, ws.session_id or "made by the first command")
+    code = 0
     try:
         anyio.run(_serve, ws)
     except KeyboardInterrupt:
         pass
+    except BaseException:  # a failure of the transport or of ours: said on stderr, exit 1
+        log.exception("the server failed")
+        code = 1
     finally:
         ws.close()
         log.info("client gone; %s", f"session {ws.session_id} kept for review" if ws.session_id else "nothing ran")
@@ -146,4 +151,4 @@ def serve(opts: Options) -> int:
         sys.stderr.flush()
     # a one-shot run still in flight has a worker thread that would hold up the exit:
     # its sandbox ends with this process (the launcher ends a run whose requester is gone)
-    os._exit(0)
+    os._exit(code)

@@ -104,6 +104,10 @@ class Workspace:
         if opts.session is not None:
             store.validate_name(opts.session)
             self.session_id = opts.session
+            sess = self._session_or_none()
+            if sess is not None and sess.project != self.project:
+                raise UsageError(f"--session {opts.session!r} belongs to project {sess.project}, not {self.project}; "
+                                 f"pass --project {sess.project} or another --session name")
         self.sandbox: Sandbox | None = None
         self._chan: Channel | None = None
         self._life = threading.Lock()
@@ -425,8 +429,8 @@ class Workspace:
         if runs:
             lines.append("runs (latest last):")
             for r in data["runs"][-20:]:
-                lines.append(f"  {r['run']:>3} {r.get('kind') or 'run':<7} exit {r.get('exit_status')!s:<4} "
-                             f"{r.get('command') or ''}")
+                code = "-" if r.get("exit_status") is None else r.get("exit_status")
+                lines.append(f"  {r['run']:>3} {r.get('kind') or 'run':<7} exit {code!s:<4} {r.get('command') or ''}")
         if data["snapshots"]:
             lines.append("snapshots: " + ", ".join(data["snapshots"]))
         lines.append(f"review: `stockade diff {self.session_id}`; apply: "
@@ -450,15 +454,14 @@ class Workspace:
         if held:
             lines.append(f"held back from apply unless named explicitly ({len(held)}):")
             lines += [f"  {p}: {why}" for p, why in held.items()]
-        risks = _risks(cs)  # the risk summary (issue 18 part 3), when stockade.changes.risks is there
-        if risks is not None:
-            data["risks"] = risks
-            if risks:
-                lines.append(f"risks ({len(risks)}): worth a second look before applying:")
-                lines += [f"  {r.get('kind', '?')}: {', '.join(map(str, r.get('paths') or []))}: {r.get('reason', '')}"
-                          for r in risks]
-            else:
-                lines.append("risks: none found")
+        from ..changes.risks import counts, format_risks, summary
+
+        risks = cs.risks(list(paths) or None)  # what deserves a second look (diff --risks's rules)
+        data["risks"] = [r.to_json() for r in risks]
+        data["risk_counts"] = counts(risks)
+        lines.append(f"risks: {summary(risks)}" + (" (worth a second look before applying):" if risks else ""))
+        if risks:
+            lines.append(format_risks(risks).rstrip("\n"))
         return Reply("\n".join(lines), data)
 
     def snapshot(self, name: str = "") -> Reply:
@@ -553,18 +556,10 @@ def _run_brief(r: Mapping[str, Any]) -> dict[str, Any]:
     argv = r.get("argv") or r.get("args") or []
     cmd = argv[-1] if isinstance(argv, list) and argv[:2] == ["/bin/sh", "-c"] else (
         " ".join(argv) if isinstance(argv, list) else str(argv))
+    if r.get("status") == "incomplete":  # no record yet: the living sandbox itself, or a run in flight or killed
+        return {"run": r.get("run"), "kind": "running", "command": "(running, or ended without a record)",
+                "exit_status": None, "outcome": "incomplete"}
+    if r.get("kind") == "sandbox":
+        cmd = "(the living sandbox)"
     return {"run": r.get("run"), "kind": r.get("kind") or "run", "command": cmd,
             "exit_status": r.get("exit_status", r.get("returncode")), "outcome": r.get("outcome") or r.get("status")}
-
-
-def _risks(cs: ChangeSet) -> list[dict[str, Any]] | None:
-    """RISK SUMMARY CALL SITE (issue 18 part 3): ``stockade.changes.risks.assess`` when it
-    exists on this branch, else None (the diff result then has no ``risks``)."""
-    import importlib
-
-    try:
-        mod = importlib.import_module("stockade.changes.risks")
-    except ImportError:
-        return None
-    assess: Callable[[ChangeSet], Sequence[Any]] = mod.assess
-    return [dict(r.to_json()) for r in assess(cs)]
