@@ -105,6 +105,7 @@ def _post(page: Any, body: dict[str, Any], headers: dict[str, str]) -> int:
 
 
 def test_review_in_a_browser(user: User, project: Path, browser: Any) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
@@ -116,7 +117,8 @@ def test_review_in_a_browser(user: User, project: Path, browser: Any) -> None:
         "echo one > one.txt; echo 'print(\"sandbox\")' > src/main.py; echo junk > junk.txt; "
         "sed -i 's/^line 2$/LINE 2/; s/^line 20$/LINE 20/; s/^line 39$/LINE 39/' multi.txt; "
         "echo later > later.txt; printf 'draft\\n' > edit.txt")
-    wait = WebDriverWait(browser, 30)
+    # the page redraws its tree on every change: an element found just before is stale, look again
+    wait = WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,))
 
     def css(sel: str) -> Any:
         return wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, sel)))
@@ -204,3 +206,43 @@ def test_review_in_a_browser(user: User, project: Path, browser: Any) -> None:
     assert session_paths(user, project, "br") == {"one.txt": "added", "src/main.py": "modified",
                                                   "multi.txt": "modified", "later.txt": "added",
                                                   "edit.txt": "added", "fresh.txt": "added"}
+
+
+def test_conflicts_and_stale_pages_in_the_browser(user: User, project: Path, browser: Any) -> None:
+    """The engine's conflict (a host edit) is shown with its paths and an "Apply anyway"
+    button; a page applying after the change set moved on is told so and nothing is written."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    run(user, project, "cf", "echo sandbox >> README.md; echo a > a.txt")
+    (project / "README.md").write_text("# edited on the host\n")
+    # the page redraws its tree on every change: an element found just before is stale, look again
+    wait = WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,))
+
+    def css(sel: str) -> Any:
+        return wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, sel)))
+
+    with review(user, "cf") as page:
+        browser.get(page.url)
+        wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+        css('#tree li[data-path="README.md"] button.approve').click()
+        css("#apply").click()
+        wait.until(lambda d: "conflict" in d.find_element(By.ID, "error").text)
+        assert "README.md" in browser.find_element(By.ID, "error").text
+        assert (project / "README.md").read_text() == "# edited on the host\n"
+        css("#force-apply").click()
+        wait.until(lambda d: d.find_elements(By.ID, "apply-id"))
+        assert (project / "README.md").read_text() == "# demo\nsandbox\n"
+        # stale: a page that does not follow changes says the change set moved on, and an
+        # apply from it is refused with nothing written
+        css("#follow").click()
+        css('#tree li[data-path="a.txt"] button.approve').click()
+        run(user, project, "cf", "echo b > a.txt")
+        wait.until(lambda d: "applying now would be refused" in d.find_element(By.ID, "banner").text)
+        css("#apply").click()
+        wait.until(lambda d: "changed since the page showed it" in d.find_element(By.ID, "error").text)
+        assert not (project / "a.txt").exists()
+        wait.until(lambda d: d.find_element(By.ID, "apply").get_attribute("disabled"))  # its decision was cleared
+        assert session_paths(user, project, "cf") == {"a.txt": "added"}

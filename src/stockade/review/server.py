@@ -62,7 +62,8 @@ class ReviewServer:
         hosts = frozenset({f"{self.host}:{self.port}", f"localhost:{self.port}"})
         application = app.build(session, self.token, self.origin, hosts)
         config = uvicorn.Config(application, log_config=None, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=2)
+                                lifespan="off", timeout_graceful_shutdown=2, proxy_headers=False,
+                                server_header=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name=f"stockade-review-{session.id}", daemon=True)

@@ -50,7 +50,12 @@
     }
     show(box, !!msg);
   }
-  function banner(msg) { $("banner").textContent = msg || ""; show($("banner"), !!msg); }
+  function banner(msg, extra) {
+    const box = $("banner");
+    box.textContent = msg || "";
+    if (extra) box.appendChild(extra);
+    show(box, !!msg);
+  }
 
   // ------------------------------------------------------------------ syntax colouring
   const LANGS = {
@@ -465,10 +470,15 @@
     try {
       const fp = await get("/api/fingerprint");
       pollEvery = Math.max(POLL_MS, 4 * (performance.now() - t0));
-      if (fp.fingerprint !== state.fingerprint) {
+      if (fp.fingerprint !== state.fingerprint && $("follow").checked) {
         await loadState(true);
         banner("The change set changed (a sandbox wrote, or something was applied or discarded): the page shows it as it is now." +
           (changedSince.size ? " Decisions on changed files were cleared." : ""));
+      } else if (fp.fingerprint !== state.fingerprint) {
+        const again = el("button", null, "Show it");
+        again.type = "button"; again.id = "reload";
+        again.addEventListener("click", async () => { banner(""); await loadState(true); });
+        banner("The change set changed since this page showed it: applying now would be refused. ", again);
       }
     } catch (e) { /* the server is gone or busy: the next poll says */ }
     polling = false;
