@@ -29,7 +29,7 @@ from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from ..conftest import User, tree_snapshot
-from .test_live import alive, assert_all_gone, in_tree, observe, record, wait_for
+from .test_live import alive, assert_all_gone, in_tree, observe, record, run_cgroups, wait_for
 
 TOOLS = {"exec", "run", "start", "stop", "status", "diff", "snapshot", "restore", "discard", "apply"}
 # names a tool argument must never have: what the server's command line and config decide
@@ -470,6 +470,32 @@ def test_a_killed_server_takes_its_sandbox_with_it(user: User, project: Path) ->
     _sleeping(user, "sigkill", project)
 
 
+def test_a_client_that_goes_mid_run_leaves_nothing_running(user: User, project: Path) -> None:
+    """A one-shot run in flight when the client goes: its command killed, its cgroups
+    removed, the run on record; the server exits by itself."""
+    def marked() -> list[int]:
+        out = subprocess.run(["pgrep", "-f", "^mcp-run-marker"], capture_output=True, text=True).stdout
+        return [int(x) for x in out.split()]
+
+    c = RawClient(user, project)
+    try:
+        c.call("run", command="exec bash -c 'exec -a mcp-run-marker sleep 1000'")
+        wait_for(marked, 60, "the run's command never started")
+        server = c.p.pid
+        assert run_cgroups(user, server) or not run_cgroups(user), "a run's cgroups are its supervisor's"
+        assert c.p.stdin is not None
+        c.p.stdin.close()
+        c.p.wait(timeout=20)
+        assert c.p.returncode == 0, c.stderr()
+        wait_for(lambda: not marked(), 10, "the run's command outlived the server")
+        wait_for(lambda: not run_cgroups(user), 10, f"cgroups left: {run_cgroups(user)}")
+        sid = next(p.name for p in (user.state / "sessions").iterdir() if not p.name.startswith("."))
+        runs = json.loads(user.cli(["status", sid, "--json"], timeout=60).stdout)["runs"]
+        assert len(runs) == 1 and runs[0].get("status") == "done" and runs[0].get("exit_status") != 0, runs
+    finally:
+        c.kill()
+
+
 def test_a_cancelled_call_ends_its_command(user: User, project: Path) -> None:
     """A request the client cancels (its own timeout) ends the command; the server goes on."""
     async def body() -> None:
@@ -490,4 +516,16 @@ def test_a_cancelled_call_ends_its_command(user: User, project: Path) -> None:
                 assert r["stdout"]["text"] == "next\n"
             finally:
                 lv.close()
+            # a one-shot run's too
+            await call(s, "stop")
+            with anyio.move_on_after(3):
+                await s.call_tool("run", {"command": "exec bash -c 'exec -a mcp-cancel-marker sleep 1002'"})
+            for _ in range(300):
+                if not subprocess.run(["pgrep", "-f", "^mcp-cancel-marker"], capture_output=True).stdout:
+                    break
+                await anyio.sleep(0.05)
+            else:
+                pytest.fail("the cancelled run still runs 15 s later")
+            _, r = await call(s, "run", command="echo after")
+            assert r["stdout"]["text"] == "after\n"
     drive(body)

@@ -97,6 +97,8 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
         watch = disk_watch(sess, prep)  # (before the start: what the filesystem held before it)
         child = launch.start(sess, record.run_no, prep, hold_fd, session_ahead, run_dir=record.run_dir)
         sup = launch.supervisor(record.run_dir, prep.timeout)
+        if io.on_start is not None:
+            io.on_start(sup)
         sup.disk = watch
         if io.forward_signals:
             with Forwarding(child.pidfd, winch_to=sup.out_r if io.pty else None, on_term=sup.terminate):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -159,13 +160,30 @@ class Supervisor:
         self.relay_direct = False  # relay_in cannot be polled: read whenever there is room
         self.sink_on = False  # stdin_w is registered
         self.drain_until: float | None = None  # init reaped: output is read until then
+        self._cancel_lock = threading.Lock()  # cancel (another thread) vs close_logs (the fds' end)
+        self._closed = False
         # the disk watchdog (core/diskwatch.py), set by the run path; what it ended the
         # run for, and a tmpfs the command filled (ENOSPC) without being ended
         self.disk: DiskWatch | None = None
         self.disk_hit: str | None = None
         self.disk_full: str | None = None
 
+    def cancel(self) -> None:
+        """From another thread (``RunIO.on_start`` handed this supervisor out: `stockade
+        mcp`'s cancelled request, its client gone): SIGTERM to the command now, SIGKILL
+        after the grace period, as a timeout does. A no-op once the run is over."""
+        with self._cancel_lock:
+            if self._closed or self.init_done:
+                return
+            self._signal(signal.SIGTERM)
+            self.terminate()
+
     def close_logs(self) -> None:
+        with self._cancel_lock:  # never a cancel's write into a closed (maybe reused) fd
+            self._closed = True
+            self._close_logs()
+
+    def _close_logs(self) -> None:
         for k, fd in self.log.items():
             if fd >= 0:
                 os.close(fd)

@@ -71,22 +71,6 @@ class ExecSupervisor(Supervisor):
         super().__init__(*a, **kw)
         self.started_pid = 0
         self.ended: set[int] = set()
-        self._cancel_lock = threading.Lock()
-        self._closed = False
-
-    def cancel(self) -> None:
-        """From another thread: SIGTERM to the command's process group, SIGKILL after the
-        grace period (as a timeout does). A no-op once the exec is over (its fds closed)."""
-        with self._cancel_lock:
-            if self._closed or self.init_done:
-                return
-            self._signal(signal.SIGTERM)
-            self.terminate()
-
-    def close_logs(self) -> None:
-        with self._cancel_lock:  # never a cancel's write into a closed (maybe reused) fd
-            self._closed = True
-            super().close_logs()
 
     def _ready_report(self, fd: int) -> None:
         try:
@@ -191,12 +175,11 @@ class Channel:
 
     def exec(self, args: Sequence[str] | str, *, io: RunIO, env: Mapping[str, str] | None = None,
              cwd: str | os.PathLike[str] | None = None, timeout: float | None = None, shell: bool = False,
-             pass_fds: Sequence[int] = (), here: str | None = None, env_replace: bool = False,
-             started: Callable[[ExecSupervisor], None] | None = None) -> RunResult:
+             pass_fds: Sequence[int] = (), here: str | None = None, env_replace: bool = False) -> RunResult:
         """Run one command in the sandbox, ``subprocess.run``-style. ``env_replace``: ``env``
         is the whole environment (already filtered by the sandbox's policy), not additions.
-        ``started``: called with the exec's supervisor once the command runs (another
-        thread may ``cancel`` it: `stockade mcp`, a request its client cancelled)."""
+        ``io.on_start`` gets the exec's supervisor (its ``cancel`` signals the command's
+        process group, never the sandbox)."""
         io.checked()
         argv = argv_of(args, shell)
         if not argv:
@@ -222,8 +205,8 @@ class Channel:
             assert isinstance(sup, ExecSupervisor)
             child = launch.child
             assert isinstance(child, ExecChild)
-            if started is not None:
-                started(sup)
+            if io.on_start is not None:
+                io.on_start(sup)
             if io.forward_signals:
                 with Forwarding(child.signal, winch_to=sup.out_r if io.pty else None, on_term=sup.terminate):
                     sup.loop()

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from ..api import Sandbox
     from ..changes.scan import ChangeSet
     from ..core.result import RunResult
+    from ..core.supervise import Supervisor
     from ..live import Channel
-    from ..live.client import ExecSupervisor
     from ..policy import Effective
 
 # RunRequest fields that are the sandbox's options (what the server was started with);
@@ -69,10 +69,10 @@ class Call:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sups: list[ExecSupervisor] = []
+        self._sups: list[Supervisor] = []
         self.cancelled = False
 
-    def add(self, sup: ExecSupervisor) -> None:
+    def add(self, sup: Supervisor) -> None:
         with self._lock:
             self._sups.append(sup)
             if self.cancelled:
@@ -111,7 +111,7 @@ class Workspace:
         self.sandbox: Sandbox | None = None
         self._chan: Channel | None = None
         self._life = threading.Lock()
-        self._execs: set[ExecSupervisor] = set()
+        self._execs: set[Supervisor] = set()  # the commands running: cancelled when the client goes
         self._execs_lock = threading.Lock()
         self.closed = False
         self.policy()  # a bad config is the server's start-up error, not the first tool's
@@ -289,20 +289,12 @@ class Workspace:
         assert chan is not None
 
         out, err = output.Sink(), output.Sink()
-        sups: list[ExecSupervisor] = []
-
-        def started(sup: ExecSupervisor) -> None:  # cancellable from here on (the client went)
-            with self._execs_lock:
-                sups.append(sup)
-                self._execs.add(sup)
-            if call is not None:
-                call.add(sup)
-
+        sups: list[Supervisor] = []
         t0 = time.monotonic()
         try:
-            io = RunIO(stdin=DEVNULL if stdin is None else None, input=stdin, stdout=out.fd, stderr=err.fd)
+            io = self._io(stdin, out, err, sups, call)
             try:
-                res = chan.exec(command, io=io, env=extra, cwd=wd, timeout=timeout, shell=True, started=started)
+                res = chan.exec(command, io=io, env=extra, cwd=wd, timeout=timeout, shell=True)
             except subprocess.TimeoutExpired as e:
                 got = getattr(e, "result", None)
                 if got is None:
@@ -318,11 +310,30 @@ class Workspace:
                                 "again to start a new one over the same files") from None
             return self._command_reply("exec", command, res, out, err, time.monotonic() - t0)
         finally:
-            with self._execs_lock:
-                for s in sups:
-                    self._execs.discard(s)
+            self._done(sups)
             out.close()
             err.close()
+
+    def _io(self, stdin: str | None, out: output.Sink, err: output.Sink, sups: list[Supervisor],
+            call: Call | None) -> RunIO:
+        """A command's streams (stdin given or /dev/null; stdout and stderr to files), and
+        its supervisor kept once it runs: cancellable from there on (the request
+        cancelled, the client gone)."""
+
+        def started(sup: Supervisor) -> None:
+            with self._execs_lock:
+                sups.append(sup)
+                self._execs.add(sup)
+            if call is not None:
+                call.add(sup)
+
+        return RunIO(stdin=DEVNULL if stdin is None else None, input=stdin, stdout=out.fd, stderr=err.fd,
+                     on_start=started)
+
+    def _done(self, sups: list[Supervisor]) -> None:
+        with self._execs_lock:
+            for sup in sups:
+                self._execs.discard(sup)
 
     def run(self, command: str, *, cwd: str | None = None, env: Mapping[str, str] | None = None,
             timeout: float | None = None, stdin: str | None = None, call: Call | None = None) -> Reply:
@@ -331,16 +342,19 @@ class Workspace:
         if self.living():
             raise SessionBusy(f"run: session {self.session_id} has a living sandbox (started by exec or start); "
                               "use exec to run the command there, or call stop first (its changes stay)")
-        import stockade
+        from ..core.execute import execute
 
         out, err = output.Sink(), output.Sink()
+        sups: list[Supervisor] = []
         t0 = time.monotonic()
         opts = {**self.options, "cwd": wd}
         try:
+            # the core's run path, as stockade.run takes it (a pre-warmed sandbox is not
+            # claimed: its supervisor would not be this server's to cancel)
+            req = RunRequest(command, project=self.project, session=self.session_id, shell=True, env=extra or None,
+                             timeout=timeout, **opts)
             try:
-                res = stockade.run(command, project=self.project, session=self.session_id, shell=True, env=extra or None,
-                                   timeout=timeout, stdin=DEVNULL if stdin is None else None, input=stdin,
-                                   stdout=out.fd, stderr=err.fd, **opts)
+                res = execute(req, self._io(stdin, out, err, sups, call))
             except SessionBusy as e:
                 raise SessionBusy(f"run: {e.one_line()}") from None
             except subprocess.TimeoutExpired as e:
@@ -351,6 +365,7 @@ class Workspace:
             self.session_id = res.session
             return self._command_reply("run", command, res, out, err, time.monotonic() - t0)
         finally:
+            self._done(sups)
             out.close()
             err.close()
 
