@@ -315,6 +315,10 @@ def forget_living(sid: str) -> None:
 def remove(sess: Session, *, include_unapplied: bool, older_than: float | None = None,
            dry_run: bool = False, pending: set[str] | None = None, applied: set[str] | None = None) -> Outcome:
     """Remove one session when the rules allow it, judged again under its lock."""
+    if older_than is not None:
+        young = time.time() - store.last_used(sess)
+        if young < older_than:  # before any lock or scan: most sessions stop here
+            return Outcome(sess.id, "kept", "", round(young, 1), "younger than the age asked for")
     if pending is None or applied is None:
         pending, applied = _journals()
     try:
