@@ -362,12 +362,20 @@ def clean(older_than: float | None = None, *, include_unapplied: bool = False, d
 
 
 def _sweep_trash() -> None:
-    """``.clean-*`` directories of removals that a crash interrupted."""
+    """``.clean-*`` directories of removals that a crash interrupted, and CLI pointers
+    (``.latest-empty-*``) to sessions that are gone."""
     root = store.sessions_dir()
     try:
-        names = [n for n in os.listdir(root) if n.startswith(".clean-")]
+        listing = os.listdir(root)
     except OSError:
         return
+    for n in listing:
+        if n.startswith(".latest-empty-") and not n.endswith(".tmp"):
+            sid = _read_pointer(root / n)
+            if not sid or not (root / sid).is_dir():
+                with contextlib.suppress(OSError):
+                    os.unlink(root / n)
+    names = [n for n in listing if n.startswith(".clean-")]
     for n in names:
         pid = n.rsplit("-", 2)[-2] if n.count("-") >= 3 else ""
         if pid.isdigit() and pid != str(os.getpid()):
