@@ -225,6 +225,14 @@ def test_cli_keeps_only_its_latest_empty_session(user: User, project: Path) -> N
     ok(user.cli(["run", "--", "true"], cwd=project))
     assert "mine" in sessions(user.state) and changed in sessions(user.state)
     assert empty not in sessions(user.state)
+    # the pointer to the project's latest empty session goes with it
+    assert [n for n in os.listdir(user.state / "sessions") if n.startswith(".latest-empty-")] != []
+    left = sessions(user.state)
+    assert len(left) == 3  # mine, the changed one, the latest empty one
+    data = clean_json(user, project, "--older-than", "0s", "--include-unapplied")
+    assert sorted(data["removed"]) == sorted(left)  # type: ignore[arg-type]
+    assert sessions(user.state) == set()
+    assert [n for n in os.listdir(user.state / "sessions") if n.startswith((".latest-empty-", ".clean-"))] == []
 
 
 @pytest.mark.cli_paths

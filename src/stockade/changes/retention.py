@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
@@ -315,6 +316,10 @@ def forget_living(sid: str) -> None:
 def remove(sess: Session, *, include_unapplied: bool, older_than: float | None = None,
            dry_run: bool = False, pending: set[str] | None = None, applied: set[str] | None = None) -> Outcome:
     """Remove one session when the rules allow it, judged again under its lock."""
+    if older_than is not None:
+        young = time.time() - store.last_used(sess)
+        if young < older_than:  # before any lock or scan: most sessions stop here
+            return Outcome(sess.id, "kept", "", round(young, 1), "younger than the age asked for")
     if pending is None or applied is None:
         pending, applied = _journals()
     try:
@@ -357,12 +362,20 @@ def clean(older_than: float | None = None, *, include_unapplied: bool = False, d
 
 
 def _sweep_trash() -> None:
-    """``.clean-*`` directories of removals that a crash interrupted."""
+    """``.clean-*`` directories of removals that a crash interrupted, and CLI pointers
+    (``.latest-empty-*``) to sessions that are gone."""
     root = store.sessions_dir()
     try:
-        names = [n for n in os.listdir(root) if n.startswith(".clean-")]
+        listing = os.listdir(root)
     except OSError:
         return
+    for n in listing:
+        if n.startswith(".latest-empty-") and not n.endswith(".tmp"):
+            sid = _read_pointer(root / n)
+            if not sid or not (root / sid).is_dir():
+                with contextlib.suppress(OSError):
+                    os.unlink(root / n)
+    names = [n for n in listing if n.startswith(".clean-")]
     for n in names:
         pid = n.rsplit("-", 2)[-2] if n.count("-") >= 3 else ""
         if pid.isdigit() and pid != str(os.getpid()):
@@ -403,6 +416,91 @@ def _empty_now(sess: Session) -> bool:
     return not any(_counts(sess).values())
 
 
+# ---- removal off the run's path ----------------------------------------------------------------
+# A run's empty session is renamed aside under its lock (from then on it does not exist)
+# and deleted by a worker thread: the deletion waits for the overlay lock (the launcher's
+# run child unmounts after it reported the run's end) and costs a few inodes' I/O, none
+# of which the caller should wait for. Drained at exit (atexit; a CLI server's
+# supervisor calls ``drain`` before its os._exit).
+
+_work_cv = threading.Condition()
+_work_todo: list[Path] = []
+_work_busy = 0
+_work_thread: threading.Thread | None = None
+
+
+def _defer_erase(trash: Path) -> None:
+    global _work_thread, _work_busy
+    with _work_cv:
+        _work_todo.append(trash)
+        _work_busy += 1
+        if _work_thread is None:
+            import atexit
+
+            _work_thread = threading.Thread(target=_work, name="stockade-session-erase", daemon=True)
+            _work_thread.start()
+            atexit.register(drain)
+        _work_cv.notify_all()
+
+
+def _work() -> None:
+    global _work_busy
+    while True:
+        with _work_cv:
+            while not _work_todo:
+                _work_cv.wait()
+            trash = _work_todo.pop(0)
+        try:
+            _erase(trash)
+        finally:
+            with _work_cv:
+                _work_busy -= 1
+                _work_cv.notify_all()
+
+
+def _erase(trash: Path) -> None:
+    """Delete a session renamed aside, once no overlay on its layers is left."""
+    import fcntl
+
+    try:
+        fd = os.open(trash / "work", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # (the run's overlay lock: its unmount done)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    from ..session import idrange
+
+    try:
+        idrange.remove_tree(trash)
+    except StockadeError:
+        if _all_own(trash):
+            shutil.rmtree(trash, ignore_errors=True)
+        # else left as .clean-*: swept once this process is gone (_sweep_trash)
+    except OSError:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def drain(timeout: float = 60.0) -> None:
+    """Wait until the sessions handed to the worker are deleted."""
+    deadline = time.monotonic() + timeout
+    with _work_cv:
+        while _work_busy and time.monotonic() < deadline:
+            _work_cv.wait(0.1)
+
+
+def _forget_work() -> None:
+    global _work_cv, _work_thread, _work_busy
+    _work_cv = threading.Condition()
+    _work_todo.clear()  # the parent's: its worker deletes them
+    _work_busy = 0
+    _work_thread = None
+
+
+os.register_at_fork(after_in_child=_forget_work)
+
+
 @contextlib.contextmanager
 def _lock_soon(sess: Session, timeout: float = 2.0) -> Iterator[int]:
     """The session's lock, waited for a little: its run has ended, but a sandbox another
@@ -412,7 +510,9 @@ def _lock_soon(sess: Session, timeout: float = 2.0) -> Iterator[int]:
     while True:
         stack = contextlib.ExitStack()
         try:
-            fd = stack.enter_context(sess.lock(wait=False))
+            # for_run: not the overlay lock (the run's processes are gone, so its layer is
+            # final; the overlay's unmount is waited for by the deletion, _erase)
+            fd = stack.enter_context(sess.lock(wait=False, for_run=True))
         except SessionBusy:
             if time.monotonic() > deadline or _living(sess.id) is not None:
                 raise
@@ -434,10 +534,12 @@ def _drop_if_empty(sess: Session, *, scan: bool = True) -> bool:
                 return False
             if sess.id in _pending():
                 return False
-            _remove_locked(sess, pointers=False)
-            return True
+            trash = sess.dir.with_name(f".clean-{sess.id}-{os.getpid()}-{os.urandom(3).hex()}")
+            os.rename(sess.dir, trash)
     except (StockadeError, OSError):
         return False  # in use, removed meanwhile, or unreadable: the age rule decides later
+    _defer_erase(trash)
+    return True
 
 
 def after_run(sid: str, *, keep_latest: bool) -> bool:

@@ -478,7 +478,8 @@ def cmd_clean(args: Args) -> int:
         s = store.resolve(args.session_name)
         o = retention.remove(s, include_unapplied=True, dry_run=args.dry_run)
         if o.action == "skipped":
-            raise SessionBusy(f"session {s.id!r} was not removed: {o.reason}")
+            then = "" if o.state == "idle" else f"; retry when it has ended (`stockade status {s.id}` lists its runs)"
+            raise SessionBusy(f"session {s.id!r} was not removed: {o.reason}{then}")
         outs = [o]
     done = [o.id for o in outs if o.action in ("removed", "would-remove")]
     skipped = [o for o in outs if o.action == "skipped"]
