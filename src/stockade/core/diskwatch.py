@@ -12,9 +12,9 @@ looks every ``TICK`` seconds at:
 * the state dir's filesystem: ``statvfs`` (free space against the floor; its used
   blocks growing tells when the layers may have grown);
 * the session's layers (its upper layer and snapshots): an ``st_blocks`` walk, done
-  when the filesystem's growth says the cap or floor may be near, and at least every
-  ``WALK_EVERY`` seconds, never more often than ten times its own cost (at most a
-  tenth of a core however big the layer).
+  when the filesystem's growth says the cap or floor may be near, and every
+  ``WALK_EVERY`` seconds while the filesystem's figures move at all, never more often
+  than ten times its own cost (at most a tenth of a core however big the layer).
 
 It ends the run (the caller kills the tree, as on timeout) when what the sandbox holds
 would pass the cap by the next look at its current rate, or the filesystem's free
@@ -241,15 +241,21 @@ class DiskWatch:
         # upper bound while nothing else on the host frees space)
         gained = max(0, fs.used - self.used_at_walk) if fs is not None else 0
         guess = (self.layers or 0) + gained
-        ahead = self.layer_rate * TICK
-        near = (self.cap is not None and guess + ahead + tm_used >= self.cap) or (
-            self.floor is not None and fs is not None and fs.free - ahead < self.floor)
-        if (self.layers is None or now - self.walked_at >= WALK_EVERY or (near and gained > 0)) and self._walk_allowed(now):
+        dt = now - self.last_at if self.last_total is not None else 0.0
+        # how fast the filesystem fills (the whole host's writes: it says when to look
+        # closer, and how close the floor is; never what the layers hold)
+        fs_rate = max(0.0, (fs.used - self.last_fs_used) / dt) if fs is not None and dt > 0 else 0.0
+        fs_ahead = fs_rate * TICK
+        near = (self.cap is not None and guess + fs_ahead + tm_used >= self.cap) or (
+            self.floor is not None and fs is not None and fs.free - fs_ahead < self.floor)
+        moved = fs is None or fs.used != self.used_at_walk  # a quiet filesystem needs no walk
+        if (self.layers is None or (moved and now - self.walked_at >= WALK_EVERY) or (near and gained > 0)) \
+                and self._walk_allowed(now):
             before, at = self.layers, self.walked_at
             self._walk(now)
             if before is not None and now > at:
                 self.layer_rate = max(0.0, ((self.layers or 0) - before) / (now - at))
-            ahead = self.layer_rate * TICK
+        ahead = self.layer_rate * TICK
         layers = self.layers or 0  # never end a run on a guess
         total = layers + tm_used
         if self.last_total is None:  # the first look: anything written since the start counts
@@ -261,7 +267,7 @@ class DiskWatch:
         reason: str | None = None
         if self.cap is not None and growing and (total > self.cap + SLACK or (ahead > 0 and total + ahead >= self.cap)):
             reason = f"disk limit {size_text(self.cap)}: {self._where(layers, tm)}"
-        elif self.floor is not None and fs is not None and growing and fs.free - ahead < self.floor:
+        elif self.floor is not None and fs is not None and growing and fs.free - max(ahead, fs_ahead) < self.floor:
             reason = (f"disk floor {size_text(self.floor)}: the state dir's filesystem has "
                       f"{size_text(max(0, fs.free))} free")
         self.last_total, self.last_at = total, now
