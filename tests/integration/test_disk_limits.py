@@ -73,11 +73,13 @@ def test_a_2g_write_into_the_project_stops_near_the_cap(user: User, project: Pat
     assert b"wrote-all" not in r.stdout
     assert re.search(r"ended: disk-limit-hit \(disk limit 256M: the project's layers hold [\d.]+M\)", err), err
     held = upper_bytes(user, "dk1")
-    assert cap // 2 <= held <= cap + 8 * MiB, held  # stopped before the cap, not long before
+    # near the cap: the watchdog looks 20 times a second (a loaded host's late look may
+    # let one more look's writes through)
+    assert cap // 2 <= held <= cap + cap // 4, held
     # what it wrote stays reviewable, and the session is usable afterwards
     d = user.cli(["diff", "--session", "dk1", "--stat"], cwd=project, timeout=120)
     assert d.returncode == 0 and b"f0" in d.stdout, d.stderr.decode()
-    again = run(user, project, "--session", "dk1", "--disk", "256M", "--", "sh", "-c", "echo small > note.txt; cat note.txt")
+    again = run(user, project, "--session", "dk1", "--", "sh", "-c", "echo small > note.txt; cat note.txt")
     assert again.returncode == 0 and again.stdout == b"small\n", again.stderr.decode()
     rec = sorted((user.state / "sessions" / "dk1" / "runs").iterdir(), key=lambda p: int(p.name))[0] / "run.json"
     data = json.loads(rec.read_text())
@@ -233,7 +235,7 @@ def test_living_sandbox_has_the_same_cap(user: User, project: Path) -> None:
         err = e.stderr.decode()
         assert e.returncode == 122, err
         assert "disk-limit-hit (disk limit 192M" in err, err
-        assert upper_bytes(user, "lvd") <= 192 * MiB + 8 * MiB
+        assert upper_bytes(user, "lvd") <= 192 * MiB + 48 * MiB
         ok = user.cli(["exec", "lvd", "--", "sh", "-c", "rm -f f*; echo still-here"], cwd=project, timeout=60)
         assert ok.returncode == 0 and ok.stdout == b"still-here\n", ok.stderr.decode()
     finally:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 #: Seconds between looks; ``FAST_TICK`` when the next look at this rate may pass the cap.
-TICK = 0.1
+TICK = 0.05
 FAST_TICK = 0.01
 #: Seconds between two walks of the layers, at most.
 WALK_EVERY = 2.0
@@ -245,7 +245,10 @@ class DiskWatch:
         # how fast the filesystem fills (the whole host's writes: it says when to look
         # closer, and how close the floor is; never what the layers hold)
         fs_rate = max(0.0, (fs.used - self.last_fs_used) / dt) if fs is not None and dt > 0 else 0.0
-        fs_ahead = fs_rate * TICK
+        # how far ahead to look: one look, or twice the last gap between looks when this
+        # process is scheduled late (a loaded host), plus the kill's own latency
+        window = max(2 * TICK, 2 * dt)
+        fs_ahead = fs_rate * window
         near = (self.cap is not None and guess + fs_ahead + tm_used >= self.cap) or (
             self.floor is not None and fs is not None and fs.free - fs_ahead < self.floor)
         moved = fs is None or fs.used != self.used_at_walk  # a quiet filesystem needs no walk
@@ -255,7 +258,7 @@ class DiskWatch:
             self._walk(now)
             if before is not None and now > at:
                 self.layer_rate = max(0.0, ((self.layers or 0) - before) / (now - at))
-        ahead = self.layer_rate * TICK
+        ahead = self.layer_rate * window
         layers = self.layers or 0  # never end a run on a guess
         total = layers + tm_used
         if self.last_total is None:  # the first look: anything written since the start counts
