@@ -199,6 +199,8 @@ class DiskWatch:
         self.last_total: int | None = None
         self.last_fs_used = 0
         self.layer_rate = 0.0  # bytes/s between the last two walks
+        self.layers_grew = False  # the last walk found more than the one before
+        self.last_tm = 0
         self.last_at = 0.0
         self.fs_at_start: FsState | None = probe.fs()
         self.full: list[str] = []  # tmpfs found full
@@ -258,14 +260,12 @@ class DiskWatch:
             self._walk(now)
             if before is not None and now > at:
                 self.layer_rate = max(0.0, ((self.layers or 0) - before) / (now - at))
-        ahead = self.layer_rate * window
+                self.layers_grew = (self.layers or 0) > before
         layers = self.layers or 0  # never end a run on a guess
         total = layers + tm_used
-        if self.last_total is None:  # the first look: anything written since the start counts
-            start = self.fs_at_start
-            growing = tm_used > 0 or (fs is not None and start is not None and fs.used > start.used)
-        else:
-            growing = total > self.last_total or (fs is not None and fs.used > self.last_fs_used and gained > 0)
+        # growing: by the sandbox's own figures (its last walk, its tmpfs), never the host's
+        growing = self.layers_grew or tm_used > self.last_tm
+        ahead = self.layer_rate * window if self.layers_grew else 0.0
         self.peak = max(self.peak, total)
         reason: str | None = None
         if self.cap is not None and growing and (total > self.cap + SLACK or (ahead > 0 and total + ahead >= self.cap)):
@@ -273,7 +273,7 @@ class DiskWatch:
         elif self.floor is not None and fs is not None and growing and fs.free - max(ahead, fs_ahead) < self.floor:
             reason = (f"disk floor {size_text(self.floor)}: the state dir's filesystem has "
                       f"{size_text(max(0, fs.free))} free")
-        self.last_total, self.last_at = total, now
+        self.last_total, self.last_at, self.last_tm = total, now, tm_used
         self.last_fs_used = fs.used if fs is not None else 0
         self.next_at = now + (FAST_TICK if near and (growing or gained > 0) else TICK)
         if reason is not None:
