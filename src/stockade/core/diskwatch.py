@@ -200,6 +200,7 @@ class DiskWatch:
         self.last_fs_used = 0
         self.layer_rate = 0.0  # bytes/s between the last two walks
         self.layers_grew = False  # the last walk found more than the one before
+        self.rebase = False  # the next walk is a new baseline (``rebase()``)
         self.last_tm = 0
         self.last_at = 0.0
         self.fs_at_start: FsState | None = probe.fs()
@@ -254,9 +255,10 @@ class DiskWatch:
         near = (self.cap is not None and guess + fs_ahead + tm_used >= self.cap) or (
             self.floor is not None and fs is not None and fs.free - fs_ahead < self.floor)
         moved = fs is None or fs.used != self.used_at_walk  # a quiet filesystem needs no walk
-        if (self.layers is None or (moved and now - self.walked_at >= WALK_EVERY) or (near and gained > 0)) \
+        if (self.layers is None or self.rebase or (moved and now - self.walked_at >= WALK_EVERY) or (near and gained > 0)) \
                 and self._walk_allowed(now):
-            before, at = self.layers, self.walked_at
+            before, at = (None, 0.0) if self.rebase else (self.layers, self.walked_at)
+            self.rebase = False
             self._walk(now)
             if before is not None and now > at:
                 self.layer_rate = max(0.0, ((self.layers or 0) - before) / (now - at))
@@ -279,6 +281,16 @@ class DiskWatch:
         if reason is not None:
             self.hit = reason
         return reason
+
+    def restart(self) -> None:
+        """The processes that wrote were killed (a living sandbox serves on): what they
+        wrote until they died is not a next command's growth. The next look walks anew
+        and counts only what grows after it."""
+        self.hit = None
+        self.rebase = True
+        self.layers_grew = False
+        self.layer_rate = 0.0
+        self.next_at = self.clock() + TICK
 
     def _where(self, layers: int, tm: dict[str, tuple[int, bool]]) -> str:
         """The biggest holder: a tmpfs, or the project's layers."""
