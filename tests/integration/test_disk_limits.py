@@ -131,6 +131,20 @@ def test_tmpfs_past_the_cap_together_end_the_run(user: User, project: Path) -> N
     assert re.search(r"disk-limit-hit \(disk limit 128M: (/tmp|/dev/shm)\), signaled\(SIGKILL\)", err), err
 
 
+@pytest.mark.vm
+def test_a_full_tmpfs_survived_is_reported(user: User, project: Path) -> None:
+    """The command gets ENOSPC inside, handles it and exits 0: the run goes on (one
+    tmpfs at its own cap is the kernel's), and the summary still says the cap was reached."""
+    r = run(user, project, "--session", "dk3", "--disk", "64M", "--", "sh", "-c",
+            "head -c 100000000 /dev/zero > /dev/shm/big 2>/dev/null; sleep 0.5; echo handled")
+    err = r.stderr.decode()
+    assert r.returncode == 0 and r.stdout == b"handled\n", err
+    assert "ended: exited(0)" in err and "events: disk-limit-hit: disk limit 64M: /dev/shm full (ENOSPC)" in err, err
+    data = json.loads((user.state / "sessions" / "dk3" / "runs" / "1" / "run.json").read_text())
+    assert data["outcome_kind"] == "exited" and data["disk"]["full"] == ["/dev/shm"]
+
+
+@pytest.mark.vm
 def test_the_tmpfs_caps_are_the_kernels(user: User, project: Path) -> None:
     """From the host: every tmpfs the sandbox can write has size= and nr_inodes=."""
     sleep, cmdline = unique_sleep(60)
@@ -258,7 +272,6 @@ def test_api_result_says_disk_limit_hit(user: User, project: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.vm
 def test_the_default_cap_holds_a_large_write(user: User, project: Path) -> None:
     """At the real default (10G), when this disk has room: 12 GiB written into the
     project stops near 10 GiB."""
