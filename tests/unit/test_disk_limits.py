@@ -244,6 +244,18 @@ def test_other_writers_on_the_host_never_end_the_run() -> None:
     assert pr.walks > 2  # it did look
 
 
+def test_after_a_hit_a_command_that_deletes_is_not_ended() -> None:
+    """A living sandbox: the writer was killed near the cap; the next command deletes
+    while the rest of the host writes. Its rate is the walks', and they show no growth."""
+    w, pr, clock = _watch(cap=GiB)
+    assert _run_until_hit(w, clock, lambda _t: pr.write_layers(20 * MiB)) is not None
+    pr.layer_bytes -= 500 * MiB  # rm
+    for _ in range(100):
+        clock.t = w.next_at
+        pr.fs_used += 50 * MiB  # the rest of the host
+        assert w.tick() is None
+
+
 def test_a_full_tmpfs_beside_a_small_layer_is_not_ended() -> None:
     w, pr, clock = _watch(cap=GiB)
     pr.layer_bytes = 8192  # a directory copied up

@@ -12,9 +12,9 @@ looks every ``TICK`` seconds at:
 * the state dir's filesystem: ``statvfs`` (free space against the floor; its used
   blocks growing tells when the layers may have grown);
 * the session's layers (its upper layer and snapshots): an ``st_blocks`` walk, done
-  when the filesystem's growth says the cap or floor may be near, and at least every
-  ``WALK_EVERY`` seconds, never more often than ten times its own cost (at most a
-  tenth of a core however big the layer).
+  when the filesystem's growth says the cap or floor may be near, and every
+  ``WALK_EVERY`` seconds while the filesystem's figures move at all, never more often
+  than ten times its own cost (at most a tenth of a core however big the layer).
 
 It ends the run (the caller kills the tree, as on timeout) when what the sandbox holds
 would pass the cap by the next look at its current rate, or the filesystem's free
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 #: Seconds between looks; ``FAST_TICK`` when the next look at this rate may pass the cap.
-TICK = 0.1
+TICK = 0.05
 FAST_TICK = 0.01
 #: Seconds between two walks of the layers, at most.
 WALK_EVERY = 2.0
@@ -199,6 +199,9 @@ class DiskWatch:
         self.last_total: int | None = None
         self.last_fs_used = 0
         self.layer_rate = 0.0  # bytes/s between the last two walks
+        self.layers_grew = False  # the last walk found more than the one before
+        self.rebase = False  # the next walk is a new baseline (``rebase()``)
+        self.last_tm = 0
         self.last_at = 0.0
         self.fs_at_start: FsState | None = probe.fs()
         self.full: list[str] = []  # tmpfs found full
@@ -241,35 +244,53 @@ class DiskWatch:
         # upper bound while nothing else on the host frees space)
         gained = max(0, fs.used - self.used_at_walk) if fs is not None else 0
         guess = (self.layers or 0) + gained
-        ahead = self.layer_rate * TICK
-        near = (self.cap is not None and guess + ahead + tm_used >= self.cap) or (
-            self.floor is not None and fs is not None and fs.free - ahead < self.floor)
-        if (self.layers is None or now - self.walked_at >= WALK_EVERY or (near and gained > 0)) and self._walk_allowed(now):
-            before, at = self.layers, self.walked_at
+        dt = now - self.last_at if self.last_total is not None else 0.0
+        # how fast the filesystem fills (the whole host's writes: it says when to look
+        # closer, and how close the floor is; never what the layers hold)
+        fs_rate = max(0.0, (fs.used - self.last_fs_used) / dt) if fs is not None and dt > 0 else 0.0
+        # how far ahead to look: one look, or twice the last gap between looks when this
+        # process is scheduled late (a loaded host), plus the kill's own latency
+        window = max(2 * TICK, 2 * dt)
+        fs_ahead = fs_rate * window
+        near = (self.cap is not None and guess + fs_ahead + tm_used >= self.cap) or (
+            self.floor is not None and fs is not None and fs.free - fs_ahead < self.floor)
+        moved = fs is None or fs.used != self.used_at_walk  # a quiet filesystem needs no walk
+        if (self.layers is None or self.rebase or (moved and now - self.walked_at >= WALK_EVERY) or (near and gained > 0)) \
+                and self._walk_allowed(now):
+            before, at = (None, 0.0) if self.rebase else (self.layers, self.walked_at)
+            self.rebase = False
             self._walk(now)
             if before is not None and now > at:
                 self.layer_rate = max(0.0, ((self.layers or 0) - before) / (now - at))
-            ahead = self.layer_rate * TICK
+                self.layers_grew = (self.layers or 0) > before
         layers = self.layers or 0  # never end a run on a guess
         total = layers + tm_used
-        if self.last_total is None:  # the first look: anything written since the start counts
-            start = self.fs_at_start
-            growing = tm_used > 0 or (fs is not None and start is not None and fs.used > start.used)
-        else:
-            growing = total > self.last_total or (fs is not None and fs.used > self.last_fs_used and gained > 0)
+        # growing: by the sandbox's own figures (its last walk, its tmpfs), never the host's
+        growing = self.layers_grew or tm_used > self.last_tm
+        ahead = self.layer_rate * window if self.layers_grew else 0.0
         self.peak = max(self.peak, total)
         reason: str | None = None
         if self.cap is not None and growing and (total > self.cap + SLACK or (ahead > 0 and total + ahead >= self.cap)):
             reason = f"disk limit {size_text(self.cap)}: {self._where(layers, tm)}"
-        elif self.floor is not None and fs is not None and growing and fs.free - ahead < self.floor:
+        elif self.floor is not None and fs is not None and growing and fs.free - max(ahead, fs_ahead) < self.floor:
             reason = (f"disk floor {size_text(self.floor)}: the state dir's filesystem has "
                       f"{size_text(max(0, fs.free))} free")
-        self.last_total, self.last_at = total, now
+        self.last_total, self.last_at, self.last_tm = total, now, tm_used
         self.last_fs_used = fs.used if fs is not None else 0
         self.next_at = now + (FAST_TICK if near and (growing or gained > 0) else TICK)
         if reason is not None:
             self.hit = reason
         return reason
+
+    def restart(self) -> None:
+        """The processes that wrote were killed (a living sandbox serves on): what they
+        wrote until they died is not a next command's growth. The next look walks anew
+        and counts only what grows after it."""
+        self.hit = None
+        self.rebase = True
+        self.layers_grew = False
+        self.layer_rate = 0.0
+        self.next_at = self.clock() + TICK
 
     def _where(self, layers: int, tm: dict[str, tuple[int, bool]]) -> str:
         """The biggest holder: a tmpfs, or the project's layers."""

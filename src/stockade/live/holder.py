@@ -482,6 +482,7 @@ class Holder:
                 proto.send_signal_all(self.serve, signal.SIGKILL)
             except OSError:
                 pass
+        d.restart()
         try:
             from ..audit import AuditLog
 
