@@ -76,13 +76,15 @@ def main() -> None:
             u, o = median(wall[0]), median(wall[1])
             over = o / u - 1
             ok = over <= BUDGET[i]
-            verdicts.append(ok)
+            verdicts.append((label, ok))
             budget = "2x" if BUDGET[i] >= 1 else f"+{BUDGET[i] * 100:.0f}%"
             n = _notified(watched.session.dir)
             print(f"  {label:<42} {u * 1e3:8.1f} ms {o * 1e3:8.1f} ms  {over * 100:+8.1f}%  {budget:<6} "
                   f"{'within' if ok else 'OVER':<6} {n if n is not None else '-'}")
-        print(f"  observe mode: {'within' if all(verdicts) else 'OVER'} budget on every workload "
-              f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: wall times are noisy under load)")
+        over_ = [label for label, ok in verdicts if not ok]
+        verdict = "within budget on every workload" if not over_ else "OVER budget on: " + "; ".join(over_)
+        print(f"  observe mode: {verdict} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: "
+              "wall times are noisy under load)")
         # one notification's round trip: a loop of opens outside the project, observed or not
         opens = 5000
         code = f"import os\nfor _ in range({opens}): os.close(os.open('/etc/hosts', os.O_RDONLY))"

@@ -198,27 +198,64 @@ static size_t num(char *out, long v)
     return n;
 }
 
+/* /proc/PID of the processes seen last, kept open: a relative path's directory is then
+ * one readlinkat (fd/N or cwd) instead of a walk of /proc/PID/... each time. An entry
+ * of a process that has exited fails (the directory belongs to that process, never
+ * to a later one with the same pid) and is opened again. */
+#define OBS_PROC_CACHE 32
+struct proc_cache {
+    int pid[OBS_PROC_CACHE];
+    int fd[OBS_PROC_CACHE];
+    unsigned int next;
+};
+
+static int proc_dir(struct proc_cache *pc, int pid, int fresh)
+{
+    for (int i = 0; i < OBS_PROC_CACHE; i++)
+        if (pc->fd[i] >= 0 && pc->pid[i] == pid) {
+            if (!fresh)
+                return pc->fd[i];
+            close(pc->fd[i]);
+            pc->fd[i] = -1;
+        }
+    char path[32];
+    memcpy(path, "/proc/", 6);
+    num(path + 6, pid);
+    int fd = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    unsigned int k = pc->next++ % OBS_PROC_CACHE;
+    if (pc->fd[k] >= 0)
+        close(pc->fd[k]);
+    pc->pid[k] = pid;
+    pc->fd[k] = fd;
+    return fd;
+}
+
 /* The directory a relative path of pid's is resolved from: its cwd (AT_FDCWD) or
  * the directory fd, as the sandbox names it. Its length, or -errno. */
-static long dir_of(int pid, int dirfd, char *out, size_t cap)
+static long dir_of(struct proc_cache *pc, int pid, int dirfd, char *out, size_t cap)
 {
-    char link[64];
-    size_t n = 0;
-    memcpy(link, "/proc/", 6);
-    n = 6;
-    n += num(link + n, pid);
+    char link[32];
     if (dirfd == AT_FDCWD) {
-        memcpy(link + n, "/cwd", 5);
+        memcpy(link, "cwd", 4);
     } else {
-        memcpy(link + n, "/fd/", 4);
-        n += 4;
-        num(link + n, dirfd);
+        memcpy(link, "fd/", 3);
+        num(link + 3, dirfd);
     }
-    ssize_t r = readlink(link, out, cap - 1);
-    if (r < 0)
-        return -errno;
-    out[r] = '\0';
-    return r;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        int pfd = proc_dir(pc, pid, attempt);
+        if (pfd < 0)
+            return -errno;
+        ssize_t r = readlinkat(pfd, link, out, cap - 1);
+        if (r >= 0) {
+            out[r] = '\0';
+            return r;
+        }
+        if (errno != ESRCH && errno != ENOENT)
+            return -errno;
+    }
+    return -ENOENT;
 }
 
 /* Lexically normalize an absolute path in place: "//", "/./" and "/x/../". Its length. */
@@ -369,8 +406,8 @@ static int sock_type(int pid, int fd)
 
 /* The argument of one notification, read into data; its length (0: nothing read,
  * r->flags and r->err say why). */
-static size_t take_arg(const struct seccomp_notif *n, const struct obs_call *c, struct sk_obs_rec *r, char *data,
-                       size_t cap)
+static size_t take_arg(struct proc_cache *pc, const struct seccomp_notif *n, const struct obs_call *c,
+                       struct sk_obs_rec *r, char *data, size_t cap)
 {
     int pid = (int)n->pid;
     const uint64_t *a = n->data.args;
@@ -399,7 +436,7 @@ static size_t take_arg(const struct seccomp_notif *n, const struct obs_call *c, 
         }
         /* relative (or execveat's AT_EMPTY_PATH ""): from its directory */
         int dirfd = c->dirfd_arg >= 0 ? (int)a[c->dirfd_arg] : AT_FDCWD;
-        long dl = dir_of(pid, dirfd, data, cap);
+        long dl = dir_of(pc, pid, dirfd, data, cap);
         if (dl < 0 || data[0] != '/' || (size_t)dl + 1 + (size_t)len + 1 > cap) {
             r->flags |= SK_OBS_F_RELATIVE;
             if ((size_t)len + 1 > cap)
@@ -487,6 +524,10 @@ int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_pref
      * is a synchronous round trip); older kernels refuse the flag, and wake as usual. */
     ioctl(listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, (__u64)SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP);
     char data[OBS_PATH_MAX + 1];
+    struct proc_cache pc;
+    for (int i = 0; i < OBS_PROC_CACHE; i++)
+        pc.fd[i] = -1, pc.pid[i] = 0;
+    pc.next = 0;
     struct pollfd pf[2] = {{.fd = listener, .events = POLLIN}, {.fd = stop_fd, .events = POLLIN}};
     int ret = 0;
     for (;;) {
@@ -516,7 +557,7 @@ int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_pref
                 rec.kind = (unsigned short)c.kind;
                 rec.pid = (int)n->pid;
                 rec.nr = n->data.nr;
-                dl = take_arg(n, &c, &rec, data, sizeof data);
+                dl = take_arg(&pc, n, &c, &rec, data, sizeof data);
             }
             /* Only now is what we read the target's: it was still in this call. */
             int valid = ioctl(listener, SECCOMP_IOCTL_NOTIF_ID_VALID, &n->id) == 0;
@@ -553,6 +594,9 @@ int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_pref
             break;
     }
     out_flush(o);
+    for (int i = 0; i < OBS_PROC_CACHE; i++)
+        if (pc.fd[i] >= 0)
+            close(pc.fd[i]);
     st->lost = o->lost;
     free(o);
     return ret;

@@ -273,7 +273,8 @@ BLOCKED_NOTE = (
     "note: these are stockade's own decisions: the rules each run started with, and each connection "
     "and DNS name the proxy of a --net allow run refused (one line each); a single denied call "
     "(Landlock EACCES, seccomp EPERM/ENOSYS) is not reported to stockade by the kernel: "
-    "`stockade explain -- CMD` shows the rules, strace -f inside shows the call"
+    "`stockade explain -- CMD` shows the rules, strace -f inside shows the call; a run with --observe "
+    "logs each exec, open and connect it tried with the walls' predicted answer (`stockade log --observed`)"
 )
 
 

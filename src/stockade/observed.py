@@ -517,3 +517,37 @@ def _home_note(path: str) -> str:
     if any(is_under(path, h) or is_under(h, path) for h in homes if h):
         return "; it is (or holds) a home directory, where credentials live (~/.ssh, ~/.aws, tokens in dotfiles)"
     return ""
+
+
+def render(sugg: Sequence[Suggestion]) -> list[str]:
+    """The suggestions as one TOML document (tables merged, each value's risk in a
+    comment above it), for a user to copy from; it parses as a config tier would."""
+    out: list[str] = []
+    lists: dict[tuple[str, str], list[Suggestion]] = {}
+    tables: list[Suggestion] = []
+    for s in sugg:
+        key, _, rest = s.line.partition(" = ")
+        if s.section == "[[paths]]" or not rest.startswith("[") or "\n" in rest:
+            if s.section == "[network]" and "\nallow = [" in s.line:  # mode = "allow" + the host
+                lists.setdefault(("[network]", "allow"), []).append(s)
+            else:
+                tables.append(s)
+            continue
+        lists.setdefault((s.section, key), []).append(s)
+    sections: dict[str, list[str]] = {}
+    for (section, key), items in lists.items():
+        body = sections.setdefault(section, [])
+        if section == "[network]" and key == "allow":
+            body.append('mode = "allow"')
+        body.append(f"{key} = [")
+        for s in items:
+            value = s.line.rpartition(f"{key} = ")[2][1:-1]  # the one item of "key = [item]"
+            body.append(f"    # risk: {s.risk}")
+            body.append(f"    # because: {s.because}")
+            body.append(f"    {value},")
+        body.append("]")
+    for section, body in sections.items():
+        out += ["", section, *body]
+    for s in tables:
+        out += ["", f"# risk: {s.risk}", f"# because: {s.because}", s.section, s.line]
+    return out

@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -185,9 +186,11 @@ def test_policy_suggest_names_each_risk(user: User, project: Path) -> None:
     s = user.cli(["policy", "suggest", sess], cwd=project)
     assert s.returncode == 0, s.stderr.decode()
     text = s.stdout.decode()
-    assert "[etc]\nextra = [\"/etc/shadow\"]" in text
-    assert "[secrets]\nallow = [\".env\"]" in text and "# risk: a secret pattern" in text
-    assert 'allow = ["10.255.255.1:80"]' in text and "# risk: a host" in text
+    doc = tomllib.loads(text)  # one document a user can copy from, as a config tier reads it
+    assert "/etc/shadow" in doc["etc"]["extra"]
+    assert ".env" in doc["secrets"]["allow"] and "# risk: a secret pattern" in text
+    assert doc["network"]["mode"] == "allow" and "10.255.255.1:80" in doc["network"]["allow"]
+    assert "# risk: a host" in text
     assert "not applied" in text
     assert (project / ".stockade.toml").exists() == before  # never applied by itself
     j = user.cli(["policy", "suggest", "--json", sess], cwd=project)

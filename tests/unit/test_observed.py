@@ -244,6 +244,12 @@ def test_suggest_marks_each_line_with_its_risk(tmp_path: Path) -> None:
     net = by['[network] mode = "allow"\nallow = ["93.184.216.34:443"]']
     assert "a host" in net.risk
     assert len(sugg) == 5
+    import tomllib
+
+    doc = tomllib.loads("\n".join(observed.render(sugg)))
+    assert doc["secrets"]["allow"] == [".env"] and doc["etc"]["extra"] == ["/etc/hostname"]
+    assert doc["network"] == {"mode": "allow", "allow": ["93.184.216.34:443"]}
+    assert sorted(p["access"] for p in doc["paths"]) == ["ro", "rw"]
 
 
 # ---- bad input and config -----------------------------------------------------------------

@@ -426,10 +426,6 @@ def cmd_policy_suggest(args: Args) -> int:
         print(f"session {sess.id}: nothing observed was denied; no change suggested")
         return 0
     print(f"# suggestions for session {sess.id} (not applied: copy what you accept into .stockade.toml)")
-    for s in sugg:
-        print()
-        print(f"# risk: {s.risk}")
-        print(f"# because: {s.because}")
-        print(s.section)
-        print(s.line)
+    for line in observed.render(sugg):
+        print(line)
     return 0

@@ -19,6 +19,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..native import ffi, lib
 from .bpf import (
@@ -123,9 +124,9 @@ def observe_bpf(machine: str | None = None) -> bytes:
 _NAMES: dict[int, str] = {}
 
 
-@dataclass(frozen=True)
-class Record:
-    """One observed call, as read from the target (for the log only: see csrc/observe.c)."""
+class Record(NamedTuple):
+    """One observed call, as read from the target (for the log only: see csrc/observe.c).
+    A tuple: tens of thousands are made per run."""
 
     kind: int
     flags: int
