@@ -656,7 +656,7 @@ def probe_disk(state: Path) -> Probe:
     from .core import diskwatch
 
     mp, fstype, opts = diskwatch.filesystem_of(str(state))
-    return Probe("disk", "info", diskwatch.mechanism(str(state)),
+    return Probe("disk", "info", diskwatch.mechanism(str(state), free=False),
                  data={"mount": mp, "fstype": fstype, "options": opts, "mechanism": "watchdog"})
 
 

@@ -241,6 +241,20 @@ def test_bad_input_runs_nothing(user: User, project: Path) -> None:
     assert r.stdout == b"" and sorted(os.listdir(sessions / "held" / "runs")) == runs
 
 
+def test_the_config_sets_it(user: User, project: Path) -> None:
+    cfg = project / ".stockade.toml"
+    cfg.write_text('limits = { disk = "96M" }\n')
+    user.own(cfg)
+    r = run(user, project, "--session", "cfg", "--", "sh", "-c", _write_files(".", 8, 64))
+    err = r.stderr.decode()
+    assert r.returncode == 122 and "disk-limit-hit (disk limit 96M" in err, err
+    cfg.write_text('limits = { disk = "10XB" }\n')
+    r = run(user, project, "--", "sh", "-c", "echo ran")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and r.stdout == b"" and err.count("\n") == 1, err
+    assert re.match(r"stockade: \S*\.stockade\.toml:1: limits\.disk: invalid value '10XB'", err), err
+
+
 def test_living_sandbox_has_the_same_cap(user: User, project: Path) -> None:
     r = user.cli(["start", "--name", "lvd", "--disk", "192M"], cwd=project, timeout=120)
     assert r.returncode == 0, r.stderr.decode()

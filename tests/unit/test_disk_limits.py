@@ -364,3 +364,12 @@ def test_explain_shows_the_disk_figure(tmp_path: Path, monkeypatch: pytest.Monke
     assert "capped at 2G each" in out and "/tmp" in out
     assert "watchdog" in out
     assert f"size={2 * GiB}" in out
+
+
+def test_doctor_says_how_this_host_holds_it(tmp_path: Path) -> None:
+    from stockade.doctor import probe_disk
+
+    p = probe_disk(tmp_path)
+    assert p.name == "disk" and p.status == "info"
+    assert "size= and nr_inodes=" in p.detail and "watchdog" in p.detail and "free" not in p.detail
+    assert p.data["mechanism"] == "watchdog"

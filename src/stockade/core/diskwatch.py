@@ -353,15 +353,17 @@ def filesystem_of(path: str, mounts: str = "/proc/self/mounts") -> tuple[str, st
     return best
 
 
-def mechanism(state: str) -> str:
-    """How this host holds the disk limit, in one line (``explain``, ``doctor``)."""
+def mechanism(state: str, free: bool = True) -> str:
+    """How this host holds the disk limit, in one line (``explain``; ``doctor``, whose
+    cached answer leaves out the free space)."""
     mp, fstype, opts = filesystem_of(state)
     quota = any(o in ("prjquota", "pquota", "prjjquota") or o.startswith("prjjquota=") for o in opts.split(","))
     upper = (f"the session's layers on {fstype} at {mp}: the supervisor's watchdog "
              f"({'project quotas are on there but not used yet' if quota else 'no project quota there'})")
-    try:
-        s = os.statvfs(state if os.path.exists(state) else mp)
-        upper += f", {size_text(s.f_bavail * s.f_frsize)} free of {size_text(s.f_blocks * s.f_frsize)}"
-    except OSError:
-        pass
+    if free:
+        try:
+            s = os.statvfs(state if os.path.exists(state) else mp)
+            upper += f", {size_text(s.f_bavail * s.f_frsize)} free of {size_text(s.f_blocks * s.f_frsize)}"
+        except OSError:
+            pass
     return "each writable tmpfs: the kernel's size= and nr_inodes=; " + upper
