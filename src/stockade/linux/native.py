@@ -194,7 +194,7 @@ REMEDIES: dict[str, str] = {
     "launcher": "the sandbox launcher could not start; set STOCKADE_LAUNCHER=0 to start each sandbox directly",
     "observe": "observe mode's filter was refused (EBUSY: a seccomp filter this process runs under already has a "
                "listener, as some container engines install; EACCES/EPERM: the seccomp profile denies seccomp(2)); "
-               "run without --observe (`stockade doctor` says whether this host gives observe mode)",
+               "run without --observe, or in a container started without a seccomp profile of its own",
 }
 
 
