@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 import anyio
@@ -29,6 +30,7 @@ from . import tools
 from .workspace import Call, Options, Reply, Workspace
 
 log = logging.getLogger("stockade.mcp")
+GRACE_AT_EXIT = 10.0  # seconds the calls cancelled at the end have to finish
 
 INSTRUCTIONS = (
     "stockade runs your shell commands in a sandbox over the user's project: the exec tool runs a command "
@@ -62,7 +64,29 @@ def _error(tool: str, msg: str) -> mt.CallToolResult:
                              structured_content={"error": msg, "tool": tool}, is_error=True)
 
 
-def build(ws: Workspace) -> Server[Any]:
+class InFlight:
+    """The tool calls whose worker thread is still working (a cancelled call's thread
+    finishes on its own, once its command has ended)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.n = 0
+
+    def enter(self) -> None:
+        with self._cond:
+            self.n += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self.n -= 1
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.n == 0, timeout)
+
+
+def build(ws: Workspace, inflight: InFlight | None = None) -> Server[Any]:
     listed = [mt.Tool(name=t.name, title=t.title, description=t.description, input_schema=tools.schema(t),
                       annotations=mt.ToolAnnotations(title=t.title, read_only_hint=t.read_only,
                                                      destructive_hint=t.destructive, idempotent_hint=t.idempotent,
@@ -82,10 +106,16 @@ def build(ws: Workspace) -> Server[Any]:
             args = tools.parse(t, params.arguments)
 
             def work() -> Reply:
-                return t.call(ws, args, call)
+                try:
+                    return t.call(ws, args, call)
+                finally:
+                    if inflight is not None:
+                        inflight.leave()
 
             # abandon_on_cancel: a cancelled request (or the client gone) returns at once;
             # its command is ended through ``call`` and the thread finishes on its own
+            if inflight is not None:
+                inflight.enter()
             return _result(await anyio.to_thread.run_sync(work, abandon_on_cancel=True))
         except StockadeError as e:
             return _error(t.name, f"{t.name}: {e.one_line().removeprefix(t.name + ': ')}")
@@ -110,8 +140,8 @@ def _version() -> str:
         return "0"
 
 
-async def _serve(ws: Workspace) -> None:
-    server = build(ws)
+async def _serve(ws: Workspace, inflight: InFlight) -> None:
+    server = build(ws, inflight)
     async with anyio.create_task_group() as tg:
 
         async def on_signals() -> None:
@@ -128,27 +158,32 @@ async def _serve(ws: Workspace) -> None:
 
 
 def serve(opts: Options) -> int:
-    """Serve one client on stdin/stdout until it goes, then exit the process (0, or 1
-    when the server failed); a bad option or config raises its UsageError first."""
+    """Serve one client on stdin/stdout until it goes; the exit status (0, or 1 when
+    the server failed). A bad option or config raises its UsageError first."""
     _setup_logging()
     ws = Workspace(opts)  # a bad option or config: the caller's one-line error, before serving
     log.info("serving project %s over stdio (session %s; the sandbox starts on the first exec)",
              ws.project, ws.session_id or "made by the first command")
+    inflight = InFlight()
     code = 0
     try:
-        anyio.run(_serve, ws)
+        anyio.run(_serve, ws, inflight)
     except KeyboardInterrupt:
         pass
     except BaseException:  # a failure of the transport or of ours: said on stderr, exit 1
         log.exception("the server failed")
         code = 1
     finally:
-        ws.close()
+        ws.close()  # what runs is cancelled, the sandbox stopped
         log.info("client gone; %s", f"session {ws.session_id} kept for review" if ws.session_id else "nothing ran")
         from ..cgroups.base import flush_deferred
 
         flush_deferred()
-        sys.stderr.flush()
-    # a one-shot run still in flight has a worker thread that would hold up the exit:
-    # its sandbox ends with this process (the launcher ends a run whose requester is gone)
+    if inflight.wait_idle(GRACE_AT_EXIT):
+        return code
+    # a call's thread stuck past its command's end (a sandbox still starting...) would hold
+    # the interpreter's exit up: this process ends without it
+    log.warning("%d call(s) still finishing %g s after the client went: exiting without them",
+                inflight.n, GRACE_AT_EXIT)
+    sys.stderr.flush()
     os._exit(code)
