@@ -72,3 +72,20 @@ def test_output_is_cut_head_and_tail() -> None:
         sink.close()
     text, omitted = output.cut("é" * 100, 51, "the diff", "ask for less")
     assert omitted == 150 and text.startswith("é" * 25 + "\n[... 150 more bytes")
+
+
+def test_the_verb_in_process_returns_when_stdin_ends(tmp_path: object) -> None:
+    """`stockade.cli.main(["mcp", ...])` called in a process of its caller's serves until
+    stdin's end, then returns its status (it never ends the caller's process)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    base = Path(str(tmp_path))
+    (base / "proj").mkdir()
+    code = "from stockade.cli import main; rc = main(['mcp', '--project', 'proj']); print('returned', rc)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=base, stdin=subprocess.DEVNULL, capture_output=True,
+                       text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(base),
+                                                    "STOCKADE_STATE_DIR": str(base / "state")})
+    assert r.returncode == 0 and r.stdout == "returned 0\n", (r.stdout, r.stderr)
+    assert "client gone; nothing ran" in r.stderr
