@@ -16,10 +16,11 @@ looks every ``TICK`` seconds at:
   ``WALK_EVERY`` seconds while the filesystem's figures move at all, never more often
   than ten times its own cost (at most a tenth of a core however big the layer).
 
-It ends the run (the caller kills the tree, as on timeout) when what the sandbox holds
-would pass the cap by the next look at its current rate, or the filesystem's free
-space would fall under the floor, and only while it is growing: a session over its cap
-can still run what does not write. Pure logic with its measurements injected
+It ends the run (the caller kills the tree, as on timeout) when the layers would pass
+the cap before a later look at the rate its walks show, when the tmpfs and layers
+together are past it, or when the filesystem's free space would fall under the floor;
+and only while what the sandbox holds grows (by its own walks and tmpfs, never the
+host's figures): a session over its cap can still run what does not write. Pure logic with its measurements injected
 (``Probe``), so the unit tests drive it with a fake clock and fake usage.
 """
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 #: Seconds between looks; ``FAST_TICK`` when the next look at this rate may pass the cap.
 TICK = 0.05
 FAST_TICK = 0.01
-#: Seconds between two walks of the layers, at most.
+#: Seconds between two walks of the layers while the filesystem's figures move.
 WALK_EVERY = 2.0
 #: A walk may take at most this share of the time (adaptive interval).
 WALK_SHARE = 0.1
@@ -200,10 +201,9 @@ class DiskWatch:
         self.last_fs_used = 0
         self.layer_rate = 0.0  # bytes/s between the last two walks
         self.layers_grew = False  # the last walk found more than the one before
-        self.rebase = False  # the next walk is a new baseline (``rebase()``)
+        self.rebase = False  # the next walk is a new baseline (``restart()``)
         self.last_tm = 0
         self.last_at = 0.0
-        self.fs_at_start: FsState | None = probe.fs()
         self.full: list[str] = []  # tmpfs found full
         self.hit: str | None = None
         self.peak = 0  # the largest total seen (bytes)

@@ -71,7 +71,7 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
     sup = None
     reaped = False  # init reaped: with its own PID namespace, nothing of the sandbox is left
     try:
-        watch = disk_watch(sess, prep)  # (before the start: what the filesystem held before it)
+        watch = disk_watch(sess, prep)
         child = launch.start(sess, record.run_no, prep, hold_fd, session_ahead)
         sup = launch.supervisor(record.run_dir, prep.timeout)
         sup.disk = watch
