@@ -38,8 +38,10 @@ TICK = 0.05
 FAST_TICK = 0.01
 #: Seconds between two walks of the layers while the filesystem's figures move.
 WALK_EVERY = 2.0
-#: A walk may take at most this share of the time (adaptive interval).
+#: A walk may take at most this share of the time (adaptive interval); near the cap or
+#: the floor, at most half of it.
 WALK_SHARE = 0.1
+NEAR_WALK_SHARE = 0.5
 #: What the sum may pass the cap by before a run is ended for it (a tmpfs full at the
 #: cap beside an upper layer holding a directory entry is the kernel's ENOSPC).
 SLACK = 1024 * 1024
@@ -221,8 +223,13 @@ class DiskWatch:
         self.walked_at = now
         return self.layers
 
-    def _walk_allowed(self, now: float) -> bool:
-        return now - self.walked_at >= self.walk_cost / WALK_SHARE
+    def _walk_gap(self, near: bool) -> float:
+        """Seconds a walk must wait after the last one: ten times its cost, or twice it
+        near the cap or floor (a short burst, while it matters)."""
+        return self.walk_cost / (NEAR_WALK_SHARE if near else WALK_SHARE)
+
+    def _walk_allowed(self, now: float, near: bool = False) -> bool:
+        return now - self.walked_at >= self._walk_gap(near)
 
     def tick(self, now: float | None = None) -> str | None:
         """One look. Returns the reason to end the run (kept in ``hit``), else None.
@@ -250,13 +257,14 @@ class DiskWatch:
         fs_rate = max(0.0, (fs.used - self.last_fs_used) / dt) if fs is not None and dt > 0 else 0.0
         # how far ahead to look: one look, or twice the last gap between looks when this
         # process is scheduled late (a loaded host), plus the kill's own latency
-        window = max(2 * TICK, 2 * dt)
+        # and until the next walk can come (a costly walk, e.g. in the sandbox's ids)
+        window = max(2 * TICK, 2 * dt, self._walk_gap(True) + self.walk_cost)
         fs_ahead = fs_rate * window
         near = (self.cap is not None and guess + fs_ahead + tm_used >= self.cap) or (
             self.floor is not None and fs is not None and fs.free - fs_ahead < self.floor)
         moved = fs is None or fs.used != self.used_at_walk  # a quiet filesystem needs no walk
         if (self.layers is None or self.rebase or (moved and now - self.walked_at >= WALK_EVERY) or (near and gained > 0)) \
-                and self._walk_allowed(now):
+                and self._walk_allowed(now, near):
             before, at = (None, 0.0) if self.rebase else (self.layers, self.walked_at)
             self.rebase = False
             self._walk(now)
