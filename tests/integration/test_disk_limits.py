@@ -241,6 +241,22 @@ def test_bad_input_runs_nothing(user: User, project: Path) -> None:
     assert r.stdout == b"" and sorted(os.listdir(sessions / "held" / "runs")) == runs
 
 
+def test_a_directory_the_caller_cannot_read_is_counted(user: User, subids: int, project: Path) -> None:
+    """Unprivileged with a subordinate range: root inside gives a directory to another id
+    with mode 0700; on the host the caller cannot enter it, and the watchdog's walk
+    (with the sandbox's ids) still counts what is written there."""
+    if user.name == "root":
+        pytest.skip("the subordinate-range case is the unprivileged caller's")
+    script = "mkdir hide && chown 1000:1000 hide && chmod 700 hide && " + _write_files("hide", 8, 64)
+    r = run(user, project, "--session", "rng", "--root", "--disk", "128M", "--", "sh", "-c", script)
+    err = r.stderr.decode()
+    assert r.returncode == 122, err
+    assert "disk-limit-hit (disk limit 128M: the project's layers hold" in err, err
+    hide = user.state / "sessions" / "rng" / "upper" / "hide"
+    assert hide.stat().st_uid == subids + 1000
+    assert upper_bytes(user, "rng") <= 128 * MiB + 32 * MiB  # (read as root)
+
+
 def test_the_config_sets_it(user: User, project: Path) -> None:
     cfg = project / ".stockade.toml"
     cfg.write_text('limits = { disk = "96M" }\n')

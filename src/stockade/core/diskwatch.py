@@ -16,10 +16,11 @@ looks every ``TICK`` seconds at:
   ``WALK_EVERY`` seconds while the filesystem's figures move at all, never more often
   than ten times its own cost (at most a tenth of a core however big the layer).
 
-It ends the run (the caller kills the tree, as on timeout) when what the sandbox holds
-would pass the cap by the next look at its current rate, or the filesystem's free
-space would fall under the floor, and only while it is growing: a session over its cap
-can still run what does not write. Pure logic with its measurements injected
+It ends the run (the caller kills the tree, as on timeout) when the layers would pass
+the cap before a later look at the rate its walks show, when the tmpfs and layers
+together are past it, or when the filesystem's free space would fall under the floor;
+and only while what the sandbox holds grows (by its own walks and tmpfs, never the
+host's figures): a session over its cap can still run what does not write. Pure logic with its measurements injected
 (``Probe``), so the unit tests drive it with a fake clock and fake usage.
 """
 
@@ -35,10 +36,12 @@ from dataclasses import dataclass
 #: Seconds between looks; ``FAST_TICK`` when the next look at this rate may pass the cap.
 TICK = 0.05
 FAST_TICK = 0.01
-#: Seconds between two walks of the layers, at most.
+#: Seconds between two walks of the layers while the filesystem's figures move.
 WALK_EVERY = 2.0
-#: A walk may take at most this share of the time (adaptive interval).
+#: A walk may take at most this share of the time (adaptive interval); near the cap or
+#: the floor, at most half of it.
 WALK_SHARE = 0.1
+NEAR_WALK_SHARE = 0.5
 #: What the sum may pass the cap by before a run is ended for it (a tmpfs full at the
 #: cap beside an upper layer holding a directory entry is the kernel's ENOSPC).
 SLACK = 1024 * 1024
@@ -200,10 +203,9 @@ class DiskWatch:
         self.last_fs_used = 0
         self.layer_rate = 0.0  # bytes/s between the last two walks
         self.layers_grew = False  # the last walk found more than the one before
-        self.rebase = False  # the next walk is a new baseline (``rebase()``)
+        self.rebase = False  # the next walk is a new baseline (``restart()``)
         self.last_tm = 0
         self.last_at = 0.0
-        self.fs_at_start: FsState | None = probe.fs()
         self.full: list[str] = []  # tmpfs found full
         self.hit: str | None = None
         self.peak = 0  # the largest total seen (bytes)
@@ -221,8 +223,13 @@ class DiskWatch:
         self.walked_at = now
         return self.layers
 
-    def _walk_allowed(self, now: float) -> bool:
-        return now - self.walked_at >= self.walk_cost / WALK_SHARE
+    def _walk_gap(self, near: bool) -> float:
+        """Seconds a walk must wait after the last one: ten times its cost, or twice it
+        near the cap or floor (a short burst, while it matters)."""
+        return self.walk_cost / (NEAR_WALK_SHARE if near else WALK_SHARE)
+
+    def _walk_allowed(self, now: float, near: bool = False) -> bool:
+        return now - self.walked_at >= self._walk_gap(near)
 
     def tick(self, now: float | None = None) -> str | None:
         """One look. Returns the reason to end the run (kept in ``hit``), else None.
@@ -250,13 +257,14 @@ class DiskWatch:
         fs_rate = max(0.0, (fs.used - self.last_fs_used) / dt) if fs is not None and dt > 0 else 0.0
         # how far ahead to look: one look, or twice the last gap between looks when this
         # process is scheduled late (a loaded host), plus the kill's own latency
-        window = max(2 * TICK, 2 * dt)
+        # and until the next walk can come (a costly walk, e.g. in the sandbox's ids)
+        window = max(2 * TICK, 2 * dt, self._walk_gap(True) + self.walk_cost)
         fs_ahead = fs_rate * window
         near = (self.cap is not None and guess + fs_ahead + tm_used >= self.cap) or (
             self.floor is not None and fs is not None and fs.free - fs_ahead < self.floor)
         moved = fs is None or fs.used != self.used_at_walk  # a quiet filesystem needs no walk
         if (self.layers is None or self.rebase or (moved and now - self.walked_at >= WALK_EVERY) or (near and gained > 0)) \
-                and self._walk_allowed(now):
+                and self._walk_allowed(now, near):
             before, at = (None, 0.0) if self.rebase else (self.layers, self.walked_at)
             self.rebase = False
             self._walk(now)
