@@ -248,3 +248,18 @@ def test_python_api(api_project: Path) -> None:
         stockade.Sandbox(api_project, persistent=True, observe=True)
     with pytest.raises(UsageError, match="needs seccomp"):
         stockade.run(["true"], project=api_project, observe=True, seccomp="off", allow_degraded=["seccomp"])
+
+
+@pytest.mark.parametrize("launcher", ["0", "1"])
+def test_cold_start_and_launcher_alike(user: User, project: Path, launcher: str) -> None:
+    """One run path: a cold start (spawn.c, child.c) and a launcher's run child
+    (csrc/launcher/) install the same filter and hand over the same listener."""
+    setup_project(user, project)
+    r = user.cli(["run", "--observe", "--", PY3, "probe.py", str(free_port())], cwd=project,
+                 env={"STOCKADE_LAUNCHER": launcher})
+    assert r.returncode == 0, r.stderr.decode()
+    obs = observed_json(user, project, session_of(r.stderr))
+    assert "/usr/bin/true" in obs["programs"]
+    assert "/etc/shadow" in {d["target"] for d in obs["denied"]}
+    (summ,) = obs["summaries"]
+    assert summ["unreadable"] == 0 and not summ.get("error")
