@@ -22,11 +22,19 @@ from typing import Any
 
 import pytest
 
-from ..conftest import User
+from ..conftest import User, need
 
 pytestmark = pytest.mark.cli_paths  # every test with a `user`: in-process and served (one run path)
 
 PY3 = "/usr/bin/python3"
+
+
+@pytest.fixture(autouse=True)
+def observable() -> None:
+    from stockade.linux.seccomp.observe import supported
+
+    why = supported()
+    need(why is None, why or "")
 
 PROBE = r'''
 import errno, json, os, socket, subprocess, sys
