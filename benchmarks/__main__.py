@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-MODULES = ["bench_runtime", "bench_confinement", "bench_observe", "bench_cgroups", "bench_changes", "bench_policy", "bench_net", "bench_live"]
+MODULES = ["bench_runtime", "bench_confinement", "bench_observe", "bench_cgroups", "bench_changes", "bench_policy", "bench_net",
+           "bench_live", "bench_mcp"]
 
 
 def main() -> int:

@@ -8,6 +8,8 @@
 #    podman container with its default options;
 #  - curl, git (its http-backend and daemon), openssl, npm, ssh and the system Python's pip: the --net allow tests
 #    (tests/netfix.py, tests/integration/test_net_allow.py) run them inside and beside the sandbox.
+#  - chromium and chromium-driver: tests/integration/test_review_browser.py drives the review page in
+#    headless Chromium with Selenium.
 # Idempotent and silent when everything is present.
 set -e
 missing=""
@@ -22,6 +24,8 @@ command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
 for t in curl git openssl npm; do command -v $t >/dev/null 2>&1 || missing="$missing $t"; done
 command -v ssh >/dev/null 2>&1 || missing="$missing openssh-client"
 [ -x /usr/bin/python3 ] && ! /usr/bin/python3 -c 'import pip' >/dev/null 2>&1 && missing="$missing python3-pip"
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+command -v chromedriver >/dev/null 2>&1 || missing="$missing chromium-driver"
 [ -z "$missing" ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "bootstrap: installing test tools:$missing"

@@ -12,13 +12,15 @@ __all__ = [
     "SessionBusy",
     "StockadeError",
     "UsageError",
+    "clean",
     "run",
+    "sessions",
 ]
 
 if TYPE_CHECKING:
     from typing import Any
 
-    from .api import DEVNULL, PIPE, STDOUT, Sandbox, run
+    from .api import DEVNULL, PIPE, STDOUT, Sandbox, clean, run, sessions
     from .errors import PolicyError, SandboxError, SessionBusy, StockadeError, UsageError
 
 
@@ -28,7 +30,7 @@ def __getattr__(name: str) -> "Any":  # quoted: no __future__ import (the CLI cl
         from . import errors
 
         return getattr(errors, name)
-    if name in ("Sandbox", "run", "RunResult", "PIPE", "STDOUT", "DEVNULL"):
+    if name in ("Sandbox", "run", "RunResult", "PIPE", "STDOUT", "DEVNULL", "clean", "sessions"):
         from . import api
 
         return getattr(api, name)

@@ -18,10 +18,11 @@ from .errors import UsageError
 from .session import store
 
 if TYPE_CHECKING:
+    from .changes.retention import Outcome, SessionInfo
     from .changes.scan import ChangeSet
     from .live import Channel, LivePopen
 
-__all__ = ["DEVNULL", "PIPE", "STDOUT", "RunResult", "Sandbox", "run"]
+__all__ = ["DEVNULL", "PIPE", "STDOUT", "RunResult", "Sandbox", "clean", "run", "sessions"]
 
 # the keywords that are the run's I/O (RunIO); every other one is the request's
 _IO = frozenset({"input", "stdin", "stdout", "stderr", "capture_output", "text", "encoding", "errors", "check",
@@ -204,3 +205,34 @@ def run(
             if res is not None:
                 return res
     return execute(req, io)
+
+
+def sessions() -> list[SessionInfo]:
+    """Every session with its state (running, idle, locked, has-changes, applied, empty),
+    age since last use (seconds), size on disk and change counts: ``stockade status``."""
+    from .changes.retention import list_infos
+
+    return list_infos()
+
+
+def clean(older_than: str | float | None = None, *, include_unapplied: bool = False,
+          dry_run: bool = False) -> list[Outcome]:
+    """Remove the sessions unused for ``older_than`` (``"7d"``, ``"12h"``, ``"0s"`` or
+    seconds; None: the config's ``[sessions] keep``, else 7 days): ``stockade clean
+    --older-than``. A session in use is never removed, one with unapplied changes only
+    with ``include_unapplied``. Returns each removed (``dry_run``: would-remove) and
+    skipped session with the reason."""
+    from .changes import retention
+
+    if older_than is None:
+        age = retention.keep_setting()
+        if age is None:
+            return []  # [sessions] keep = "never"
+    elif isinstance(older_than, str):
+        age = retention.parse_age(older_than, "older_than")
+    elif isinstance(older_than, bool) or not isinstance(older_than, int | float) or not older_than >= 0:
+        raise UsageError(f"older_than: invalid value {older_than!r}: expected seconds (>= 0) or a duration "
+                         f"({retention.DURATION_FORMS})")
+    else:
+        age = float(older_than)
+    return retention.clean(age, include_unapplied=include_unapplied, dry_run=dry_run)

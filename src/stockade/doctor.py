@@ -656,6 +656,15 @@ def probe_cgroups() -> Probe:
     return Probe("cgroups", "ok", f"backend {kind}", None, data)
 
 
+def probe_disk(state: Path) -> Probe:
+    """How --disk is held on this host: tmpfs caps, and for the layers a watchdog."""
+    from .core import diskwatch
+
+    mp, fstype, opts = diskwatch.filesystem_of(str(state))
+    return Probe("disk", "info", diskwatch.mechanism(str(state), free=False),
+                 data={"mount": mp, "fstype": fstype, "options": opts, "mechanism": "watchdog"})
+
+
 def probe_environment(proc: Path = Path("/proc"), root: Path = Path("/")) -> Probe:
     """What this process runs in: every fix above is chosen for it."""
     from .linux import remedies
@@ -1090,8 +1099,7 @@ def cached_probes(state: Path, *, refresh: bool = False) -> tuple[list[Probe], b
     env = remedies.detect()
     probes = [probe_environment(), *probe_userns(), probe_clone3(env), probe_setgroups(env), probe_proc(env),
               probe_hostname(env), probe_overlay(state), probe_landlock(), probe_seccomp(), probe_observe(),
-              probe_cgroups(),
-              probe_apparmor(), probe_capabilities(), *probe_network(env)]
+              probe_cgroups(), probe_disk(state), probe_apparmor(), probe_capabilities(), *probe_network(env)]
     try:
         state.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_name(f".doctor.{os.getpid()}.tmp")

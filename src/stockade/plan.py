@@ -151,6 +151,10 @@ class Plan:
     # capabilities root inside keeps in its own user namespace (KEEP_CAPS), only
     # where a range of other ids is mapped and no host id but its own and the range's
     keep_caps: tuple[str, ...] = ()
+    # the tmpfs mounts the sandbox can write (sandbox paths; the disk watchdog adds them
+    # up) and the size= each has (None: no --disk)
+    writable_tmpfs: tuple[str, ...] = ()
+    tmpfs_size: int | None = None
 
     @property
     def path_env(self) -> str:
@@ -684,7 +688,7 @@ class Request:
     __slots__ = (
         "argv", "cwd", "degraded", "env", "etc_extra", "exec_allow", "foreign_stdin", "forward", "grants", "hostname",
         "keep_fds", "landlock", "lower_layers", "masked", "network", "project", "read_only", "rlimits", "root",
-        "seccomp_bpf", "seccomp_name", "stage_dir", "upper", "user", "work",
+        "seccomp_bpf", "seccomp_name", "stage_dir", "tmpfs_size", "upper", "user", "work",
     )
 
     def __init__(
@@ -716,7 +720,9 @@ class Request:
         rlimits: tuple[tuple[int, int, int], ...] = (),
         degraded: tuple[str, ...] = (),
         stage_dir: str = "/tmp",
+        tmpfs_size: int | None = None,  # size= of each writable tmpfs (the --disk cap); None: none
     ) -> None:
+        self.tmpfs_size = tmpfs_size
         self.argv = argv
         self.project = project
         self.cwd = cwd
@@ -901,6 +907,30 @@ def _passwd(uid: int, gid: int, name: str, home: str) -> tuple[bytes, bytes]:
     )
 
 
+#: One inode of a capped tmpfs per this many bytes of its size (tmpfs' own default is
+#: one per page of RAM / 2): a sandbox cannot pin kernel memory with millions of
+#: empty files, and 10G still allows 655,360 of them.
+TMPFS_BYTES_PER_INODE = 16 * 1024
+TMPFS_MIN_INODES = 4096
+
+
+def tmpfs_cap(size: int | None) -> str:
+    """The ``size=`` and ``nr_inodes=`` options of a writable tmpfs ("" without a cap).
+    Each writable tmpfs gets the whole cap, so none passes it on its own; the
+    supervisor's disk watchdog holds their sum (and the project's layers) to it."""
+    if size is None:
+        return ""
+    size = max(size // 4096 * 4096, 4096)  # (a size of 0 would be no limit at all)
+    return f",size={size},nr_inodes={max(TMPFS_MIN_INODES, size // TMPFS_BYTES_PER_INODE)}"
+
+
+def _still_tmpfs(paths: list[str], ops: list[MountOp]) -> tuple[str, ...]:
+    """Those of ``paths`` whose last mount is a writable tmpfs (a grant bound over /tmp
+    is the host's filesystem: the watchdog must not count it)."""
+    last = {m.target: m for m in ops if m.kind not in ("mkdir", "symlink", "file", "remount-ro", "detach-host")}
+    return tuple(p for p in paths if p in last and last[p].kind == "tmpfs" and "ro" not in last[p].flags)
+
+
 def _overlay_lowers(req: Request) -> tuple[str, ...]:
     return (*(str(p) for p in req.lower_layers), str(req.project))
 
@@ -988,7 +1018,8 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         ops.append(MountOp("bind", "/dev/" + d, source="/dev/" + d, flags=frozenset({"dev", "file", "optional"})))
     ops.append(MountOp("devpts", "/dev/pts", data="newinstance,ptmxmode=0666,mode=0620"))
     ops.append(MountOp("symlink", "/dev/ptmx", data="pts/ptmx"))
-    ops.append(MountOp("tmpfs", "/dev/shm", data="mode=1777"))
+    cap = tmpfs_cap(req.tmpfs_size)
+    ops.append(MountOp("tmpfs", "/dev/shm", data="mode=1777" + cap))
     for n, t in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         ops.append(MountOp("symlink", "/dev/" + n, data=t))
 
@@ -1015,12 +1046,12 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
 
     # private /tmp, empty $HOME, the project and grants (parents before children)
     tree_ops: list[MountOp] = []
-    tree_ops.append(MountOp("tmpfs", "/tmp", data="mode=1777", why="private /tmp"))
+    tree_ops.append(MountOp("tmpfs", "/tmp", data="mode=1777" + cap, why="private /tmp"))
     # /var/tmp is a fresh tmpfs per run like /tmp (nothing of a run survives it but the
     # project's change set); /run the same, owned by the sandbox user as the host's is
     # by root, never the host's (its sockets: dbus, docker, systemd)
-    tree_ops.append(MountOp("tmpfs", "/var/tmp", data="mode=1777", why="private /var/tmp"))
-    tree_ops.append(MountOp("tmpfs", "/run", data=f"mode=0755,uid={in_uid},gid={in_gid}", why="private /run (not the host's)"))
+    tree_ops.append(MountOp("tmpfs", "/var/tmp", data="mode=1777" + cap, why="private /var/tmp"))
+    tree_ops.append(MountOp("tmpfs", "/run", data=f"mode=0755,uid={in_uid},gid={in_gid}" + cap, why="private /run (not the host's)"))
     if not any(g == "/run" for g, _w in req.grants):  # a grant of the host's /run is the user's to shape
         tree_ops.append(MountOp("mkdir", "/run/lock", mode=0o1777, why="lock files (/var/lock)"))
     if req.network == "allow":
@@ -1033,7 +1064,7 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
     if home_p == proj or proj in home_p.parents:
         notes.append(f"$HOME {home} is the project or inside it: no separate home tmpfs")
     else:
-        tree_ops.append(MountOp("tmpfs", home, data=f"mode=0700,uid={in_uid},gid={in_gid}", why="empty $HOME"))
+        tree_ops.append(MountOp("tmpfs", home, data=f"mode=0700,uid={in_uid},gid={in_gid}" + cap, why="empty $HOME"))
         writable.append(home)
     if req.read_only and req.lower_layers:
         # masks as overlay content; no upper layer makes the overlay read-only (EROFS)
@@ -1150,4 +1181,6 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
         degraded=req.degraded,
         notes=tuple(notes),
         env_warnings=env_warnings,
+        writable_tmpfs=_still_tmpfs(writable, ops),
+        tmpfs_size=req.tmpfs_size,
     )

@@ -36,8 +36,9 @@ STATUSES = {0, 1, 2, 124, 126, 127, 137}
 
 COMMANDS = [["true"], ["echo", "hi"], ["/nonexistent/cmd"], ["\udc9b"], ["%none"]]
 # not fuzzed: `shell` (a terminal session), `doctor` (a live self-test), `log --follow`
-# (never ends by design); --help and --version print and exit 0
-SKIP_VERBS = {"shell", "doctor"}
+# (never ends by design), `review` (serves its page until Ctrl-C: tests/integration/test_review_http.py
+# has its bad input); --help and --version print and exit 0
+SKIP_VERBS = {"shell", "doctor", "review", "mcp"}  # mcp serves stdin until EOF, then ends its process
 SKIP_OPTIONS = {"--follow", "-f"}
 
 

@@ -79,7 +79,7 @@ def _req_like(p: prepare.Prepared, argv: tuple[str, ...]) -> planmod.Request:
         env={k: v for k, v in plan.env if k not in ("HOME", "PWD")},
         lower_layers=tuple(Path(x) for x in ov.lower[:-1]), upper=Path(str(ov.upper)), work=Path(str(ov.work)),
         landlock=plan.landlock is not None, seccomp_name=plan.seccomp_name, seccomp_bpf=plan.seccomp_bpf,
-        rlimits=plan.rlimits, degraded=plan.degraded,
+        rlimits=plan.rlimits, degraded=plan.degraded, tmpfs_size=plan.tmpfs_size,
     )
 
 

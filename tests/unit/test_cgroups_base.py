@@ -98,7 +98,7 @@ def test_cli_good_values_over_defaults() -> None:
     )
     lim = limits_from_args(args)
     assert lim == Limits(memory=512 * MiB, cpus=1.5, pids=256, timeout=30.0, cpu_time=60.0,
-                         max_file_size=GiB, nofile=1024)
+                         max_file_size=GiB, nofile=1024, disk=10 * GiB, disk_floor=GiB)  # (the disk defaults)
     assert requested_limits(args) == {"memory", "cpus", "pids", "timeout", "cpu_time", "max_file_size", "nofile"}
     none = limits_from_args(_run_args())
     assert none == Limits.defaults() and requested_limits(_run_args()) == set()

@@ -248,6 +248,15 @@ def test_pyproject_too_big_to_read_is_held_back(tmp_path: Path, state_dir: Path,
     assert scan(b.session).held_back() == {}
 
 
+def test_pyproject_nested_past_the_parsers_stack_is_held_back(tmp_path: Path, state_dir: Path) -> None:
+    b = Builder(tmp_path, {"pyproject.toml": PYPROJECT, "a": "a\n"})
+    b.up("pyproject.toml", PYPROJECT + "x = " + "[" * 200000 + "\n")  # tomllib: RecursionError, not a crash
+    b.up("a", "b\n")
+    assert "table changed" in scan(b.session).held_back()["pyproject.toml"]
+    res = scan(b.session).apply()
+    assert res.held_back == ("pyproject.toml",) and (b.project / "pyproject.toml").read_text() == PYPROJECT
+
+
 def test_held_back_entry_in_a_new_directory_stays_when_the_directory_applies(tmp_path: Path,
                                                                               state_dir: Path) -> None:
     """A new directory normally leaves the session in one rename: never with a held-back entry in it."""

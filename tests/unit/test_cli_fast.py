@@ -183,3 +183,29 @@ def test_the_cli_and_the_speed_layer_sit_on_top() -> None:
                 continue
             bad.append(f"{module} imports {name}")
     assert not bad, bad
+
+
+def test_the_mcp_server_sits_beside_the_cli() -> None:
+    """Only the CLI's `mcp` verb imports ``stockade.mcp`` (the top layer, beside the CLI);
+    ``stockade.mcp`` never imports the CLI; importing ``stockade.cli`` (or running its
+    `run` verb's fast parse) imports neither it nor the MCP SDK."""
+    import subprocess
+    import sys
+
+    src = Path(__file__).resolve().parents[2] / "src"
+    bad = []
+    for p in sorted((src / "stockade").rglob("*.py")):
+        rel = p.relative_to(src).with_suffix("")
+        module = ".".join(rel.parts[:-1] if p.name == "__init__.py" else rel.parts)
+        for name in _imports(p, module):
+            if (name == "stockade.mcp" or name.startswith("stockade.mcp.")) and not (
+                    module.startswith("stockade.mcp") or module == "stockade.cli.mcp"):
+                bad.append(f"{module} imports {name}")
+            if module.startswith("stockade.mcp") and name.startswith("stockade.cli"):
+                bad.append(f"{module} imports {name}")
+    assert not bad, bad
+    code = ("import sys, stockade.cli; from stockade.cli.table import fast_parse, build_parser; "
+            "fast_parse(['run', '--', 'true']); build_parser(); "
+            "print(sorted(m for m in sys.modules if m == 'mcp' or m.startswith(('mcp.', 'stockade.mcp', 'pydantic'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

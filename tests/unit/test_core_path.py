@@ -132,7 +132,8 @@ def test_requests_that_may_not_be_kept_never_reach_the_cache(settled: Path) -> N
 
 def test_living_sandboxes_sit_between_the_core_and_the_api() -> None:
     """stockade.live imports the core (a living sandbox starts through it, its execs move
-    bytes with its Supervisor); only the API, the CLI and the speed layer import it."""
+    bytes with its Supervisor); only the API, the CLI and the MCP server (beside the CLI)
+    import it."""
     users = []
     for p in SRC.rglob("*.py"):
         rel = p.relative_to(SRC.parent).with_suffix("")
@@ -141,7 +142,7 @@ def test_living_sandboxes_sit_between_the_core_and_the_api() -> None:
             continue
         if any(n == "stockade.live" or n.startswith("stockade.live.") for n in _imports(p, module)):
             users.append(module)
-    assert users and all(u.split(".")[1] in ("api", "cli") for u in users), users
+    assert users and all(u.split(".")[1] in ("api", "cli", "mcp") for u in users), users
     live = [n for p in (SRC / "live").glob("*.py") for n in _imports(p, f"stockade.live.{p.stem}")]
     assert any(n.startswith("stockade.core") for n in live)
-    assert not [n for n in live if n.startswith(("stockade.api", "stockade.cli", "stockade.fast"))]
+    assert not [n for n in live if n.startswith(("stockade.api", "stockade.cli", "stockade.fast", "stockade.mcp"))]

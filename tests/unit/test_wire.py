@@ -96,7 +96,8 @@ RUN_FIELDS = {"argv", "env", "cwd"}  # and the overlay ops' layers (in "mounts")
 PLAN_FIELDS = {"mounts", "namespaces", "uid_map", "gid_map", "deny_setgroups", "drop_groups", "uid", "gid",
                "hostname", "rlimits", "keep_fds", "keep_caps", "landlock", "seccomp_bpf"}
 NOT_LOWERED = {"project", "user_name", "home", "seccomp_name", "network", "forward", "read_only", "hidden", "degraded",
-               "notes", "env_warnings"}
+               "notes", "env_warnings",
+               "writable_tmpfs", "tmpfs_size"}  # (the disk watchdog's; the caps are in the mounts' data)
 
 
 def test_every_plan_field_is_placed() -> None:

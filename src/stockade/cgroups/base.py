@@ -33,6 +33,16 @@ MIN_CPUS = 0.01
 DEFAULT_MEMORY_SHARE = 0.5
 DEFAULT_PIDS = 1024
 DEFAULT_NOFILE = 4096
+#: Default cap on what a session's sandbox may write: its layers on the host disk and
+#: each writable tmpfs (RAM). 10 GiB holds a node_modules, a Rust target dir or a
+#: large build, and is a small share of a laptop's or CI runner's disk.
+DEFAULT_DISK = 10 * 1024**3
+#: Default floor of free space on the state dir's filesystem: a run that writes while
+#: the host has less left is ended (1 GiB keeps a laptop's or CI host's system usable).
+DEFAULT_DISK_FLOOR = 1024**3
+#: Smallest --disk: a tmpfs of size 0 would be unlimited, and a few pages are needed
+#: for anything at all.
+MIN_DISK = 1024**2
 #: The sandbox's init (PID 1) and the command each count against ``pids``.
 MIN_PIDS = 2
 MIN_NOFILE = 3
@@ -45,6 +55,8 @@ LIMIT_NAMES: tuple[str, ...] = (
     "cpu_time",
     "max_file_size",
     "nofile",
+    "disk",
+    "disk_floor",
 )
 
 #: The CLI flag for each limit (used in error messages).
@@ -59,6 +71,8 @@ ACCEPTED_FORM: dict[str, str] = {
     "cpu_time": "a duration > 0 such as 60s or 2m (rounded up to whole seconds), or 'none'",
     "max_file_size": "a size such as 1G or 0 (bytes; K/M/G/T are powers of 1024), or 'none'",
     "nofile": f"an integer >= {MIN_NOFILE} such as 1024, or 'none'",
+    "disk": "a size >= 1M such as 2G or 500M (bytes; K/M/G/T are powers of 1024), or 'none' (no cap: the sandbox may fill the host's disk and RAM)",
+    "disk_floor": "a size such as 1G or 512M (free space kept on the state dir's filesystem), or 'none'",
 }
 
 
@@ -82,6 +96,9 @@ class Limits:
     cpu_time: CPU seconds (RLIMIT_CPU, per process)
     max_file_size: bytes per file written (RLIMIT_FSIZE)
     nofile: open files per process (RLIMIT_NOFILE)
+    disk: bytes the session's sandbox may hold in what it can write: its layers on the
+        host disk plus every writable tmpfs (/tmp, /var/tmp, /run, /dev/shm, $HOME)
+    disk_floor: bytes of free space kept on the state dir's filesystem
     """
 
     memory: int | None = None
@@ -91,6 +108,8 @@ class Limits:
     cpu_time: float | None = None
     max_file_size: int | None = None
     nofile: int | None = None
+    disk: int | None = None
+    disk_floor: int | None = None
 
     def __post_init__(self) -> None:
         self.validate(source="Limits")
@@ -104,7 +123,7 @@ class Limits:
                 f"expected {ACCEPTED_FORM[name]}"
             )
 
-        for name in ("memory", "pids", "max_file_size", "nofile"):
+        for name in ("memory", "pids", "max_file_size", "nofile", "disk", "disk_floor"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise bad(name)
@@ -129,14 +148,21 @@ class Limits:
             raise bad("max_file_size")
         if self.nofile is not None and self.nofile < MIN_NOFILE:
             raise bad("nofile")
+        if self.disk is not None and self.disk < MIN_DISK:
+            raise bad("disk")
+        if self.disk_floor is not None and self.disk_floor < 0:
+            raise bad("disk_floor")
 
     @classmethod
     def defaults(cls) -> Limits:
-        """Limits that protect a laptop: 1024 tasks, half the RAM, no swap, 4096 files."""
+        """Limits that protect a laptop: 1024 tasks, half the RAM, no swap, 4096 files,
+        10 GiB written, 1 GiB of the state dir's filesystem kept free."""
         return cls(
             memory=default_memory(),
             pids=DEFAULT_PIDS,
             nofile=DEFAULT_NOFILE,
+            disk=DEFAULT_DISK,
+            disk_floor=DEFAULT_DISK_FLOOR,
         )
 
     @classmethod
@@ -349,10 +375,14 @@ def flush_deferred() -> None:
 
 # --------------------------------------------------------------------------- outcome
 
-OutcomeKind = Literal["exited", "signaled", "timeout", "oom-killed", "pids-limit-hit"]
+OutcomeKind = Literal["exited", "signaled", "timeout", "oom-killed", "pids-limit-hit", "disk-limit-hit"]
 
 EXIT_TIMEOUT = 124
 EXIT_OOM = 128 + _signal.SIGKILL  # 137, like the shells
+#: The disk cap or the free-space floor ended the run. 125-127 are the run path's own
+#: (the sandbox failed to start, cannot execute, not found), 123 is xargs' and 124
+#: timeout(1)'s; 122 is none of the usual tools'.
+EXIT_DISK = 122
 
 
 def signal_name(sig: int) -> str:
@@ -379,6 +409,9 @@ class Outcome:
     timeout: float | None = None
     memory_limit: int | None = None
     pids_limit: int | None = None
+    #: What reached the disk cap or floor, e.g. "disk limit 10G: /tmp" (``disk-limit-hit``,
+    #: or an event when the command survived a full tmpfs).
+    disk: str | None = None
     stats_source: str = "none"
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
@@ -388,6 +421,8 @@ class Outcome:
             return EXIT_TIMEOUT
         if self.kind == "oom-killed":
             return EXIT_OOM
+        if self.kind == "disk-limit-hit":
+            return EXIT_DISK
         if self.code is not None:
             return self.code
         if self.signal is not None:
@@ -418,6 +453,9 @@ class Outcome:
         if self.kind == "oom-killed":
             lim = f" (memory limit {format_size(self.memory_limit)})" if self.memory_limit else ""
             return f"oom-killed{lim}, {self._how()}"
+        if self.kind == "disk-limit-hit":
+            what = f" ({self.disk})" if self.disk else ""
+            return f"disk-limit-hit{what}, {self._how()}"
         lim = f" (pids limit {self.pids_limit})" if self.pids_limit else ""
         return f"pids-limit-hit{lim}, {self._how()}"
 
@@ -460,6 +498,8 @@ def classify(
     exit_code_encodes_signal: bool = False,
     limits: Limits | None = None,
     unenforced: tuple[str, ...] | list[str] = (),
+    disk_hit: str | None = None,
+    disk_full: str | None = None,
 ) -> Outcome:
     """Decide how a run ended.
 
@@ -468,9 +508,12 @@ def classify(
     ``exit_code_encodes_signal`` an exit code 129..192 is read as 128+signal (a PID-1
     init or a shell that reports its child's death that way).
 
-    Precedence: timeout (the supervisor killed it) > oom-killed > pids-limit-hit >
-    signaled/exited. A memory or pids event is the *cause* only when the command did
-    not succeed; after a clean exit 0 it is still reported in ``events``.
+    Precedence: timeout (the supervisor killed it) > disk-limit-hit (the supervisor's
+    disk watchdog killed it: ``disk_hit`` names what) > oom-killed > pids-limit-hit >
+    signaled/exited. A memory or pids event, a tmpfs found full (``disk_full``: the
+    command got ENOSPC) or SIGXFSZ from the disk cap's ``RLIMIT_FSIZE`` is the *cause*
+    only when the command did not succeed; after a clean exit 0 it is still reported in
+    ``events``.
     """
     if (returncode is None) == (waitstatus is None):
         raise ValueError("classify: give exactly one of returncode and waitstatus")
@@ -502,10 +545,23 @@ def classify(
             f"pids-limit-hit x{st.pids_max_events}" if st.pids_max_events > 1 else "pids-limit-hit"
         )
     failed = sig is not None or (code is not None and code != 0)
+    disk_cap = limits.disk if limits is not None else None
+    if disk_full is None and sig == _signal.SIGXFSZ and disk_cap is not None and (
+            limits is None or limits.max_file_size is None or disk_cap <= limits.max_file_size):
+        disk_full = f"disk limit {format_size(disk_cap)}: a file reached it (SIGXFSZ)"
+    if disk_full is not None and disk_hit is None:
+        events.append("disk-limit-hit: " + disk_full)
 
     kind: OutcomeKind
+    disk_what = disk_hit
     if timed_out:
         kind = "timeout"
+    elif disk_hit is not None:
+        kind = "disk-limit-hit"
+    elif disk_full is not None and failed:
+        kind = "disk-limit-hit"
+        disk_what = disk_full
+        events = [e for e in events if not e.startswith("disk-limit-hit")]
     elif st.oom_killed and failed:
         kind = "oom-killed"
         events = [e for e in events if not e.startswith("oom-kill")]
@@ -528,5 +584,6 @@ def classify(
         timeout=limits.timeout if limits is not None else None,
         memory_limit=limits.memory if limits is not None else None,
         pids_limit=limits.pids if limits is not None else None,
+        disk=disk_what,
         stats_source=st.source,
     )

@@ -18,6 +18,7 @@ from stockade.cgroups.base import (
     FLAG_FOR,
     LIMIT_NAMES,
     MIN_CPUS,
+    MIN_DISK,
     MIN_NOFILE,
     MIN_PIDS,
     Limits,
@@ -83,7 +84,7 @@ def parse_limit(name: str, raw: object, *, source: str = "flag") -> int | float 
         return None
 
     value: int | float | None
-    if name in ("memory", "max_file_size"):
+    if name in ("memory", "max_file_size", "disk", "disk_floor"):
         if isinstance(raw, int):
             value = raw
         elif isinstance(raw, str):
@@ -93,6 +94,8 @@ def parse_limit(name: str, raw: object, *, source: str = "flag") -> int | float 
         if value is None or value < 0:
             raise _error(name, raw, source)
         if name == "memory" and value < MiB:
+            raise _error(name, raw, source)
+        if name == "disk" and value < MIN_DISK:
             raise _error(name, raw, source)
         return value
     if name in ("timeout", "cpu_time"):

@@ -31,6 +31,10 @@ _FALLBACK = {
     "cpu_time": "RLIMIT_CPU (per process: SIGXCPU, then SIGKILL 1s later)",
     "max_file_size": "RLIMIT_FSIZE (per process: SIGXFSZ / EFBIG)",
     "nofile": "RLIMIT_NOFILE (per process)",
+    "disk": "tmpfs size= and nr_inodes= on each writable tmpfs (the kernel's ENOSPC); the project's layers and "
+            "the tmpfs together by the supervisor's disk watchdog (ends the run: disk-limit-hit, exit 122); "
+            "RLIMIT_FSIZE as well, per file",
+    "disk_floor": "the supervisor's disk watchdog (ends a writing run before the state dir's filesystem has less free)",
 }
 _NPROC_TEXT = "RLIMIT_NPROC (counts every task of the sandbox uid in its own user namespace)"
 
@@ -105,8 +109,11 @@ def rlimits_for(
         s, h = _clamp(res, soft, hard)
         out.append((res, s, h))
 
-    if limits.max_file_size is not None:
-        add(resource.RLIMIT_FSIZE, limits.max_file_size, limits.max_file_size)
+    # no single file may pass the disk cap either: a one-call fallocate of more would be
+    # past it before the watchdog's next look (EFBIG / SIGXFSZ, counted as the disk's)
+    fsize = min((v for v in (limits.max_file_size, limits.disk) if v is not None), default=None)
+    if fsize is not None:
+        add(resource.RLIMIT_FSIZE, fsize, fsize)
     if limits.nofile is not None:
         add(resource.RLIMIT_NOFILE, limits.nofile, limits.nofile)
     if limits.cpu_time is not None:

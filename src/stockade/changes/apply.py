@@ -30,7 +30,7 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +44,13 @@ from ._safefs import Root
 from .executor import (
     Executor,
     begin_upto,
+    content_path,
     finish_moves,
     layer_cleanup_items,
     undo_all,
     whole_dirs,
 )
+from .fingerprint import fingerprint
 from .held import dangling_gitdirs, held_back
 from .journal import (
     NotDone,
@@ -180,12 +182,24 @@ def apply_changes(
     dry_run: bool = False,
     only: Sequence[Change] | None = None,
     include_git: bool = False,
+    contents: Mapping[str, bytes] | None = None,
+    expect: str | None = None,
 ) -> ApplyResult:
     """``include_git``: take git metadata (objects, refs, index, logs, HEAD, worktree admin
     dirs) with the rest; hooks and config still wait until named (``held.git_runs_code``).
-    Host-side changes to what it would overwrite are conflicts like any other path."""
+    Host-side changes to what it would overwrite are conflicts like any other path.
+
+    ``contents``: path -> the bytes to write there instead of the session's (a reviewer's
+    edit, or the old file with some of the hunks, ``hunks.merge``). Each must name a chosen
+    change whose new side is a regular file; the bytes are kept in the apply's journal, so
+    the write is journaled, conflict-checked, undone after a crash and rolled back like any
+    other, and the session's entry leaves the session as for a plain apply (a rollback puts
+    the session's own version back). ``expect``: the change set's fingerprint
+    (``fingerprint.fingerprint``) the caller reviewed; checked under the session lock, and
+    a change set that moved on since is a :class:`StaleChangeSet` with nothing written."""
     session = cs.session
     recover_pending()
+    contents = dict(contents or {})
     picked, specs, refused = _select(cs, paths, exclude, only)
     chosen, held = _hold(cs, picked, specs, include_git)
     if not chosen:
@@ -196,6 +210,11 @@ def apply_changes(
         # what is held back on what will be written (a run between the two scans may
         # have changed a symlink or a policy table)
         fresh = walk(session, classify=False)
+        if expect is not None and fingerprint(fresh) != expect:
+            raise StaleChangeSet(
+                f"session {session.id}'s change set changed since it was reviewed (a run or an edit "
+                "since); nothing was applied: review it again"
+            )
         current = {c.path: c for c in fresh.changes}
         first = {c.path for c in chosen}  # what was reviewed: nothing new joins under the lock
         chosen, held_now = _hold(fresh, [current[c.path] for c in picked if c.path in current], specs, include_git)
@@ -211,10 +230,11 @@ def apply_changes(
         with Root(project) as host:
             planner = Planner(fresh, chosen, host)
             ops = planner.build()
+            _replace_contents(ops, contents, {c.path: c for c in chosen}, session.id)
             conflicts = find_conflicts(session, host, ops)
             if conflicts and not force:
                 shown = ", ".join(conflicts[:5]) + (" ..." if len(conflicts) > 5 else "")
-                raise UsageError(
+                raise ApplyConflict(conflicts,
                     f"{len(conflicts)} conflict(s): changed on the host since session {session.id} "
                     f"started: {shown}; review with `stockade diff {session.id}`, or pass --force"
                 )
@@ -226,13 +246,50 @@ def apply_changes(
             return ApplyResult(None, applied, tuple(held), tuple(refused), True, desc, held, others)
         apply_id = new_apply_id()
         whole = whole_dirs(fresh.changes, chosen, planner.created_dirs)
-        _run_apply(apply_id, session, project, chosen, ops, whole, flushing)
+        _run_apply(apply_id, session, project, chosen, ops, whole, flushing, contents)
         return ApplyResult(apply_id, applied, tuple(held), tuple(refused), False, desc, held, others)
+
+
+class ApplyConflict(UsageError):
+    """Paths the apply would overwrite changed on the host since the session started."""
+
+    def __init__(self, paths: Sequence[str], message: str) -> None:
+        super().__init__(message)
+        self.paths = tuple(paths)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled back from an id-mapped child (idrange)
+        return (ApplyConflict, (self.paths, str(self)))
+
+
+class StaleChangeSet(UsageError):
+    """The change set is no longer the one the caller reviewed (``apply_changes(expect=)``)."""
+
+
+def _replace_contents(ops: list[dict[str, Any]], contents: dict[str, bytes], chosen: dict[str, Change],
+                      sid: str) -> None:
+    """Mark the write ops whose bytes come from ``contents`` (the journal's ``contents/<n>``)."""
+    if not contents:
+        return
+    writes = {op["path"]: op for op in ops if op["op"] == "write"}
+    for path, data in contents.items():
+        if not isinstance(data, bytes):
+            raise UsageError(f"replacement content for {path}: expected bytes, got {type(data).__name__}")
+        c = chosen.get(path)
+        if c is None:
+            raise UsageError(f"replacement content for {path}, which is not applied from session {sid} "
+                             "(not a change of it, held back, or refused)")
+        op = writes.get(path)
+        if op is None or c.new_mode is None or not stat.S_ISREG(c.new_mode):
+            raise UsageError(f"replacement content for {path}: only a regular file's content can be "
+                             f"replaced (it is {c.new_type} in session {sid})")
+        op["content"] = True
+        op["size"] = len(data)
 
 
 def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Change],
                ops: list[dict[str, Any]], whole: AbstractSet[str],
-               flushing: threading.Thread | None = None) -> None:
+               flushing: threading.Thread | None = None,
+               contents: Mapping[str, bytes] | None = None) -> None:
     adir = applies_dir() / apply_id
     marker = pending_dir() / apply_id
     stack = session.lower_stack()
@@ -266,10 +323,14 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
             prog.note("s preparing")
             tick()
             for n, op in enumerate(ops):
+                if op.get("content"):
+                    _write_content(adir, n, (contents or {})[op["path"]])
                 ex.backup(n, op)
                 tick()
             write_json(adir / "plan.json", plan)
             fsync_path(adir / "backups")
+            if (adir / "contents").is_dir():
+                fsync_path(adir / "contents")
             prog.note("s prepared", sync=True)
             tick()
         except BaseException as e:
@@ -343,3 +404,17 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
             ex.close()
         if prog is not None:
             prog.close()
+
+
+def _write_content(adir: Path, n: int, data: bytes) -> None:
+    """Op ``n``'s replacement bytes into the journal (synced with the backups)."""
+    p = content_path(adir, n)
+    p.parent.mkdir(mode=0o700, exist_ok=True)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -363,3 +363,21 @@ def render_stat(cs: Changes, changes: Iterable[Change], width: int = 80) -> str:
         summary += ", 0 insertions(+), 0 deletions(-)"
     lines.append(summary)
     return "\n".join(lines) + "\n"
+
+
+@with_sandbox_ids(retry=True)
+def read_sides(cs: Changes, c: Change, limit: int | None = None) -> tuple[bytes | None, bytes | None]:
+    """(old, new) content of a change's blobs (a file's bytes, a symlink's target), None for
+    a side that is absent or no blob, or larger than ``limit`` bytes (then not read)."""
+    rd = _Reader(cs)
+    try:
+        old = new = None
+        if _is_blob(c.old_mode):
+            st = rd.host.lstat(c.path)
+            if limit is None or st is None or st.st_size <= limit:
+                old = rd.old(c)
+        if _is_blob(c.new_mode) and (limit is None or c.size <= limit):
+            new = rd.new(c)
+        return old, new
+    finally:
+        rd.close()

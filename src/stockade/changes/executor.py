@@ -23,6 +23,11 @@ from .layers import expose
 from .model import Change, Kind
 
 
+def content_path(adir: Path, n: int) -> Path:
+    """Where an apply's journal keeps op ``n``'s replacement content."""
+    return adir / "contents" / str(n)
+
+
 class Executor(Roots):
     def __init__(self, apply_id: str, adir: Path, project: Path, stack: list[Path]) -> None:
         super().__init__(project, stack)
@@ -107,7 +112,10 @@ class Executor(Roots):
                 os.close(fd)
         elif kind == "write":
             tmp = self.tmpname(n)
-            src = self.layer(op["layer"]).open_read(path)
+            if op.get("content"):  # a reviewer's bytes, kept in the journal (apply's contents=)
+                src = os.open(content_path(self.adir, n), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            else:
+                src = self.layer(op["layer"]).open_read(path)
             try:
                 mode = stat.S_IMODE(op["mode"])
                 if op["old"] is None:

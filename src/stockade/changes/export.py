@@ -1,6 +1,7 @@
 """``stockade export``: a standard bundle for CI artifacts.
 
-``DIR/status.json``   session, project, runs (with exit status), change list, counts
+``DIR/status.json``   session, project, runs (with exit status), change list, counts, risks
+``DIR/risks.json``    the risk summary (:mod:`.risks`): counts by severity and each risk
 ``DIR/events.jsonl``  the session's audit stream
 ``DIR/stdout.log``    every run's stdout, in order (``runs/N/stdout.log`` per run too)
 ``DIR/stderr.log``    likewise
@@ -22,6 +23,7 @@ from ..errors import UsageError
 from ..session.idrange import with_sandbox_ids
 from ._safefs import Root, copy_to_new
 from .model import Kind
+from .risks import counts as risk_counts
 from .scan import ChangeSet
 
 
@@ -58,8 +60,14 @@ def export(cs: ChangeSet, dest: str | os.PathLike[str]) -> dict[str, Any]:
         "runs": session.runs(),
         **{k: v for k, v in cs.to_json().items() if k in ("counts", "changes")},
     }
+    risks = cs.risks()
+    status["risks"] = [r.to_json() for r in risks]
     with open(out / "status.json", "w", encoding="utf-8") as f:
         json.dump(status, f, indent=1, sort_keys=True, default=str)
+        f.write("\n")
+    with open(out / "risks.json", "w", encoding="utf-8") as f:
+        json.dump({"schema_version": 1, "session": session.id, "counts": risk_counts(risks),
+                   "risks": status["risks"]}, f, indent=1)
         f.write("\n")
     if session.events_path.is_file():
         shutil.copyfile(session.events_path, out / "events.jsonl")

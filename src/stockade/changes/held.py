@@ -103,7 +103,7 @@ _MAX_POLICY_BYTES = 16 << 20
 def _table(data: bytes, table: tuple[str, ...]) -> Any:
     try:
         node: Any = tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError):
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):  # nested too deeply: not readable either
         return _UNKNOWN
     for key in table:
         if not isinstance(node, dict):
@@ -311,6 +311,27 @@ def _symlink_why(links: _Links, c: Change) -> str | None:
     except _Escape:
         return f"symlink that resolves outside the project (-> {target})"
     return None
+
+
+@with_sandbox_ids(retry=True)
+def symlinks_leading_out(cs: Changes, changes: list[Change] | tuple[Change, ...]) -> dict[str, str]:
+    """The symlinks among ``changes`` that resolve outside the project in either view (the
+    test ``held_back`` applies): path -> why. For the risk summary, which flags them even
+    where another reason holds them back first."""
+    sides = _Sides(cs)
+    try:
+        links = _Links(sides, {c.path: c for c in cs.changes})
+        out = {}
+        for c in changes:
+            try:
+                why = _symlink_why(links, c)
+            except OSError:
+                why = "symlink that cannot be read"
+            if why:
+                out[c.path] = why
+        return out
+    finally:
+        sides.close()
 
 
 # ---- git metadata: what --include-git takes, and groups that only work whole ----------------------

@@ -11,11 +11,12 @@ from .diff import render_diff, render_stat
 from .discard import discard_changes
 from .held import held_back
 from .model import Change, Changes
+from .risks import Risk, assess
 from .walk import walk
 
 
 class ChangeSet(Changes):
-    """Every change of a session, with diff, stat, apply, discard and held_back."""
+    """Every change of a session, with diff, stat, apply, discard, held_back and risks."""
 
     def diff_bytes(self, paths: list[str] | None = None, *, color: bool = False) -> bytes:
         return render_diff(self, self.select(paths), color=color)
@@ -47,6 +48,10 @@ class ChangeSet(Changes):
         it literally (host-code-execution vectors, git metadata and the worktrees that need
         it, stockade policy files, symlinks leading out)."""
         return held_back(self, changes, include_git=include_git)
+
+    def risks(self, paths: list[str] | None = None) -> list[Risk]:
+        """What deserves a second look before an apply (:mod:`.risks`): most severe first."""
+        return assess(self, paths=paths)
 
     def changes_json(self, changes: tuple[Change, ...] | list[Change] | None = None) -> list[dict[str, object]]:
         """``changes`` (default: all) as JSON, each held-back one with ``held_back``: why."""

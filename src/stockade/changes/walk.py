@@ -143,7 +143,7 @@ class Walker:
     def __init__(self, session: Session, *, classify: bool = True) -> None:
         self.session = session
         self.project = session.project
-        self.stack = session.lower_stack()
+        self.stack = session.view_stack()  # (less a running sandbox's own snapshots)
         self.classify = classify
         self.out: list[Change] = []
         # project paths found absent or not directories: nothing below them needs a lookup

@@ -183,6 +183,14 @@ def cmd_list(args: Args) -> int:
 def cmd_status(args: Args) -> int:
     from ..changes.journal import list_applies
 
+    if not (args.args or args.session or args.latest or args.name_status):
+        return _status_list(args)
+    if args.latest and (args.args or args.session):
+        from ..errors import UsageError
+
+        # a path filter stays allowed: `status --latest src/`
+        if args.session or _is_session(args.args[0]):
+            raise UsageError("give a session or --latest, not both")
     session, rest = _session_and_rest(args, args.args)
     cs = _changes(session)
     changes = cs.select(rest or None)
@@ -191,6 +199,7 @@ def cmd_status(args: Args) -> int:
     if args.json:
         data = cs.to_json()
         data["changes"] = cs.changes_json(changes)
+        data["risks"] = [r.to_json() for r in cs.risks(rest or None)]
         data["runs"] = runs
         data["applies"] = [{"id": a.id, "state": a.state, "paths": len(a.paths)} for a in applies]
         from ..live.status import living_status
@@ -252,8 +261,40 @@ def cmd_status(args: Args) -> int:
     return 0
 
 
+def _is_session(word: str) -> bool:
+    from ..session import store
+
+    return bool(store._NAME_RE.fullmatch(word)) and (store.sessions_dir() / word / "meta.json").is_file()
+
+
+def _status_list(args: Args) -> int:
+    """`stockade status`: every session with its age (since last use), size and state."""
+    from ..changes.retention import list_infos
+
+    infos = list_infos()
+    if args.json:
+        _out(json.dumps([i.to_json() for i in infos], indent=1) + "\n")
+        return 0
+    if not infos:
+        _err("stockade: no sessions; start one with `stockade run -- CMD`")
+        return 0
+    _out(f"{'SESSION':<16} {'AGE':>5} {'SIZE':>7} {'STATE':<12} {'RUNS':>4} {'CHANGES':<14} PROJECT\n")
+    for i in infos:
+        c = i.changes
+        ch = f"+{c['added']} ~{c['modified']} -{c['deleted']}" if c else "-"
+        _out(f"{i.id:<16} {_age(i.age_s):>5} {_human(i.size or 0):>7} {i.state:<12} {i.runs:>4} {ch:<14} "
+             f"{i.project}\n")
+    for i in infos:
+        if i.reason:
+            _err(f"stockade: {i.id}: {i.reason}")
+    _err("stockade: one session's changes and runs: stockade status S (or --latest)")
+    return 0
+
+
 def cmd_diff(args: Args) -> int:
     session, rest = _session_and_rest(args, args.args)
+    if args.risks:
+        return _diff_risks(args, session, rest)
     cs = _changes(session)
     sel = cs.select(rest or None)
     if args.json:
@@ -270,6 +311,30 @@ def cmd_diff(args: Args) -> int:
     # on stderr: the patch on stdout stays one `git apply` accepts
     _say_owners(sel)
     _say_held(session.id, cs.held_back(sel), "`stockade apply` holds back")
+    return 0
+
+
+def _diff_risks(args: Args, session: Session, rest: list[str]) -> int:
+    """`diff --risks`: the risk summary (changes/risks.py) instead of the patch."""
+    from ..changes.model import count
+    from ..changes.risks import counts, format_risks, summary
+    from ..errors import UsageError
+
+    if args.stat:
+        raise UsageError("--risks and --stat are two different reports: give one of them")
+    cs = _changes(session)
+    risks = cs.risks(rest or None)
+    n = count(cs.select(rest or None)).total
+    if args.json:
+        _out(json.dumps({"session": session.id, "changes": n, "counts": counts(risks),
+                         "risks": [r.to_json() for r in risks]}, indent=1) + "\n")
+        return 0
+    if not n:
+        _err(f"stockade: no changes in session {session.id}: nothing to assess")
+        return 0
+    _out(format_risks(risks))
+    _err(f"stockade: session {session.id}: {summary(risks)} in {n} change(s)"
+         + (f"; review: stockade diff {session.id} PATH" if risks else ""))
     return 0
 
 
@@ -366,10 +431,14 @@ def cmd_apply(args: Args) -> int:
 
 def cmd_rollback(args: Args) -> int:
     from ..changes.rollback import rollback
+    from ..session import store
 
     rec = rollback(args.apply_id, force=args.force)
-    _err(f"stockade: rolled back apply {rec.id} ({len(rec.paths)} path(s)); "
-         f"the changes are back in session {rec.session}")
+    if (store.sessions_dir() / rec.session / "meta.json").is_file():
+        where = f"the changes are back in session {rec.session}"
+    else:  # collected since (README: How long sessions stay): the project is restored all the same
+        where = f"session {rec.session} was removed since, so the changes are not kept anywhere"
+    _err(f"stockade: rolled back apply {rec.id} ({len(rec.paths)} path(s)); {where}")
     return 0
 
 
@@ -386,35 +455,45 @@ def cmd_discard(args: Args) -> int:
 
 
 def cmd_clean(args: Args) -> int:
-    from ..errors import StockadeError, UsageError
-    from ..session import idrange, store
+    """`clean [S]`, `clean --all`, `clean --older-than AGE [--include-unapplied]`; `--dry-run`.
+    A session in use is never removed: `S` is an error then, the others report it skipped."""
+    from ..changes import retention
+    from ..errors import SessionBusy, UsageError
+    from ..session import store
 
-    if args.all and args.session_name:
-        raise UsageError("give a session or --all, not both")
-    sessions = store.list_sessions() if args.all else [store.resolve(args.session_name)]
-    removed = []
-    for s in sessions:
-        with s.lock(wait=False):
-            trash = s.dir.with_name(f".clean-{s.id}-{os.getpid()}")
-            os.rename(s.dir, trash)
-        try:
-            idrange.remove_tree(trash)
-        except StockadeError:  # its sandbox's ids cannot be reached now: it stays a session
-            os.rename(trash, s.dir)
-            raise
-        removed.append(s.id)
-        _forget_living(s.id)
-    _err(f"stockade: removed {len(removed)} session(s)" + (f": {', '.join(removed)}" if removed else ""))
-    return 0
-
-
-def _forget_living(sid: str) -> None:
-    """A removed session's living sandbox record (stopped: its lock was free) goes with it."""
-    import shutil
-
-    from ..paths import state_dir
-
-    shutil.rmtree(os.path.join(state_dir(), "live", sid), ignore_errors=True)
+    older = args.older_than
+    given = [m for m, on in (("SESSION", args.session_name), ("--all", args.all),
+                             ("--older-than", older is not None)) if on]
+    if len(given) > 1:
+        raise UsageError(f"give one of SESSION, --all or --older-than AGE, not {' and '.join(given)}")
+    if args.include_unapplied and older is None:
+        raise UsageError("--include-unapplied goes with --older-than AGE (SESSION and --all remove "
+                         "unapplied changes anyway)")
+    if older is not None:
+        outs = retention.clean(retention.parse_age(older), include_unapplied=args.include_unapplied,
+                               dry_run=args.dry_run)
+    elif args.all:
+        outs = retention.clean(None, include_unapplied=True, dry_run=args.dry_run)
+    else:
+        s = store.resolve(args.session_name)
+        o = retention.remove(s, include_unapplied=True, dry_run=args.dry_run)
+        if o.action == "skipped":
+            then = "" if o.state == "idle" else f"; retry when it has ended (`stockade status {s.id}` lists its runs)"
+            raise SessionBusy(f"session {s.id!r} was not removed: {o.reason}{then}")
+        outs = [o]
+    done = [o.id for o in outs if o.action in ("removed", "would-remove")]
+    skipped = [o for o in outs if o.action == "skipped"]
+    if args.json:
+        _out(json.dumps({"dry_run": args.dry_run, "removed": [] if args.dry_run else done,
+                         "would_remove": done if args.dry_run else [],
+                         "skipped": [o.to_json() for o in skipped]}, indent=1) + "\n")
+    else:
+        for o in skipped:
+            _err(f"stockade: kept {o.id} ({o.state}): {o.reason}")
+        verb = "would remove" if args.dry_run else "removed"
+        _err(f"stockade: {verb} {len(done)} session(s)" + (f": {', '.join(done)}" if done else "")
+             + ("; nothing removed (dry run)" if args.dry_run else ""))
+    return 1 if args.all and skipped else 0
 
 
 def _session_and_one(args: Args, usage: str) -> tuple[Any, str]:

@@ -173,6 +173,9 @@ def cmd_exec(args: Args) -> int:
     if res.outcome_kind == "timeout":
         sys.stderr.write(f"stockade: exec {res.run} of sandbox {lv.id} ended: {res.outcome}\n")
         return 124
+    if res.outcome_kind == "disk-limit-hit":
+        sys.stderr.write(f"stockade: exec {res.run} of sandbox {lv.id} ended: {res.outcome}\n")
+        return 122
     return res.exit_status
 
 

@@ -88,6 +88,7 @@ def run_kwargs(args: Args, default_cmd: list[str] | None = None) -> dict[str, An
         "landlock": not args.no_landlock,
         "allow_degraded": tuple(x for a in args.allow_degraded for x in a.split(",") if x),
         "no_wait": args.no_wait,
+        "keep_latest_empty": True,  # a CLI run's empty session stays its project's latest (README: How long sessions stay)
         "observe": getattr(args, "observe", None),
     }
     if any(getattr(args, n) is not None for n in LIMIT_NAMES):
@@ -157,6 +158,8 @@ def cmd_run(args: Args) -> int:
         status = 124
     elif res.outcome_kind == "oom-killed":
         status = 137
+    elif res.outcome_kind == "disk-limit-hit":
+        status = 122
     return status
 
 
@@ -165,7 +168,7 @@ def after_run(res: RunResult) -> None:
     from ..session import store
 
     lines: list[str] = []
-    if res.outcome and not res.outcome.startswith("exited"):
+    if res.outcome and (not res.outcome.startswith("exited") or "disk-limit-hit" in res.outcome):
         lines.append(f"stockade: run {res.run} of session {res.session} ended: {res.outcome}")
     if res.degraded:
         lines.append("stockade: DEGRADED sandbox: " + ", ".join(res.degraded))

@@ -143,6 +143,11 @@ LIMITS = Group(
     Arg("--cpu-time", dest="cpu_time", metavar="TIME", default=None, help="CPU time limit per process, e.g. 60s (SIGXCPU, then SIGKILL)"),
     Arg("--max-file-size", dest="max_file_size", metavar="SIZE", default=None, help="largest file the command may write, e.g. 1G"),
     Arg("--nofile", dest="nofile", metavar="NOFILE", default=None, help="open files per process; default: 4096"),
+    Arg("--disk", dest="disk", metavar="SIZE", default=None,
+        help="what the sandbox may write: the session's layers plus each tmpfs (/tmp, $HOME, ...), e.g. 2G; "
+             "past it the run ends (exit 122); default: 10G"),
+    Arg("--disk-floor", dest="disk_floor", metavar="SIZE", default=None,
+        help="free space kept on the state dir's filesystem; a writing run ends before less is left; default: 1G"),
 )
 LIMIT_NAMES = tuple(a.dest for a in LIMITS.args)
 
@@ -262,13 +267,26 @@ VERBS: tuple[Verb, ...] = (
          Arg("--json", action="store_true"),
          Arg("command", nargs=REMAINDER, help=SUPPRESS_HELP),
          *START_ARGS),
+    # agents: an MCP server over stdio (`stockade.mcp`)
+    Verb("mcp", "serve an agent over MCP (stdio): its tools run commands in a sandbox with these options",
+         Handler("mcp", "cmd_mcp"),
+         Arg("--max-output", dest="max_output", default=None, metavar="SIZE",
+             help="cut each stream of a tool's result past SIZE, e.g. 64K (default: [mcp] max_output, else 64K)"),
+         Arg("command", nargs=REMAINDER, help=SUPPRESS_HELP),
+         *START_ARGS,
+         description="An MCP server on stdin/stdout for agent clients (Claude Code, Codex...). The run options "
+                     "given here (network, grants, limits, --session, --cwd) hold for every command the agent "
+                     "runs; its tools choose only commands. Apply through it is off unless [mcp] allow_apply."),
     # change sets
     _changes("list", "sessions with project, age, runs, change counts, disk use", "cmd_list", _JSON),
-    _changes("status", "a session's changes and runs", "cmd_status", _SESSION, _CHANGES,
+    _changes("status", "the sessions with age, size and state; with S (or --latest) one session's changes and runs",
+             "cmd_status", _SESSION, _CHANGES,
+             Arg("--latest", action="store_true", help="the latest session's changes and runs"),
              Arg("--name-status", action="store_true", help="one 'X<TAB>path' line per change"), _JSON),
     _changes("diff", "git-style diff of a session's changes (git apply accepts it)", "cmd_diff", _SESSION, _CHANGES,
              Arg("--stat", action="store_true", help="a diffstat instead of the patch"), _JSON,
-             Arg("--color", choices=("auto", "always", "never"), default="auto")),
+             Arg("--color", choices=("auto", "always", "never"), default="auto"),
+             Arg("--risks", action="store_true", help="what deserves a second look before applying (with --json: JSON)")),
     _changes("apply", "apply a session's changes (all or part) to the project", "cmd_apply", _SESSION, _CHANGES,
              Arg("--exclude", action="append", metavar="PATHSPEC", default=[]),
              Arg("--dry-run", "-n", action="store_true", help="show what would be done"),
@@ -282,9 +300,15 @@ VERBS: tuple[Verb, ...] = (
              Arg("apply_id", nargs="?", metavar="APPLY-ID", help="default: the latest apply"),
              Arg("--force", action="store_true", help="even if the applied paths changed since")),
     _changes("discard", "drop changes from a session (the project is untouched)", "cmd_discard", _SESSION, _CHANGES),
-    _changes("clean", "remove a session (or --all) and its state", "cmd_clean",
-             Arg("session_name", nargs="?", metavar="SESSION"), Arg("--all", action="store_true")),
-    _changes("export", "write a CI artifact bundle (status.json, logs, changes.patch, files/)", "cmd_export",
+    _changes("clean", "remove a session, every session (--all) or the old ones (--older-than AGE)", "cmd_clean",
+             Arg("session_name", nargs="?", metavar="SESSION"), Arg("--all", action="store_true"),
+             Arg("--older-than", metavar="AGE", default=None,
+                 help="sessions unused for AGE (30m, 12h, 7d, 2w; 0s: any age); not those with unapplied changes"),
+             Arg("--include-unapplied", action="store_true",
+                 help="with --older-than: also sessions whose changes were never applied"),
+             Arg("--dry-run", "-n", action="store_true", help="list what would be removed; remove nothing"),
+             _JSON),
+    _changes("export", "write a CI artifact bundle (status.json, risks.json, logs, changes.patch, files/)", "cmd_export",
              _SESSION, Arg("args", nargs="+", metavar="[SESSION] DIR")),
     _changes("snapshot", "freeze, list, restore or delete snapshots of a session", "cmd_snapshot",
              Arg("action", choices=("create", "list", "restore", "delete")), Arg("name", nargs="?", metavar="NAME"),
@@ -292,6 +316,12 @@ VERBS: tuple[Verb, ...] = (
     _changes("fork", "start a new session on the same frozen layers", "cmd_fork", _SESSION,
              Arg("args", nargs="+", metavar="[SESSION] NEW")),
     _changes("recover", "finish or undo applies a crash interrupted", "cmd_recover"),
+    Verb("review", "a session's change set as a local web page: approve, reject, edit, apply, roll back",
+         Handler("review", "cmd_review"),
+         Arg("session_name", nargs="?", default=None, metavar="SESSION", help="the session (default: the latest)"),
+         Arg("--open", action="store_true", help="open the page in your browser"),
+         Arg("--port", type=_natural("a port number such as 8080"), default=0, metavar="N",
+             help="serve on 127.0.0.1:N (default: a free port)")),
     # policy
     Verb("policy", "show the effective policy and why a path is visible", None, sub_dest="policy_cmd", sub=(
         Verb("show", "effective rules with their source layer", Handler("policy", "cmd_policy_show"),

@@ -12,6 +12,8 @@ from pathlib import Path
 from .. import plan as planmod
 from ..errors import SessionNotFound, StockadeError, UsageError
 from ..session import store
+from . import diskwatch
+from .diskwatch import DiskWatch
 from .launch import Launch
 from .prepare import Prepared, prepare
 from .record import RunRecord
@@ -31,19 +33,42 @@ def execute(req: RunRequest, io: RunIO) -> RunResult:
             store.open_session(str(req.session))  # (a bad name is refused here, before anything is made)
         except SessionNotFound:
             fresh = True
-    sess = store.open_or_create(project, req.session)
+    anonymous = req.session is None
+    sess = store.open_or_create(project, req.session, anonymous=anonymous)
+    res: RunResult | None = None
+    refused = False
     try:
-        return _execute(sess, project, req, io)
+        res = _execute(sess, project, req, io)
+        return res
     except StockadeError:
+        refused = True  # nothing ran, or it failed to start: discard_unused decides
         if fresh:
             discard_unused(sess)
         raise
+    finally:
+        _retain(sess, anonymous and not refused, req.keep_latest_empty, res)
 
 
 def execute_in(sess: store.Session, req: RunRequest, io: RunIO) -> RunResult:
     """Run ``req`` in the open session ``sess`` (a Sandbox's)."""
     io.checked()
-    return _execute(sess, planmod.resolve_project(req.project), req, io)
+    try:
+        return _execute(sess, planmod.resolve_project(req.project), req, io)
+    finally:
+        _retain(sess, False, False, None)
+
+
+def _retain(sess: store.Session, anonymous: bool, keep_latest: bool, res: RunResult | None) -> None:
+    """After a run (its session's lock released): an anonymous session that holds no
+    change goes (changes/retention.py), and now and then the old sessions are collected."""
+    from ..changes import retention
+
+    try:
+        if anonymous and retention.after_run(sess.id, keep_latest=keep_latest) and res is not None:
+            res.session_removed = True
+        retention.maybe_collect()
+    except Exception:
+        pass
 
 
 def _execute(sess: store.Session, project: Path, req: RunRequest, io: RunIO) -> RunResult:
@@ -69,8 +94,12 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
     sup = None
     reaped = False  # init reaped: with its own PID namespace, nothing of the sandbox is left
     try:
+        watch = disk_watch(sess, prep)  # (before the start: what the filesystem held before it)
         child = launch.start(sess, record.run_no, prep, hold_fd, session_ahead, run_dir=record.run_dir)
         sup = launch.supervisor(record.run_dir, prep.timeout)
+        if io.on_start is not None:
+            io.on_start(sup)
+        sup.disk = watch
         if io.forward_signals:
             with Forwarding(child.pidfd, winch_to=sup.out_r if io.pty else None, on_term=sup.terminate):
                 sup.loop()
@@ -89,6 +118,14 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
         raise record.setup_failed(sup, launch)
     observed = launch.observe.finish(sess, record.run_no) if launch.observe is not None else None
     return record.done(sup, stats, io, raise_timeout, net=launch.net_summary, observed=observed)
+
+
+def disk_watch(sess: store.Session, prep: Prepared) -> DiskWatch | None:
+    """The run's disk watchdog (``core/diskwatch.py``): its limits, tmpfs and layers."""
+    plan, lim = prep.plan, prep.limits
+    upper = None if plan.read_only else str(sess.upper)
+    layers = [str(p) for p in sess.layers()] if upper is not None else []
+    return diskwatch.for_run(lim.disk, lim.disk_floor, plan.writable_tmpfs, upper, layers)
 
 
 def explain_plan(req: RunRequest) -> Prepared:

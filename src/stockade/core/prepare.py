@@ -120,6 +120,7 @@ class PlanInputs:
     degraded: tuple[str, ...]
     mask_items: tuple[MaskItem, ...]  # the project's secrets: the session's mask layer
     mask_mode: str
+    tmpfs_size: int | None = None  # size= of each writable tmpfs (limits.disk_tmpfs)
 
 
 @dataclass(frozen=True)
@@ -233,8 +234,27 @@ def finish(resolved: Resolved, sess: store.Session, argv: tuple[str, ...], *, fo
     _check_pass_fds(i.keep_fds)
     if i.network == "allow":
         _no_host_sockets(i.keep_fds, foreign_stdin)
+    if rw and not explain_only:
+        _check_disk(resolved.limits, sess)
     return Prepared(plan, resolved.cg_manager, resolved.limits, resolved.timeout, resolved.audit, resolved.net,
                     resolved.observe)
+
+
+def _check_disk(lim: Limits, sess: store.Session) -> None:
+    """A disk cap other than the default (a flag, the config, the API) must hold what the
+    session already holds, or every write would end the run: refused before it starts.
+    (Under the default cap the watchdog's first look does it, without a walk per run.)"""
+    from ..cgroups.base import DEFAULT_DISK, format_size
+
+    if lim.disk is None or lim.disk == DEFAULT_DISK or not sess.has_layer_entries():
+        return
+    from .diskwatch import held_bytes
+
+    held = held_bytes(str(sess.dir), [str(sess.upper), *(str(p) for p in sess.layers())])
+    if held > lim.disk:
+        raise UsageError(
+            f"--disk {format_size(lim.disk)} is smaller than the {format_size(held)} session {sess.id} already holds "
+            f"in its layers; raise it, or drop its changes (stockade discard --session {sess.id})")
 
 
 def base_plan(resolved: Resolved) -> planmod.Plan:
@@ -256,6 +276,7 @@ def _request(i: PlanInputs, argv: tuple[str, ...], lower: tuple[Path, ...], uppe
         masked=i.masked,
         grants=i.grants, exec_allow=i.exec_allow, etc_extra=i.etc_extra, landlock=i.landlock,
         seccomp_name=i.seccomp_name, seccomp_bpf=i.seccomp_bpf, rlimits=i.rlimits, degraded=i.degraded,
+        tmpfs_size=i.tmpfs_size,
     )
 
 
@@ -286,7 +307,7 @@ def _build(req: planmod.Request) -> planmod.Plan:
         req.argv, str(req.project), str(req.cwd), tuple(req.env.items()), req.lower_layers, req.upper, req.work,
         req.root, req.user, req.read_only, req.network, req.forward, req.hostname, req.keep_fds, req.masked, req.grants,
         req.exec_allow, req.etc_extra, req.landlock, req.seccomp_name, req.seccomp_bpf, req.rlimits,
-        req.degraded, req.stage_dir, req.foreign_stdin, owner, passwd_sig(),
+        req.degraded, req.stage_dir, req.foreign_stdin, owner, passwd_sig(), req.tmpfs_size,
     )
     hit = _PLANS.get(key)
     if hit is not None and hit[0] == facts:
@@ -417,6 +438,15 @@ def _limits(limits: Limits | None, requested: set[str] | None, allow: bool) -> t
             _LIMITS.clear()
         _LIMITS[key] = hit
     return limits, manager, hit[0], hit[1], hit[2], hit[3]
+
+
+def disk_tmpfs(lim: Limits) -> int | None:
+    """The size= of each writable tmpfs: the disk cap, but never more than the memory
+    limit (tmpfs pages are RAM, charged to the run's memory cgroup: past that a write
+    would be an OOM kill rather than ENOSPC)."""
+    if lim.disk is None:
+        return None
+    return lim.disk if lim.memory is None else min(lim.disk, lim.memory)
 
 
 def clear_caches() -> None:
@@ -581,6 +611,7 @@ def resolve(sess: store.Session, project: Path, req: RunRequest, argv: tuple[str
         exec_allow=tuple(pol.exec_allow) if pol.exec_allow is not None else None,
         etc_extra=tuple(pol.etc_extra), landlock=use_landlock, seccomp_name=seccomp_name, seccomp_bpf=bpf,
         rlimits=rlimits, degraded=tuple(degraded), mask_items=mask_items, mask_mode=pol.mask_mode,
+        tmpfs_size=disk_tmpfs(lim),
     )
     audit = AuditFacts(policy=pol, masked=tuple(masked_l + grant_masks), removed=tuple(removed), read_only=read_only,
                        project=str(project), unenforced=tuple(unenforced))

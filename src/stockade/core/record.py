@@ -77,6 +77,9 @@ class RunRecord:
                 sys.stderr.write(f"stockade: warning: {w}\n")
             if plan.env_warnings:
                 sys.stderr.write("stockade: warning: " + "; ".join(plan.env_warnings) + "\n")
+            if self.prep.limits.disk is None and not plan.read_only:
+                sys.stderr.write("stockade: warning: --disk none: nothing caps what the sandbox writes; it can fill "
+                                 "the state dir's filesystem, and the host's RAM through /tmp and /dev/shm\n")
 
     def _ended(self) -> None:
         ended = time.time()
@@ -105,7 +108,7 @@ class RunRecord:
         plan, prep = self.prep.plan, self.prep
         returncode = sup.returncode
         o = cgbase.classify(returncode, timed_out=sup.timed_out, stats=stats, limits=prep.limits,
-                            unenforced=prep.audit.unenforced)
+                            unenforced=prep.audit.unenforced, disk_hit=sup.disk_hit, disk_full=sup.disk_full)
         rec = self.data
         rec.update({"outcome": o.summary(), "outcome_kind": o.kind, "peak_memory": o.peak_memory,
                     "cpu_time": o.cpu_time, "exit_code": o.exit_status})
@@ -115,6 +118,9 @@ class RunRecord:
             rec["log_truncated_bytes"] = sup.log_truncated  # past STOCKADE_LOG_MAX per stream
         if sup.log_disk_full:
             rec["log_disk_full"] = True  # the kept log was cut short by a full state-dir disk
+        if sup.disk is not None:
+            rec["disk"] = {"limit": prep.limits.disk, "floor": prep.limits.disk_floor, "peak": sup.disk.peak,
+                           "hit": sup.disk_hit, "full": list(sup.disk.full)}
         if sup.reader_gone:
             rec["reader_gone"] = sup.reader_gone  # the caller's reader left; the command got EPIPE/SIGPIPE
         if sup.exec_failed is not None:
@@ -138,7 +144,8 @@ class RunRecord:
         res = RunResult(argv, returncode, out, err, session=self.sess.id, run=self.run_no, outcome=o.summary(),
                      outcome_kind=o.kind, peak_memory=o.peak_memory, cpu_time=o.cpu_time, degraded=plan.degraded,
                      exec_failed=sup.exec_failed, cg_manager=prep.cg_manager,
-                     network=net.summary_line() if net is not None else None)
+                     network=net.summary_line() if net is not None else None,
+                     disk=o.disk or sup.disk_full)
         if sup.timed_out and raise_timeout and prep.timeout is not None:
             # subprocess.run compatibility; the result rides along for callers that want the outcome
             import subprocess

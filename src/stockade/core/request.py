@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..cgroups.base import Limits
     from ..policy import CliPolicy
+    from .supervise import Supervisor
 
 # subprocess's values (api.PIPE == subprocess.PIPE ...), without importing it
 PIPE = -1
@@ -46,6 +47,9 @@ class RunRequest:
     policy: CliSpec | CliPolicy | None = None
     no_wait: bool = False  # a busy session is an error at once instead of a wait
     session_ahead: bool = False  # the caller makes more runs (the API): make the next session's dirs meanwhile
+    # a run without a session makes an anonymous one, removed when the run changed nothing
+    # (changes/retention.py); the CLI keeps its project's latest such session until its next run
+    keep_latest_empty: bool = False
     observe: bool | None = None  # log what the command tried (core/observe.py); None: the config's [audit] observe
 
 
@@ -65,6 +69,9 @@ class RunIO:
     quiet: bool = True  # no policy warnings on stderr (the CLI shows them)
     forward_signals: bool = False  # the CLI: signals to this process go to the sandbox
     pty: bool = False  # a terminal of the sandbox's own, relayed (stockade shell)
+    # called with the run's Supervisor once the command runs: its ``cancel`` ends the run
+    # from another thread (`stockade mcp`); not a keyword of the public API
+    on_start: Callable[[Supervisor], None] | None = None
 
     def checked(self) -> RunIO:
         """``subprocess.run``'s argument errors (ValueError), before anything starts."""

@@ -31,6 +31,7 @@ class RunResult(subprocess.CompletedProcess[Any]):
         exec_failed: Report | None = None,
         cg_manager: Manager | None = None,
         network: str | None = None,
+        disk: str | None = None,
     ) -> None:
         super().__init__(args, returncode, stdout, stderr)
         self.session = session
@@ -43,6 +44,11 @@ class RunResult(subprocess.CompletedProcess[Any]):
         self.exec_failed = exec_failed  # the command could not be executed: its path and errno
         self.cg_manager = cg_manager  # the cgroup backend the run used
         self.network = network  # --net allow: what the proxy blocked, one line (None: nothing)
+        # the run made an anonymous session and changed nothing: the session is gone (changes/retention.py)
+        self.session_removed = False
+        # the disk cap or floor: what ended the run (outcome_kind "disk-limit-hit") or a
+        # tmpfs it filled (ENOSPC) and survived, e.g. "disk limit 10G: /tmp"; None: neither
+        self.disk = disk
 
     @property
     def exit_status(self) -> int:

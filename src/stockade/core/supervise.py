@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -22,6 +23,7 @@ from ..session import store
 
 if TYPE_CHECKING:
     from ..cgroups.base import RunCgroup
+    from .diskwatch import DiskWatch
 
 _CHUNK = 1 << 16
 
@@ -158,8 +160,30 @@ class Supervisor:
         self.relay_direct = False  # relay_in cannot be polled: read whenever there is room
         self.sink_on = False  # stdin_w is registered
         self.drain_until: float | None = None  # init reaped: output is read until then
+        self._cancel_lock = threading.Lock()  # cancel (another thread) vs close_logs (the fds' end)
+        self._closed = False
+        # the disk watchdog (core/diskwatch.py), set by the run path; what it ended the
+        # run for, and a tmpfs the command filled (ENOSPC) without being ended
+        self.disk: DiskWatch | None = None
+        self.disk_hit: str | None = None
+        self.disk_full: str | None = None
+
+    def cancel(self) -> None:
+        """From another thread (``RunIO.on_start`` handed this supervisor out: `stockade
+        mcp`'s cancelled request, its client gone): SIGTERM to the command now, SIGKILL
+        after the grace period, as a timeout does. A no-op once the run is over."""
+        with self._cancel_lock:
+            if self._closed or self.init_done:
+                return
+            self._signal(signal.SIGTERM)
+            self.terminate()
 
     def close_logs(self) -> None:
+        with self._cancel_lock:  # never a cancel's write into a closed (maybe reused) fd
+            self._closed = True
+            self._close_logs()
+
+    def _close_logs(self) -> None:
         for k, fd in self.log.items():
             if fd >= 0:
                 os.close(fd)
@@ -272,7 +296,8 @@ class Supervisor:
                 if eof_at is not None and now >= eof_at:
                     self._send_eof()
                     eof_at = None
-                times = (None if self.timed_out else self.deadline, self._kill_at, self.drain_until, eof_at)
+                disk_at = self.disk.next_at if self.disk is not None and self.disk_hit is None and not self.init_done else None
+                times = (None if self.timed_out else self.deadline, self._kill_at, self.drain_until, eof_at, disk_at)
                 waits = [t - now for t in times if t is not None]
                 for fd, what in self.sel.select(max(0.0, min(waits)) if waits else None):
                     self._HANDLERS[what](self, fd)
@@ -284,6 +309,8 @@ class Supervisor:
             if self.stdin_w >= 0:
                 os.close(self.stdin_w)
                 self.stdin_w = -1
+            if self.disk is not None:
+                self.disk_full = self.disk.finish()
         if self.exit_status is not None:
             self.returncode = os.waitstatus_to_exitcode(self.exit_status)
         elif self.init_status is not None:
@@ -324,6 +351,13 @@ class Supervisor:
         if self._kill_at is not None and now >= self._kill_at:
             self._kill()
             self._kill_at = None
+        d = self.disk
+        if d is not None and self.disk_hit is None and not self.init_done and now >= d.next_at:
+            why = d.tick(now)
+            if why is not None:
+                # no grace: every moment more is more written; the change set so far stays
+                self.disk_hit = why
+                self._kill()
 
     def _arm_stdin(self) -> None:
         """The stdin sink is watched only while something waits to be written."""
@@ -422,6 +456,8 @@ class Supervisor:
                 self.exec_failed = r
             elif r.kind == native.REP_EXIT:
                 self.exit_status = r.value
+            elif r.kind == native.REP_STARTED and self.disk is not None and not self.init_done:
+                self.disk.attach(self.child.pid, self.child.pidfd)  # its mounts are in place now
 
     def _ready_init(self, fd: int) -> None:
         self.sel.unregister(fd)

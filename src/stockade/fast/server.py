@@ -588,6 +588,9 @@ def supervise(req: Request, note: int, handler: Handler) -> None:
             fn()
         except Exception:  # housekeeping only
             pass
+    retention = sys.modules.get("stockade.changes.retention")
+    if retention is not None:
+        retention.drain()  # a run's empty session being deleted (what atexit would wait for)
     try:
         from ..cgroups.base import flush_deferred
 

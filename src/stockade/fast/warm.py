@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from ..core.prepare import CacheKey, Resolved
     from ..session.store import Session
 
-VERSION = 2  # 2: inputs.forward, net
+VERSION = 3  # 2: inputs.forward, net; 3: inputs.tmpfs_size
 # Entries decoded ahead by a CLI server (``preload``), for the supervisors it forks:
 # path -> (the file's signature, its data, a plan of its base (``core.prepare.base_plan``),
 # limits and manager).
@@ -251,7 +251,7 @@ def save(key: CacheKey, resolved: Resolved) -> bool:
 # PlanInputs' fields kept as they are (marshal-able); project, cwd and env are converted
 _INPUT_FIELDS = (
     "root", "user", "read_only", "network", "forward", "keep_fds", "masked", "grants", "exec_allow", "etc_extra", "landlock",
-    "seccomp_name", "seccomp_bpf", "rlimits", "degraded", "mask_items", "mask_mode",
+    "seccomp_name", "seccomp_bpf", "rlimits", "degraded", "mask_items", "mask_mode", "tmpfs_size",
 )
 
 

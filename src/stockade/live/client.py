@@ -177,7 +177,9 @@ class Channel:
              cwd: str | os.PathLike[str] | None = None, timeout: float | None = None, shell: bool = False,
              pass_fds: Sequence[int] = (), here: str | None = None, env_replace: bool = False) -> RunResult:
         """Run one command in the sandbox, ``subprocess.run``-style. ``env_replace``: ``env``
-        is the whole environment (already filtered by the sandbox's policy), not additions."""
+        is the whole environment (already filtered by the sandbox's policy), not additions.
+        ``io.on_start`` gets the exec's supervisor (its ``cancel`` signals the command's
+        process group, never the sandbox)."""
         io.checked()
         argv = argv_of(args, shell)
         if not argv:
@@ -203,6 +205,8 @@ class Channel:
             assert isinstance(sup, ExecSupervisor)
             child = launch.child
             assert isinstance(child, ExecChild)
+            if io.on_start is not None:
+                io.on_start(sup)
             if io.forward_signals:
                 with Forwarding(child.signal, winch_to=sup.out_r if io.pty else None, on_term=sup.terminate):
                     sup.loop()
@@ -263,6 +267,24 @@ def _exec_body(argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | os
     return body, sources
 
 
+def _disk_hit(ack: Mapping[str, Any], rc: int) -> str | None:
+    """The holder's disk watchdog killed this exec (it records what hit, and when)."""
+    if rc != -9 and rc != 128 + 9:
+        return None
+    from . import registry
+
+    lv = registry.read(str(ack.get("session") or ""))
+    if lv is None:
+        return None
+    why, at = lv.data.get("disk_hit"), lv.data.get("disk_hit_at")
+    started = ack.get("started_at")
+    if not isinstance(why, str) or not isinstance(at, int | float):
+        return None
+    if isinstance(started, int | float) and at < started:
+        return None
+    return why
+
+
 def _result(argv: Sequence[str], sup: ExecSupervisor | None, ack: Mapping[str, Any], io: RunIO,
             timeout: float | None) -> RunResult:
     from ..cgroups import base as cgbase
@@ -271,7 +293,7 @@ def _result(argv: Sequence[str], sup: ExecSupervisor | None, ack: Mapping[str, A
     if sup.error is not None:
         raise native.spawn_error(sup.error.step, sup.error.err, sup.error.path or None)
     rc = sup.returncode
-    o = cgbase.classify(rc, timed_out=sup.timed_out)
+    o = cgbase.classify(rc, timed_out=sup.timed_out, disk_hit=_disk_hit(ack, rc))
     out, err = io.decoded(bytes(sup.out_buf) if sup.capture_out else None,
                           bytes(sup.err_buf) if sup.capture_err else None)
     res = RunResult(list(argv), rc, out, err, session=str(ack.get("session") or ""), run=int(ack.get("run") or 0),

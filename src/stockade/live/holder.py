@@ -36,6 +36,7 @@ from ..session import store
 from . import proto, registry
 
 if TYPE_CHECKING:
+    from ..core.diskwatch import DiskWatch
     from ..core.launch import Launch
     from ..core.prepare import Prepared
     from ..core.record import RunRecord
@@ -76,6 +77,7 @@ class ExecRec:
     timeout: float | None
     pid: int = 0  # inside the sandbox
     killed_at: float | None = None  # the holder's own timeout backstop fired
+    disk_hit: str | None = None  # the disk watchdog ended it: what reached the cap or floor
 
 
 @dataclass
@@ -125,8 +127,10 @@ class Holder:
         self.hold_cm: Any = None
         self.claimed_by: str | None = None
         self.idle: float | None = None  # seconds with nothing running before a detached sandbox stops
+        self.disk: DiskWatch | None = None  # the disk watchdog (core/diskwatch.py)
         self.prewarm = False
         self.prewarm_ttl = 300.0
+        self.live_snapshots: list[str] = []  # snapshots taken while it ran (finish: deletions since)
         self.config_idle: float | None = DEFAULT_IDLE
         self.written_at = 0.0
         self.written_execs = 0
@@ -191,6 +195,13 @@ class Holder:
                 b.close()
             self.init_pid = child.pid
             self._await_ready()
+            # the same disk cap as a run's (core/diskwatch.py): the holder looks, as a
+            # run's supervisor does, for the sandbox's whole life
+            from ..core.execute import disk_watch
+
+            self.disk = disk_watch(sess, prep)
+            if self.disk is not None:
+                self.disk.attach(child.pid, child.pidfd)  # init serves: its mounts are in place
         except BaseException:
             self._abort()
             if fresh and self.sess is not None:
@@ -404,6 +415,7 @@ class Holder:
                     self.term_requested = False
                     self._begin_stop("the holder got SIGTERM")
                 self._enforce_timeouts()
+                self._disk_check()
                 self._idle_check()
                 if self.exec_count != self.written_execs and time.monotonic() - self.written_at > 1.0:
                     self._write_record()  # `stockade ps` figures, at most once a second
@@ -451,8 +463,40 @@ class Holder:
     def cpu_mark(self) -> tuple[float, float] | None:
         return self.cpu_marks[0] if self.cpu_marks else None
 
+    def _disk_check(self) -> None:
+        """The disk watchdog's look when due. Past the cap (or under the floor) while
+        something writes, every process of the sandbox but init is killed at once: its
+        files stay (the change set, the tmpfs), the sandbox still serves, and each exec
+        that was running ends as disk-limit-hit."""
+        d = self.disk
+        if d is None or self.stopping is not None or self.init_reaped or time.monotonic() < d.next_at:
+            return
+        why = d.tick()
+        if why is None:
+            return
+        for e in self.execs.values():
+            e.disk_hit = why
+        self._write_record(disk_hit=why, disk_hit_at=time.time())  # first: an exec's client reads it at its end
+        if self.serve is not None:
+            try:
+                proto.send_signal_all(self.serve, signal.SIGKILL)
+            except OSError:
+                pass
+        d.restart()
+        try:
+            from ..audit import AuditLog
+
+            assert self.sess is not None
+            AuditLog(self.sess).outcome(self.record.run_no if self.record is not None else 0, "disk-limit-hit",
+                                        outcome=f"disk-limit-hit ({why}): every command of the sandbox killed",
+                                        sandbox=self.sess.id)
+        except (OSError, StockadeError, AssertionError):
+            pass
+
     def _next_wake(self, now: float, stop_deadline: float | None) -> float:
         waits = [1.0]
+        if self.disk is not None and self.stopping is None:
+            waits.append(self.disk.next_at - now)
         if stop_deadline is not None:
             waits.append(0.02)
         for e in self.execs.values():
@@ -632,7 +676,7 @@ class Holder:
                 return
             rec = ExecRec(eid, run_no, str(run_dir), argv, cwd, time.time(), timeout)
             _send_on(esock, {"ok": True, "exec": eid, "run": run_no, "run_dir": str(run_dir), "timeout": timeout,
-                             "session": self.sess.id})
+                             "session": self.sess.id, "started_at": rec.started})
             try:
                 proto.send_exec(self.serve, eid, argv, env, cwd, dict(env).get("PATH", self.prep.plan.path_env), esock, stdio, targets, passed, pty)
             except ValueError as e:  # (a NUL in the cwd; the rest was refused above)
@@ -772,7 +816,8 @@ class Holder:
         else:
             rc = os.waitstatus_to_exitcode(status)
             timed_out = rec.timeout is not None and ended - rec.started >= rec.timeout and rc < 0
-            o = cgbase.classify(rc, timed_out=timed_out or rec.killed_at is not None)
+            o = cgbase.classify(rc, timed_out=timed_out or rec.killed_at is not None, disk_hit=rec.disk_hit,
+                                limits=self.prep.limits if self.prep is not None and rec.disk_hit else None)
             code = rc if rc >= 0 else 128 - rc
             kind, summary = o.kind, o.summary()
         try:
@@ -870,6 +915,8 @@ class Holder:
             snap, how = snapshot_living(self.sess, name, cg, self.init_pid)
         except StockadeError as e:
             return {"ok": False, "error": e.one_line(), "status": e.exit_status}
+        self.live_snapshots.append(snap)  # deletions after it are made whiteouts at the end (finish)
+        self._write_record(live_snapshots=list(self.live_snapshots))  # (a scan meanwhile leaves them out)
         return {"ok": True, "snapshot": snap, "frozen_by": how}
 
     def _claim(self, c: Conn, body: dict[str, object]) -> None:
@@ -925,6 +972,8 @@ class Holder:
                 reaped = native.has_exited(launch.child)
             except OSError:
                 reaped = launch.kill()
+        if self.disk is not None:
+            self.disk.finish()  # its fds keep the sandbox's tmpfs alive
         for fd in list(self.adopted):
             os.close(fd)
         self.adopted.clear()
@@ -937,6 +986,14 @@ class Holder:
         for rec in list(self.execs.values()):
             self._exec_ended(rec, signal.SIGKILL, 0)
         self.execs.clear()
+        if self.live_snapshots and self.sess is not None:  # the overlay is unmounted; the lock still ours
+            from .snapshot import deletions_after
+
+            try:
+                deletions_after(self.sess, self.live_snapshots)
+            except OSError as e:
+                sys.stderr.write(f"stockade: sandbox {self.sess.id}: entries deleted after a snapshot may show "
+                                 f"again (a whiteout could not be made: {e})\n")
         if self.hold_cm is not None:
             self.hold_cm.__exit__(None, None, None)
             self.hold_cm = None

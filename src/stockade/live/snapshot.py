@@ -116,6 +116,46 @@ def snapshot_living(sess: store.Session, name: str, cg: RunCgroup | None, init_p
     return name, "SIGSTOP"
 
 
+def deletions_after(sess: store.Session, names: list[str]) -> int:
+    """Called once the sandbox's overlay is unmounted, for the snapshots ``names`` taken
+    while it ran: an entry a snapshot copied that the upper no longer has was deleted
+    since. The overlay left no whiteout for it (nothing below the live mount had that
+    path: the snapshot's layer was not under it), so once the snapshot's layer is under
+    the upper, the deleted entry would show again: a whiteout in the upper hides it.
+    Returns the whiteouts made."""
+    from ..changes.layers import make_whiteout, opaque_name
+
+    def walk(snap: str, upper: str) -> int:
+        made = 0
+        try:
+            names_ = os.listdir(snap)
+        except OSError:
+            return 0
+        ufd = os.open(upper, _DIR_FLAGS)
+        try:
+            for n in names_:
+                try:
+                    ust = os.lstat(n, dir_fd=ufd)
+                except FileNotFoundError:
+                    make_whiteout(ufd, n)
+                    made += 1
+                    continue
+                sp, up = os.path.join(snap, n), os.path.join(upper, n)
+                if (stat.S_ISDIR(ust.st_mode) and stat.S_ISDIR(os.lstat(sp).st_mode)
+                        and opaque_name(up) is None):
+                    made += walk(sp, up)
+        finally:
+            os.close(ufd)
+        return made
+
+    total = 0
+    layers = {s.name: s.path for s in snapmod.list_snapshots(sess)}
+    for name in names:
+        if name in layers:
+            total += walk(str(layers[name]), str(sess.upper))
+    return total
+
+
 def _stop_tree(init_pid: int, stopped: list[psutil.Process]) -> None:
     """SIGSTOP ``init_pid`` and every process below it, until a listing finds no new one
     (a process forks until it is stopped), each seen stopped. ``stopped`` gets those

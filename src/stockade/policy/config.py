@@ -123,6 +123,11 @@ class Layer:
     prewarm_enabled: tuple[bool, Origin] | None = None
     prewarm_ttl: tuple[float, Origin] | None = None
     live_idle_timeout: tuple[float | None, Origin] | None = None
+    # [mcp]: `stockade mcp` (stockade.mcp): apply through the server, each stream's cap in bytes
+    mcp_allow_apply: tuple[bool, Origin] | None = None
+    mcp_max_output: tuple[int, Origin] | None = None
+    # [sessions] (global config only): how long sessions without unapplied changes stay
+    sessions_keep: tuple[float | None, Origin] | None = None
     # [audit] observe: log what each run's command tried (`run --observe`)
     audit_observe: tuple[bool, Origin] | None = None
     warnings: list[str] = field(default_factory=list)
@@ -155,7 +160,8 @@ SCHEMA: dict[str, Any] = {
     "commands": {"deny": [STR_OR_ARGV]},
     "etc": {"extra": [str]},
     # the README's `limits = { memory = "512M", pids = 256 }` (or a [limits] table)
-    "limits": {n: SCALAR for n in ("memory", "cpus", "pids", "timeout", "cpu_time", "max_file_size", "nofile")},
+    "limits": {n: SCALAR for n in ("memory", "cpus", "pids", "timeout", "cpu_time", "max_file_size", "nofile",
+                                    "disk", "disk_floor")},
     "network": {
         "mode": ("none", "allow", "host"),
         "allow": [str],
@@ -168,6 +174,10 @@ SCHEMA: dict[str, Any] = {
     "snapshots": {"auto_on_start": bool, "max_auto": int, "retention": DURATION},
     "prewarm": {"enabled": bool, "ttl": DURATION},
     "live": {"idle_timeout": DURATION},
+    # `stockade mcp`: checked further by _mcp_from_source
+    "mcp": {"allow_apply": bool, "max_output": SCALAR},
+    # session retention (changes/retention.py): the global config only, checked by _sessions_from_source
+    "sessions": {"keep": DURATION},
     "audit": {"observe": bool},
 }
 # a session's host rules (`stockade allow --host`, `deny --host`)
@@ -636,6 +646,10 @@ def layer_from_source(src: Source, *, project: Path, cwd: Path | None = None) ->
         _network_from_source(d, lay, file, origin)
     if "snapshots" in d or "prewarm" in d or "live" in d:
         _live_from_source(d, lay, file, origin)
+    if "mcp" in d:
+        _mcp_from_source(d["mcp"], lay, file, origin)
+    if "sessions" in d:
+        _sessions_from_source(src, lay, origin)
     if "observe" in d.get("audit", {}):
         lay.audit_observe = (d["audit"]["observe"], origin(["audit", "observe"]))
     return lay
@@ -705,6 +719,82 @@ def _live_from_source(d: Mapping[str, Any], lay: Layer, file: str, origin: Any) 
     live = d.get("live", {})
     if "idle_timeout" in live:
         lay.live_idle_timeout = seconds("live", "idle_timeout", True)
+
+
+# [mcp] max_output: each stream of a tool's result is cut past this many bytes
+DEFAULT_MCP_MAX_OUTPUT = 64 * 1024
+MCP_MAX_OUTPUT_RANGE = (256, 64 * 1024 * 1024)
+
+
+def parse_output_cap(raw: object) -> int:
+    """[mcp] max_output / `stockade mcp --max-output`: a size ("64K", "1M", 4096) within
+    MCP_MAX_OUTPUT_RANGE. Raises ValueError with the accepted form."""
+    from ..cgroups.parse import parse_size
+
+    lo, hi = MCP_MAX_OUTPUT_RANGE
+    n: int | None = None
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        n = raw
+    elif isinstance(raw, str):
+        n = parse_size(raw.strip())
+    if n is None or not lo <= n <= hi:
+        raise ValueError(f"invalid value {raw!r}: expected a size such as \"64K\" or \"1M\" "
+                         f"(bytes from {lo} to {hi // (1024 * 1024)}M)")
+    return n
+
+
+def _mcp_from_source(t: Mapping[str, Any], lay: Layer, file: str, origin: Any) -> None:
+    """[mcp]: allow_apply (bool), max_output (a size); a bad value named by file, line and key."""
+    if "allow_apply" in t:
+        lay.mcp_allow_apply = (t["allow_apply"], origin(["mcp", "allow_apply"]))
+    if "max_output" in t:
+        o = origin(["mcp", "max_output"])
+        try:
+            lay.mcp_max_output = (parse_output_cap(t["max_output"]), o)
+        except ValueError as e:
+            raise _err(file, o.line, "mcp.max_output", str(e)) from None
+DEFAULT_SESSIONS_KEEP = 7 * 86400.0  # [sessions] keep
+
+
+def _sessions_from_source(src: Source, lay: Layer, origin: Any) -> None:
+    """[sessions] keep: a duration (30m, 12h, 7d, 2w, or seconds) or "never". Sessions
+    are the state dir's, not one project's: only the global config sets it."""
+    from ..errors import UsageError
+    from ..session.age import DURATION_FORMS, parse_age
+
+    o = origin(["sessions"])
+    if src.layer != "global":
+        raise _err(str(src.file), o.line, "sessions",
+                   f"[sessions] is read from the global config only ({global_config_path()}), "
+                   "not from a project's or a session's")
+    if "keep" not in src.data["sessions"]:
+        return
+    raw = src.data["sessions"]["keep"]
+    o = origin(["sessions", "keep"])
+    if isinstance(raw, str) and raw.strip().lower() in ("never", "none"):
+        lay.sessions_keep = (None, o)
+        return
+    if isinstance(raw, int | float) and not isinstance(raw, bool) and raw >= 0:
+        lay.sessions_keep = (float(raw), o)
+        return
+    try:
+        if not isinstance(raw, str):
+            raise UsageError(str(raw))
+        lay.sessions_keep = (parse_age(raw, "sessions.keep"), o)
+    except UsageError:
+        raise _err(str(src.file), o.line, "sessions.keep",
+                   f'invalid value {raw!r}: expected {DURATION_FORMS}, a number of seconds, or "never"') from None
+
+
+def sessions_keep() -> float | None:
+    """``[sessions] keep`` of the global config (seconds; None: never), else the default."""
+    src = read_toml("global", global_config_path())
+    if src is None or "sessions" not in src.data:
+        return DEFAULT_SESSIONS_KEEP
+    lay = Layer(src.layer, str(src.file))
+    _sessions_from_source(src, lay, lambda path, value=None: Origin(src.layer, str(src.file),
+                                                                    src.locator.line(path, value)))
+    return lay.sessions_keep[0] if lay.sessions_keep is not None else DEFAULT_SESSIONS_KEEP
 
 
 def _network_from_source(d: Mapping[str, Any], lay: Layer, file: str, origin: Any) -> None:

@@ -68,6 +68,7 @@ _LIVE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
     ("prewarm.enabled", "prewarm_enabled", False),
     ("prewarm.ttl", "prewarm_ttl", _config.DEFAULT_PREWARM_TTL),
     ("live.idle_timeout", "live_idle_timeout", _config.DEFAULT_IDLE_TIMEOUT),
+    ("sessions.keep", "sessions_keep", _config.DEFAULT_SESSIONS_KEEP),
 )
 
 
@@ -135,6 +136,11 @@ class Effective:
         self.prewarm_enabled: bool = bool(self._live_settings["prewarm.enabled"][0])
         self.prewarm_ttl: float = float(self._live_settings["prewarm.ttl"][0])
         self.live_idle_timeout: float | None = self._live_settings["live.idle_timeout"][0]
+        # [mcp] (`stockade mcp`): the latest tier wins
+        self._mcp_allow_apply: tuple[bool, Origin] = last("mcp_allow_apply", False)
+        self._mcp_max_output: tuple[int, Origin] = last("mcp_max_output", _config.DEFAULT_MCP_MAX_OUTPUT)
+        self.mcp_allow_apply: bool = bool(self._mcp_allow_apply[0])
+        self.mcp_max_output: int = int(self._mcp_max_output[0])
         self._observe: tuple[Any, Origin] = last("audit_observe", False)
         self.observe: bool = bool(self._observe[0])  # [audit] observe: `run --observe` by default
         self.observe_origin: Origin = self._observe[1]
@@ -402,6 +408,11 @@ class Effective:
             if o.layer != "default":  # listed once a tier sets it, as the limits
                 shown = json.dumps(val) if isinstance(val, bool | int) else ('"none"' if val is None else f'"{val:g}s"')
                 out.append(Rule("setting", "set", f"{key} = {shown}", o))
+        mcp_settings: tuple[tuple[str, tuple[bool | int, Origin]], ...] = (
+            ("mcp.allow_apply", self._mcp_allow_apply), ("mcp.max_output", self._mcp_max_output))
+        for key, (setting, where) in mcp_settings:
+            if where.layer != "default":
+                out.append(Rule("setting", "set", f"{key} = {json.dumps(setting)}", where))
         net = self._network
         last = _last_mode(self.layers)
         for lay in self.layers:
@@ -527,6 +538,7 @@ class Effective:
                           "retention": self.snapshots_retention},
             "prewarm": {"enabled": self.prewarm_enabled, "ttl": self.prewarm_ttl},
             "live": {"idle_timeout": self.live_idle_timeout},
+            "mcp": {"allow_apply": self.mcp_allow_apply, "max_output": self.mcp_max_output},
             "rules": [r.to_json() for r in self.rules()],
             "warnings": self.warnings,
         }

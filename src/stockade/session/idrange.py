@@ -200,6 +200,10 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
             os.chmod(os.path.dirname(p), stat.S_IRWXU)
             if os.path.isdir(p) and not os.path.islink(p):
                 os.chmod(p, stat.S_IRWXU)
+                if func in (os.open, os.scandir, os.listdir):
+                    # a directory it could not enter (overlayfs's work/work is mode 0): now it can
+                    shutil.rmtree(p, onerror=onerror)
+                    return
             func(p)
         except OSError:
             pass

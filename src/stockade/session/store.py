@@ -192,6 +192,15 @@ class Session:
         """Every layer the change set is made of, lowest first, upper last."""
         return [*self.layers(), self.upper]
 
+    def view_stack(self) -> list[Path]:
+        """The layers the session's files are made of right now: ``lower_stack``, less the
+        snapshots a running living sandbox took (copies of its upper, which it still has
+        whole: its overlay was mounted before them, ``live.snapshot``)."""
+        live = _live_snapshots(self.id)
+        if not live:
+            return self.lower_stack()
+        return [p for p in self.layers() if p.name.split("-", 1)[-1] not in live] + [self.upper]
+
     def has_layer_entries(self) -> bool:
         """Cheap: does any layer hold anything at all (else there is no change)?"""
         for layer in self.lower_stack():
@@ -300,6 +309,7 @@ class Session:
                                f"ended (`stockade status {self.id}` lists its runs)")
                     raise SessionBusy(f"session {self.id!r} {msg}") from None
                 fcntl.flock(fd, fcntl.LOCK_EX)
+            _still_here(self, fd)
             hold = os.open(self.work, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 if for_run:
@@ -321,6 +331,36 @@ class Session:
             os.close(fd)
 
 
+def living_holder(sid: str) -> int | None:
+    """The pid of the living sandbox holding session ``sid`` (``stockade start``), or None."""
+    return _living_holder(sid)
+def _still_here(sess: Session, fd: int) -> None:
+    """The locked directory is still the session's: a collection (``stockade clean``,
+    ``changes.retention``) renames a session away under this same lock, and a run that
+    opened it just before must not write into the trash."""
+    try:
+        here = os.stat(sess.dir)
+    except FileNotFoundError:
+        here = None
+    st = os.fstat(fd)
+    if here is None or (here.st_dev, here.st_ino) != (st.st_dev, st.st_ino):
+        raise SessionNotFound(f"session {sess.id!r} was removed (stockade clean) while this waited for it; "
+                              "run again to start a new session")
+
+
+def last_used(sess: Session) -> float:
+    """When the session was last used (seconds since the epoch): the latest change to its
+    directory, meta.json, audit log, runs/ or applied record (a run, an apply, a rollback,
+    a discard each touch one of them). What ``[sessions] keep`` measures age from."""
+    best = 0.0
+    for p in (sess.dir, sess.meta_path, sess.events_path, sess.runs_dir, sess.dir / "changes-applied.json"):
+        try:
+            best = max(best, os.stat(p).st_mtime)
+        except OSError:
+            continue
+    return best
+
+
 def _living_holder(sid: str) -> int | None:
     """The pid of the living sandbox holding session ``sid`` (``stockade.live``), or None."""
     from ..paths import state_dir
@@ -339,6 +379,29 @@ def _living_holder(sid: str) -> int | None:
         return pid if fields[0] not in (b"Z", b"X") and int(fields[19]) == data.get("holder_start") else None
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _live_snapshots(sid: str) -> frozenset[str]:
+    """The snapshots the running living sandbox of ``sid`` took while it runs (its record's
+    ``live_snapshots``); empty when none runs."""
+    from ..paths import state_dir
+
+    try:
+        with open(os.path.join(state_dir(), "live", sid, "holder.json"), encoding="utf-8") as f:
+            data = json.load(f)
+        names = data.get("live_snapshots") or []
+        pid = int(data.get("holder_pid") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return frozenset()
+    if not names or data.get("status") not in ("running", "stopping") or pid <= 0:
+        return frozenset()
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        alive = fields[0] not in (b"Z", b"X") and int(fields[19]) == data.get("holder_start")
+    except (OSError, IndexError, ValueError):
+        return frozenset()
+    return frozenset(str(n) for n in names) if alive else frozenset()
 
 
 def _new_id() -> str:
@@ -484,8 +547,10 @@ def _caller_uid() -> int:
     return int(idns.host_ids(os.getuid(), os.getgid())[0]) if idns is not None else os.getuid()
 
 
-def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | None = None) -> Session:
-    """Create a session for ``project`` (absolute, resolved).
+def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | None = None,
+           anonymous: bool = False) -> Session:
+    """Create a session for ``project`` (absolute, resolved). ``anonymous``: made by a run
+    that named no session (``changes.retention`` removes it when its run changed nothing).
 
     Built in a hidden temporary directory and renamed into place, so a session
     that exists is complete: concurrent creators and crashes leave no half-made one.
@@ -505,6 +570,8 @@ def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | N
                 "created_ns": now,
                 "uid": _caller_uid(),
             }
+            if anonymous:
+                meta["anonymous"] = True
             if owner is not None:
                 meta["sandbox_uid"], meta["sandbox_gid"] = owner
             # the whole directory appears at once (rename below): no need for a temporary file
@@ -538,9 +605,9 @@ def open_session(name: str) -> Session:
     return Session(name, d)
 
 
-def open_or_create(project: Path, name: str | None) -> Session:
+def open_or_create(project: Path, name: str | None, *, anonymous: bool = False) -> Session:
     if name is None:
-        return create(project)
+        return create(project, anonymous=anonymous)
     try:
         s = open_session(name)
     except SessionNotFound:
@@ -548,11 +615,16 @@ def open_or_create(project: Path, name: str | None) -> Session:
             return create(project, name)
         except UsageError:  # created concurrently by another run
             s = open_session(name)
-    if s.project != project:
+    meta = s.meta()
+    if Path(meta["project"]) != project:
         raise UsageError(
             f"session {name!r} belongs to project {s.project}, not {project}; "
-            "pick another --session name or pass --project " + str(s.project)
+            "pick another --session name or pass --project " + str(meta["project"])
         )
+    if meta.get("anonymous"):
+        # named now: it is the caller's, kept like any other (changes/retention.py)
+        with contextlib.suppress(OSError, SessionNotFound):
+            s.update_meta(anonymous=False)
     return s
 
 

@@ -1,0 +1,369 @@
+"""The disk watchdog: what a sandbox writes, held to ``--disk`` and ``--disk-floor``.
+
+Each writable tmpfs has the kernel's own cap (``size=``, ``nr_inodes=``: a write past it
+is ENOSPC). The project's layers are on the host's disk, where no cap exists unless the
+filesystem has project quotas; and the tmpfs together may hold up to one cap each. So
+the supervisor (``core/supervise.py``; a living sandbox's holder, ``live/holder.py``)
+looks every ``TICK`` seconds at:
+
+* each writable tmpfs: ``fstatvfs`` of an ``O_PATH`` fd opened through
+  ``/proc/<init>/root`` once the command started (it also keeps the tmpfs readable
+  after the sandbox ended, for the end-of-run check of a full tmpfs);
+* the state dir's filesystem: ``statvfs`` (free space against the floor; its used
+  blocks growing tells when the layers may have grown);
+* the session's layers (its upper layer and snapshots): an ``st_blocks`` walk, done
+  when the filesystem's growth says the cap or floor may be near, and every
+  ``WALK_EVERY`` seconds while the filesystem's figures move at all, never more often
+  than ten times its own cost (at most a tenth of a core however big the layer).
+
+It ends the run (the caller kills the tree, as on timeout) when what the sandbox holds
+would pass the cap by the next look at its current rate, or the filesystem's free
+space would fall under the floor, and only while it is growing: a session over its cap
+can still run what does not write. Pure logic with its measurements injected
+(``Probe``), so the unit tests drive it with a fake clock and fake usage.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+#: Seconds between looks; ``FAST_TICK`` when the next look at this rate may pass the cap.
+TICK = 0.05
+FAST_TICK = 0.01
+#: Seconds between two walks of the layers, at most.
+WALK_EVERY = 2.0
+#: A walk may take at most this share of the time (adaptive interval).
+WALK_SHARE = 0.1
+#: What the sum may pass the cap by before a run is ended for it (a tmpfs full at the
+#: cap beside an upper layer holding a directory entry is the kernel's ENOSPC).
+SLACK = 1024 * 1024
+#: A tmpfs with less than this free (or no inode left) counts as full.
+FULL_SLACK = 64 * 1024
+
+
+def size_text(n: int) -> str:
+    from ..cgroups.base import format_size
+
+    return format_size(n)
+
+
+def tree_bytes(root: str) -> int:
+    """Bytes a tree holds on disk (``st_blocks``, hard links once, never following
+    symlinks or crossing into other filesystems). Unreadable directories count as
+    what their entry holds."""
+    total = 0
+    seen: set[tuple[int, int]] = set()
+    try:
+        top = os.lstat(root)
+    except OSError:
+        return 0
+    dev = top.st_dev  # (the directory itself is not counted: an empty layer holds nothing)
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        try:
+            it = os.scandir(d)
+        except PermissionError:
+            raise  # (a sandbox's private directory: see walk_session)
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                    key = (st.st_dev, st.st_ino)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                total += st.st_blocks * 512
+                if stat.S_ISDIR(st.st_mode) and st.st_dev == dev:
+                    stack.append(e.path)
+    return total
+
+
+def layers_bytes(paths: Sequence[str]) -> int:
+    return sum(tree_bytes(p) for p in paths)
+
+
+def walk_session(session_dir: str, paths: Sequence[str]) -> int:
+    """``layers_bytes`` of a session's layers, with the sandbox's ids where its layers
+    may hold inodes the caller cannot read (an unprivileged caller's range, or a
+    directory the sandbox made private: ``session/idrange.py``, the change set's seam)."""
+    from ..session import idrange
+
+    @idrange.with_sandbox_ids(lambda d, _p: [d], retry=True)
+    def walk(_d: str, ps: tuple[str, ...]) -> int:
+        return layers_bytes(ps)
+
+    return int(walk(session_dir, tuple(paths)))
+
+
+@dataclass
+class FsState:
+    used: int  # bytes used on the filesystem
+    free: int  # bytes available to an unprivileged writer
+
+
+class Probe:
+    """The watchdog's measurements of the real system (the unit tests give their own)."""
+
+    def __init__(self, layers: Sequence[str], fs_path: str | None,
+                 walk: Callable[[Sequence[str]], int] = layers_bytes) -> None:
+        self.layers = tuple(layers)
+        self.fs_path = fs_path
+        self._walk = walk
+        self.fds: dict[str, int] = {}
+
+    def attach(self, pid: int, pidfd: int, tmpfs: Sequence[str]) -> None:
+        """Open each tmpfs through the sandbox's root. Only once its command started
+        (the mounts are in place); a pid that is no longer the sandbox's init (reaped,
+        reused) is caught by the pidfd check after the opens."""
+        want = [t for t in tmpfs if t not in self.fds]
+        fds: dict[str, int] = {}
+        for t in want:
+            try:
+                fd = os.open(f"/proc/{pid}/root{t}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            fds[t] = fd
+        try:
+            signal.pidfd_send_signal(pidfd, 0)
+            alive = True
+        except OSError:
+            alive = False
+        if not alive:
+            for fd in fds.values():
+                os.close(fd)
+            return
+        self.fds.update(fds)
+
+    def tmpfs(self) -> dict[str, tuple[int, bool]]:
+        """Per tmpfs: (bytes used, full)."""
+        out: dict[str, tuple[int, bool]] = {}
+        for t, fd in self.fds.items():
+            try:
+                s = os.fstatvfs(fd)
+            except OSError:
+                continue
+            used = (s.f_blocks - s.f_bfree) * s.f_frsize
+            full = s.f_bavail * s.f_frsize < FULL_SLACK or (s.f_files > 0 and s.f_ffree == 0)
+            out[t] = (used, full)
+        return out
+
+    def fs(self) -> FsState | None:
+        if self.fs_path is None:
+            return None
+        try:
+            s = os.statvfs(self.fs_path)
+        except OSError:
+            return None
+        return FsState((s.f_blocks - s.f_bfree) * s.f_frsize, s.f_bavail * s.f_frsize)
+
+    def walk(self) -> int:
+        return self._walk(self.layers)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds.clear()
+
+
+class DiskWatch:
+    """One run's (or one living sandbox's) watchdog. ``tick(now)`` returns why the run
+    must end, or None; ``full`` collects the tmpfs found full (the command got ENOSPC
+    there: an event of the outcome, or its cause when the command then failed)."""
+
+    def __init__(self, cap: int | None, floor: int | None, tmpfs: Sequence[str], probe: Probe,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cap = cap
+        self.floor = floor
+        self.tmpfs_paths = tuple(tmpfs)
+        self.probe = probe
+        self.clock = clock
+        self.next_at = clock() + TICK
+        self.layers: int | None = None  # bytes of the last walk
+        self.used_at_walk = 0  # the filesystem's used bytes at that walk
+        self.walk_cost = 0.0
+        self.walked_at = -1e18
+        self.last_total: int | None = None
+        self.last_fs_used = 0
+        self.layer_rate = 0.0  # bytes/s between the last two walks
+        self.layers_grew = False  # the last walk found more than the one before
+        self.rebase = False  # the next walk is a new baseline (``rebase()``)
+        self.last_tm = 0
+        self.last_at = 0.0
+        self.fs_at_start: FsState | None = probe.fs()
+        self.full: list[str] = []  # tmpfs found full
+        self.hit: str | None = None
+        self.peak = 0  # the largest total seen (bytes)
+
+    def attach(self, pid: int, pidfd: int) -> None:
+        if self.tmpfs_paths:
+            self.probe.attach(pid, pidfd, self.tmpfs_paths)
+
+    def _walk(self, now: float) -> int:
+        t0 = time.monotonic()
+        fs = self.probe.fs()
+        self.layers = self.probe.walk()
+        self.used_at_walk = fs.used if fs is not None else 0
+        self.walk_cost = time.monotonic() - t0
+        self.walked_at = now
+        return self.layers
+
+    def _walk_allowed(self, now: float) -> bool:
+        return now - self.walked_at >= self.walk_cost / WALK_SHARE
+
+    def tick(self, now: float | None = None) -> str | None:
+        """One look. Returns the reason to end the run (kept in ``hit``), else None.
+
+        Each tmpfs already has the kernel's cap: the watchdog ends a run for them only
+        when their sum (with the layers) is past the cap. The layers have no cap of
+        their own, so their growth (the rate between the last two walks: the
+        filesystem's figures also move with the rest of the host's writes, and only
+        say when to walk) is projected one look ahead: the run ends before they pass
+        the cap, not after."""
+        now = self.clock() if now is None else now
+        tm = self.probe.tmpfs()
+        for t, (_u, full) in tm.items():
+            if full and t not in self.full:
+                self.full.append(t)
+        tm_used = sum(u for u, _f in tm.values())
+        fs = self.probe.fs()
+        # the layers at most: the last walk plus what the filesystem gained since (an
+        # upper bound while nothing else on the host frees space)
+        gained = max(0, fs.used - self.used_at_walk) if fs is not None else 0
+        guess = (self.layers or 0) + gained
+        dt = now - self.last_at if self.last_total is not None else 0.0
+        # how fast the filesystem fills (the whole host's writes: it says when to look
+        # closer, and how close the floor is; never what the layers hold)
+        fs_rate = max(0.0, (fs.used - self.last_fs_used) / dt) if fs is not None and dt > 0 else 0.0
+        # how far ahead to look: one look, or twice the last gap between looks when this
+        # process is scheduled late (a loaded host), plus the kill's own latency
+        window = max(2 * TICK, 2 * dt)
+        fs_ahead = fs_rate * window
+        near = (self.cap is not None and guess + fs_ahead + tm_used >= self.cap) or (
+            self.floor is not None and fs is not None and fs.free - fs_ahead < self.floor)
+        moved = fs is None or fs.used != self.used_at_walk  # a quiet filesystem needs no walk
+        if (self.layers is None or self.rebase or (moved and now - self.walked_at >= WALK_EVERY) or (near and gained > 0)) \
+                and self._walk_allowed(now):
+            before, at = (None, 0.0) if self.rebase else (self.layers, self.walked_at)
+            self.rebase = False
+            self._walk(now)
+            if before is not None and now > at:
+                self.layer_rate = max(0.0, ((self.layers or 0) - before) / (now - at))
+                self.layers_grew = (self.layers or 0) > before
+        layers = self.layers or 0  # never end a run on a guess
+        total = layers + tm_used
+        # growing: by the sandbox's own figures (its last walk, its tmpfs), never the host's
+        growing = self.layers_grew or tm_used > self.last_tm
+        ahead = self.layer_rate * window if self.layers_grew else 0.0
+        self.peak = max(self.peak, total)
+        reason: str | None = None
+        if self.cap is not None and growing and (total > self.cap + SLACK or (ahead > 0 and total + ahead >= self.cap)):
+            reason = f"disk limit {size_text(self.cap)}: {self._where(layers, tm)}"
+        elif self.floor is not None and fs is not None and growing and fs.free - max(ahead, fs_ahead) < self.floor:
+            reason = (f"disk floor {size_text(self.floor)}: the state dir's filesystem has "
+                      f"{size_text(max(0, fs.free))} free")
+        self.last_total, self.last_at, self.last_tm = total, now, tm_used
+        self.last_fs_used = fs.used if fs is not None else 0
+        self.next_at = now + (FAST_TICK if near and (growing or gained > 0) else TICK)
+        if reason is not None:
+            self.hit = reason
+        return reason
+
+    def restart(self) -> None:
+        """The processes that wrote were killed (a living sandbox serves on): what they
+        wrote until they died is not a next command's growth. The next look walks anew
+        and counts only what grows after it."""
+        self.hit = None
+        self.rebase = True
+        self.layers_grew = False
+        self.layer_rate = 0.0
+        self.next_at = self.clock() + TICK
+
+    def _where(self, layers: int, tm: dict[str, tuple[int, bool]]) -> str:
+        """The biggest holder: a tmpfs, or the project's layers."""
+        best_t, best = max(tm.items(), key=lambda kv: kv[1][0], default=("", (0, False)))
+        if best[0] > layers:
+            return best_t
+        return f"the project's layers hold {size_text(layers)}"
+
+    def finish(self) -> str | None:
+        """At the run's end: a tmpfs found full now (or during the run), as text."""
+        for t, (_u, full) in self.probe.tmpfs().items():
+            if full and t not in self.full:
+                self.full.append(t)
+        self.probe.close()
+        if not self.full or self.cap is None:
+            return None
+        return f"disk limit {size_text(self.cap)}: {', '.join(self.full)} full (ENOSPC)"
+
+
+def for_run(cap: int | None, floor: int | None, tmpfs: Sequence[str], upper: str | None,
+            layers: Sequence[str]) -> DiskWatch | None:
+    """The watchdog of a run with these limits, writable tmpfs and layers (``upper``
+    None: a read-only run, whose only writes are its tmpfs). None: nothing to watch."""
+    if upper is None:
+        floor = None  # nothing of it reaches the host's disk
+    if (cap is None and floor is None) or (upper is None and (cap is None or not tmpfs)):
+        return None
+    paths = [upper, *layers] if upper is not None else []
+    sdir = os.path.dirname(upper) if upper is not None else None
+    probe = Probe(paths, upper, (lambda ps: walk_session(sdir, ps)) if sdir is not None else layers_bytes)
+    return DiskWatch(cap, floor, tmpfs, probe)
+
+
+def held_bytes(session_dir: str, layers: Sequence[str]) -> int:
+    """What a session holds in its layers now (the pre-run check of ``--disk``)."""
+    return walk_session(session_dir, layers)
+
+
+
+
+def _unescape(field: str) -> str:
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def filesystem_of(path: str, mounts: str = "/proc/self/mounts") -> tuple[str, str, str]:
+    """(mount point, filesystem type, options) of the mount holding ``path``."""
+    real = os.path.realpath(path)
+    best = ("/", "?", "")
+    try:
+        with open(mounts, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 4:
+                    continue
+                mp = _unescape(parts[1])
+                if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best[0]):
+                    best = (mp, parts[2], parts[3])
+    except OSError:
+        pass
+    return best
+
+
+def mechanism(state: str, free: bool = True) -> str:
+    """How this host holds the disk limit, in one line (``explain``; ``doctor``, whose
+    cached answer leaves out the free space)."""
+    mp, fstype, opts = filesystem_of(state)
+    quota = any(o in ("prjquota", "pquota", "prjjquota") or o.startswith("prjjquota=") for o in opts.split(","))
+    upper = (f"the session's layers on {fstype} at {mp}: the supervisor's watchdog "
+             f"({'project quotas are on there but not used yet' if quota else 'no project quota there'})")
+    if free:
+        try:
+            s = os.statvfs(state if os.path.exists(state) else mp)
+            upper += f", {size_text(s.f_bavail * s.f_frsize)} free of {size_text(s.f_blocks * s.f_frsize)}"
+        except OSError:
+            pass
+    return "each writable tmpfs: the kernel's size= and nr_inodes=; " + upper
