@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -109,6 +110,12 @@ static void __attribute__((noreturn)) command_child(const struct sk_plan *p, int
         setpgid(0, 0);
     }
     sigprocmask(SIG_SETMASK, &none, NULL);
+    /* Observe mode: this child has its own copy of init's memory (see sk_init_child),
+     * which init made non-dumpable; dumpable again, the supervisor may read the path of
+     * the execve below (ptrace access), as it may every later one's (execve makes a
+     * program dumpable). No process of the sandbox exists yet to read it first. */
+    if (p->observe_sock >= 0)
+        prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);
     int err = exec_command(p->path_env, p->argv, p->envp);
     sk_report(rep, SK_REP_EXEC_FAILED, SK_STEP_EXEC, err, 0, p->argv[0]);
     _exit(err == ENOENT || err == ENOTDIR ? 127 : 126);
@@ -132,7 +139,9 @@ void sk_init_child(const struct sk_plan *p, int rep)
      * copying its page tables again would cost milliseconds. The command child
      * only makes async-signal-safe calls until execve or _exit. glibc's vfork
      * runs no atfork handlers. */
-    pid_t pid = vfork();
+    /* Observe mode forks instead (a copy of the address space, without atfork
+     * handlers): the child makes its own memory readable by the supervisor. */
+    pid_t pid = p->observe_sock >= 0 ? (pid_t)syscall(SYS_clone, SIGCHLD, 0, NULL, NULL, 0) : vfork();
     if (pid == 0)
         command_child(p, rep);
     if (pid < 0) {

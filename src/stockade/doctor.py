@@ -596,6 +596,11 @@ def probe_observe() -> Probe:
     else:
         mode = libc.prctl(PR_GET_SECCOMP, 0, 0, 0, 0)
         seccomp_line, ok = "observe via seccomp: yes (user notification, answered CONTINUE)", True
+        scope = _read(Path("/proc/sys/kernel/yama/ptrace_scope"))
+        if scope is not None and scope.strip() in ("2", "3") and os.geteuid() != 0:
+            seccomp_line += (f"; but Yama's ptrace_scope={scope.strip()} keeps an unprivileged supervisor from "
+                             "reading a process's memory: paths and addresses are logged as unreadable (run as root, "
+                             "or sysctl kernel.yama.ptrace_scope=1)")
         if mode == 2:
             seccomp_line += "; this process already runs under a filter: a listener above it would refuse ours (EBUSY)"
     data["seccomp"] = ok

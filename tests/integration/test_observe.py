@@ -22,11 +22,19 @@ from typing import Any
 
 import pytest
 
-from ..conftest import User
+from ..conftest import User, need
 
 pytestmark = pytest.mark.cli_paths  # every test with a `user`: in-process and served (one run path)
 
 PY3 = "/usr/bin/python3"
+
+
+@pytest.fixture(autouse=True)
+def observable() -> None:
+    from stockade.linux.seccomp.observe import supported
+
+    why = supported()
+    need(why is None, why or "")
 
 PROBE = r'''
 import errno, json, os, socket, subprocess, sys
@@ -248,3 +256,81 @@ def test_python_api(api_project: Path) -> None:
         stockade.Sandbox(api_project, persistent=True, observe=True)
     with pytest.raises(UsageError, match="needs seccomp"):
         stockade.run(["true"], project=api_project, observe=True, seccomp="off", allow_degraded=["seccomp"])
+
+
+@pytest.mark.parametrize("launcher", ["0", "1"])
+def test_cold_start_and_launcher_alike(user: User, project: Path, launcher: str) -> None:
+    """One run path: a cold start (spawn.c, child.c) and a launcher's run child
+    (csrc/launcher/) install the same filter and hand over the same listener."""
+    setup_project(user, project)
+    r = user.cli(["run", "--observe", "--", PY3, "probe.py", str(free_port())], cwd=project,
+                 env={"STOCKADE_LAUNCHER": launcher})
+    assert r.returncode == 0, r.stderr.decode()
+    obs = observed_json(user, project, session_of(r.stderr))
+    assert "/usr/bin/true" in obs["programs"]
+    assert "/etc/shadow" in {d["target"] for d in obs["denied"]}
+    (summ,) = obs["summaries"]
+    assert summ["unreadable"] == 0 and not summ.get("error")
+
+
+def _ns_members(pid: int) -> list[int]:
+    """Every process in ``pid``'s PID namespace (read from the host)."""
+    ns = os.readlink(f"/proc/{pid}/ns/pid")
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if os.readlink(f"/proc/{p}/ns/pid") == ns:
+                    out.append(int(p))
+            except OSError:
+                continue
+    return out
+
+
+def test_no_sandbox_process_holds_the_listener(user: User, project: Path) -> None:
+    """Checked from the host: while an observed command runs, no process of its sandbox
+    (init included) holds the notification listener (one that did could answer its own
+    calls), and init stays non-dumpable (its /proc files are root's)."""
+    import subprocess
+
+    token = f"obs-{os.getpid()}-{time.monotonic_ns()}"
+    p = subprocess.Popen([*user.prefix(), user.python, "-m", "stockade", "run", "--observe", "--", "sh", "-c",
+                          f"sleep 4; : {token}"], cwd=project, env=user.env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    try:
+        sh = None
+        ours = os.readlink("/proc/self/ns/pid")
+        deadline = time.monotonic() + 30
+        while sh is None and time.monotonic() < deadline:
+            for q in os.listdir("/proc"):
+                if q.isdigit():
+                    try:  # the command, not the CLI that names it: in another PID namespace
+                        if (token.encode() in Path(f"/proc/{q}/cmdline").read_bytes()
+                                and os.readlink(f"/proc/{q}/ns/pid") != ours):
+                            sh = int(q)
+                            break
+                    except OSError:
+                        continue
+            time.sleep(0.05)
+        assert sh is not None, "the observed command never showed up"
+        members = _ns_members(sh)
+        assert len(members) >= 2  # init and the command
+        for m in members:
+            for fd in os.listdir(f"/proc/{m}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{m}/fd/{fd}")
+                except OSError:
+                    continue
+                assert "seccomp" not in target, (m, fd, target)
+        def nspid(m: int) -> str:
+            for line in Path(f"/proc/{m}/status").read_text().splitlines():
+                if line.startswith("NSpid:"):
+                    return line.split()[-1]
+            return ""
+
+        (init,) = [m for m in members if nspid(m) == "1"]
+        if user.name != "root":
+            assert os.stat(f"/proc/{init}/cmdline").st_uid == 0  # non-dumpable: its /proc files are root's
+    finally:
+        _out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err.decode()

@@ -36,7 +36,7 @@ def start(
     (``stockade.live``) instead of running the plan's command. ``observe_sock``,
     ``observe_bpf``: observe mode (core/observe.py): init installs the filter after the
     policy's and sends its listener over the socket."""
-    if launcher.enabled():
+    if launcher.enabled() and (observe_sock < 0 or not _yama_needs_ancestor()):
         served = launcher.start(plan, stdio, cgroup_fd, pty=pty, console_sock=console_sock,
                                 hold_before_exec=hold_before_exec, hold_fd=hold_fd, join_fds=join_fds,
                                 serve_fd=serve_fd, observe_sock=observe_sock, observe_bpf=observe_bpf)
@@ -62,3 +62,19 @@ def start(
     # False: it died already; its report pipe says why (the supervisor reads it)
     native.release(child, native.Stage.IDMAP)
     return child
+
+
+def _yama_needs_ancestor() -> bool:
+    """Observe mode reads the sandbox's memory (process_vm_readv: ptrace access). Under
+    Yama's ptrace_scope 1 an unprivileged reader must be an ancestor of the process it
+    reads, and a shared launcher (or one a CLI server started) is not this process's
+    descendant: such a run starts cold, from this process."""
+    import os
+
+    if os.geteuid() == 0:
+        return False  # CAP_SYS_PTRACE passes Yama
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip() or "0") >= 1
+    except (OSError, ValueError):
+        return False

@@ -193,8 +193,9 @@ REMEDIES: dict[str, str] = {
     "rlimit": "a resource limit is above the hard limit of the caller; lower it",
     "launcher": "the sandbox launcher could not start; set STOCKADE_LAUNCHER=0 to start each sandbox directly",
     "observe": "observe mode's filter was refused (EBUSY: a seccomp filter this process runs under already has a "
-               "listener, as some container engines install; EACCES/EPERM: the seccomp profile denies seccomp(2)); "
-               "run without --observe, or in a container started without a seccomp profile of its own",
+               "listener, as some container engines install; EPERM/EACCES: the run's seccomp profile denies "
+               "seccomp(2)): run without --observe, allow seccomp in your --seccomp profile, or run in a "
+               "container started without a seccomp profile of its own",
 }
 
 
