@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from ..conftest import User, need, tree_snapshot
-from .test_review_http import MULTI, review, run, session_paths
+from .test_review_http import MULTI, _cmdlines, review, run, session_paths
 
 pytestmark = pytest.mark.slow
 
@@ -278,6 +278,9 @@ def test_open_reaches_the_page_through_its_redirect_file(user: User, project: Pa
             wait = WebDriverWait(browser, 30)
             wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
             assert browser.current_url == page.url
+            # from the host side: with the page open, no process (Chromium's own included) has
+            # the token in its argv
+            assert not {pid: c for pid, c in _cmdlines().items() if page.token.encode() in c}
             assert {r.get_attribute("data-path") for r in
                     browser.find_elements(By.CSS_SELECTOR, "#tree li.file")} == {"x.txt"}
             f = Path(urllib.parse.unquote(urllib.parse.urlsplit(opened).path))
