@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from ..conftest import User, need, tree_snapshot
-from .test_review_http import MULTI, review, run, session_paths
+from .test_review_http import MULTI, _cmdlines, review, run, session_paths
 
 pytestmark = pytest.mark.slow
 
@@ -246,3 +246,47 @@ def test_conflicts_and_stale_pages_in_the_browser(user: User, project: Path, bro
         assert not (project / "a.txt").exists()
         wait.until(lambda d: d.find_element(By.ID, "apply").get_attribute("disabled"))  # its decision was cleared
         assert session_paths(user, project, "cf") == {"a.txt": "added"}
+
+
+def test_open_reaches_the_page_through_its_redirect_file(user: User, project: Path, browser: Any) -> None:
+    """--open gives the browser file:// of a redirect page (never the tokened URL: that would
+    sit in the browser's argv, readable by every local user); a real browser following it
+    lands on the working page, and the file is gone once it has."""
+    import time
+    import urllib.parse
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..conftest import world_tmpdir
+
+    run(user, project, "op", "echo x > x.txt")
+    d = world_tmpdir("stockade-browser-")
+    try:
+        script = d / "browser"
+        script.write_text(f"#!/bin/sh\necho \"$1\" > {d}/argv.tmp\nmv {d}/argv.tmp {d}/argv\n")
+        script.chmod(0o755)
+        user.own(d)
+        with review(user, "op", "--open", env={"BROWSER": f"{script} %s"}) as page:
+            deadline = time.monotonic() + 20
+            while not (d / "argv").exists():
+                assert time.monotonic() < deadline, "the browser was never started"
+                time.sleep(0.1)
+            opened = (d / "argv").read_text().strip()
+            assert opened.startswith("file://") and page.token not in opened
+            browser.get(opened)
+            wait = WebDriverWait(browser, 30)
+            wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+            assert browser.current_url == page.url
+            # from the host side: with the page open, no process (Chromium's own included) has
+            # the token in its argv
+            assert not {pid: c for pid, c in _cmdlines().items() if page.token.encode() in c}
+            assert {r.get_attribute("data-path") for r in
+                    browser.find_elements(By.CSS_SELECTOR, "#tree li.file")} == {"x.txt"}
+            f = Path(urllib.parse.unquote(urllib.parse.urlsplit(opened).path))
+            deadline = time.monotonic() + 10
+            while f.exists():
+                assert time.monotonic() < deadline, "the redirect file outlived the page's first load"
+                time.sleep(0.1)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

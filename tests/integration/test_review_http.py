@@ -8,11 +8,14 @@ engine's own conflicts are shown; rollback restores; a living sandbox's page fol
 
 from __future__ import annotations
 
+import html
 import json
+import re
 import select
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 import urllib.error
@@ -329,20 +332,84 @@ def test_a_sandbox_range_of_ids_is_reviewed_and_applied(user: User, subids: int,
     assert session_paths(user, project, "ids") == {"own": "added", "own/f": "added"}
 
 
-def test_open_hands_the_url_to_the_users_browser(user: User, project: Path) -> None:
-    """--open goes through the webbrowser module: $BROWSER is the user's choice of browser."""
+def _cmdlines() -> dict[int, bytes]:
+    got = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                got[int(d.name)] = (d / "cmdline").read_bytes()
+            except OSError:
+                pass  # ended meanwhile
+    return got
+
+
+def test_open_hands_the_page_to_the_browser_without_its_token(user: User, project: Path) -> None:
+    """--open goes through the webbrowser module ($BROWSER is the user's choice of browser) but
+    gives it file:// of a 0600 redirect page in a 0700 directory of the user's: the token is in
+    no process's argv (any local user reads /proc/*/cmdline), and the page still loads through it."""
+    from stockade.review.opener import redirect_page
+
     run(user, project, "rv", "echo x > x.txt")
     d = world_tmpdir("stockade-browser-")
     try:
         script = d / "browser"
-        script.write_text(f"#!/bin/sh\necho \"$1\" > {d}/opened\n")
+        # records its argv, and stays a moment so the host side sees it in /proc
+        script.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$0\" \"$@\" > {d}/argv.tmp\n"
+                          f"mv {d}/argv.tmp {d}/argv\nsleep 2\n")
         script.chmod(0o755)
         user.own(d)
         with review(user, "rv", "--open", env={"BROWSER": f"{script} %s"}) as page:
             deadline = time.monotonic() + 20
-            while not (d / "opened").exists():
+            while not (d / "argv").exists():
                 assert time.monotonic() < deadline, "the browser was never started"
                 time.sleep(0.1)
-            assert (d / "opened").read_text() == page.url + "\n"
+            # from the host side: no process on the machine has the token in its argv
+            leaks = {pid: c for pid, c in _cmdlines().items() if page.token.encode() in c}
+            assert not leaks, leaks
+            argv = (d / "argv").read_text().splitlines()
+            assert len(argv) == 2 and page.token not in "\n".join(argv), argv
+            opened = urllib.parse.urlsplit(argv[1])
+            assert opened.scheme == "file", argv
+            f = Path(urllib.parse.unquote(opened.path))
+            st, dst = f.stat(), f.parent.stat()
+            assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == user.uid, oct(st.st_mode)
+            assert stat.S_IMODE(dst.st_mode) == 0o700 and dst.st_uid == user.uid, oct(dst.st_mode)
+            assert f.read_text() == redirect_page(page.url)
+            # another uid can neither list the directory nor read the file
+            other = 65533 if user.uid == 65534 else 65534
+            for cmd in (["ls", str(f.parent)], ["cat", str(f)]):
+                r = subprocess.run(["setpriv", f"--reuid={other}", f"--regid={other}", "--clear-groups", *cmd],
+                                   capture_output=True)
+                assert r.returncode != 0 and b"Permission denied" in r.stderr, (cmd, r)
+            # the browser follows the redirect: the page loads, and the file (token on disk) goes
+            target = re.search(r'http-equiv="refresh" content="0;url=([^"]+)"', f.read_text())
+            assert target is not None and html.unescape(target.group(1)) == page.url
+            with urllib.request.urlopen(page.url, timeout=30) as r:
+                assert r.status == 200 and b"<html" in r.read().lower()
+            deadline = time.monotonic() + 10
+            while f.exists():
+                assert time.monotonic() < deadline, "the redirect file outlived the page's first load"
+                time.sleep(0.1)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_open_removes_its_redirect_file_when_the_page_was_never_loaded(user: User, project: Path) -> None:
+    run(user, project, "rv", "echo x > x.txt")
+    d = world_tmpdir("stockade-browser-")
+    try:
+        script = d / "browser"
+        script.write_text(f"#!/bin/sh\necho \"$1\" > {d}/argv.tmp\nmv {d}/argv.tmp {d}/argv\n")
+        script.chmod(0o755)
+        user.own(d)
+        with review(user, "rv", "--open", env={"BROWSER": f"{script} %s"}):
+            deadline = time.monotonic() + 20
+            while not (d / "argv").exists():
+                assert time.monotonic() < deadline, "the browser was never started"
+                time.sleep(0.1)
+            f = Path(urllib.parse.unquote(urllib.parse.urlsplit((d / "argv").read_text().strip()).path))
+            time.sleep(0.5)
+            assert f.exists()  # nobody loaded the page: it waits for the browser
+        assert not f.exists()  # Ctrl-C: gone with the server
     finally:
         shutil.rmtree(d, ignore_errors=True)

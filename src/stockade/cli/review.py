@@ -6,6 +6,8 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from .table import Args
 
 
@@ -22,6 +24,7 @@ def cmd_review(args: Args) -> int:
     from ..review import serve
 
     srv = serve(session, port=args.port)
+    redirect: Path | None = None
     try:
         sys.stdout.write(srv.url + "\n")
         sys.stdout.flush()
@@ -30,13 +33,24 @@ def cmd_review(args: Args) -> int:
         if args.open:
             import webbrowser
 
-            if not webbrowser.open(srv.url):
+            from ..review import opener
+
+            # never the tokened URL in the browser's argv (any local user reads /proc/*/cmdline):
+            # a 0600 file of the user's own that redirects to it
+            redirect = opener.write_redirect(srv.url)
+            if not webbrowser.open(redirect.as_uri()):
                 sys.stderr.write("stockade: no browser could be opened here; open the URL above yourself\n")
+                opener.remove(redirect)
+                redirect = None
         try:
-            while not srv.wait(1.0):
-                pass
+            while not srv.wait(1.0 if redirect is None else 0.2):
+                if redirect is not None and srv.page_loaded.is_set():
+                    opener.remove(redirect)  # the browser has followed it: its token is no longer needed on disk
+                    redirect = None
         except KeyboardInterrupt:
             pass
     finally:
         srv.close()
+        if redirect is not None:
+            opener.remove(redirect)
     return 0

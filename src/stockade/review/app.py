@@ -55,9 +55,11 @@ def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
     return _json({"error": message, "kind": kind, **extra}, status)
 
 
-def build(session: Session, token: str, origin: str, hosts: frozenset[str]) -> Starlette:
+def build(session: Session, token: str, origin: str, hosts: frozenset[str],
+          on_page: Callable[[], None] | None = None) -> Starlette:
     """The app for one session; ``origin`` is the page's (``http://127.0.0.1:PORT``) and
-    ``hosts`` the Host values it is reached by."""
+    ``hosts`` the Host values it is reached by; ``on_page`` is called each time the page
+    itself is served (its token checked)."""
     lock = threading.Lock()  # one state-changing request at a time
 
     def token_ok(req: Request) -> bool:
@@ -109,6 +111,8 @@ def build(session: Session, token: str, origin: str, hosts: frozenset[str]) -> S
         return got
 
     async def index(req: Request) -> Response:
+        if on_page is not None:
+            on_page()
         return Response(_asset("index.html"), media_type="text/html", headers=_HEADERS)
 
     async def static(req: Request) -> Response:

@@ -60,7 +60,8 @@ class ReviewServer:
         self.origin = f"http://{self.host}:{self.port}"
         self.url = f"{self.origin}/?token={self.token}"
         hosts = frozenset({f"{self.host}:{self.port}", f"localhost:{self.port}"})
-        application = app.build(session, self.token, self.origin, hosts)
+        self.page_loaded = threading.Event()  # set once the page has been served (its token checked)
+        application = app.build(session, self.token, self.origin, hosts, on_page=self.page_loaded.set)
         config = uvicorn.Config(application, log_config=None, log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=2, proxy_headers=False,
                                 server_header=False)
