@@ -73,5 +73,9 @@ class SessionNotFound(UsageError):
     """No session with that name or id."""
 
 
+class ProjectGone(UsageError):
+    """A session's project directory no longer exists (its changes can never be applied)."""
+
+
 class PolicyError(UsageError):
     """Malformed or contradictory policy (config file, pattern, profile)."""

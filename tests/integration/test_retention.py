@@ -429,3 +429,109 @@ def test_locked_and_interrupted_apply_sessions_are_skipped(api_project: Path, st
     assert out["journaled"].action == "skipped" and "interrupted apply" in out["journaled"].reason
     assert out["free"].action == "removed"
     assert sessions(state_dir) == {"held", "journaled"}
+
+
+# --------------------------------------------------------------------------- a session's trouble never stops a collection
+
+
+def _gone_project(user: User, project: Path, sid: str, cmd: str) -> Path:
+    """Session ``sid`` made by a run of ``cmd`` in a project of its own, which is then deleted."""
+    gone = project.parent / f"gone-{sid}"
+    gone.mkdir()
+    (gone / "f").write_text("x\n")
+    user.own(gone)
+    ok(user.cli(["run", "--session", sid, "--", "sh", "-c", cmd], cwd=gone))
+    subprocess.run(["rm", "-rf", str(gone)], check=True)
+    return gone
+
+
+@pytest.mark.cli_paths
+def test_a_session_whose_project_is_gone(user: User, project: Path) -> None:
+    """Its layers are judged without the project: entries are changes that can never be
+    applied (kept until asked: --include-unapplied, `clean S`, `clean --all`), none make
+    it an empty session (goes by age). Sessions after it in name order are collected
+    all the same, by `clean --older-than` and by the automatic collector."""
+    _gone_project(user, project, "a-gone", "echo y > new; rm f")
+    _gone_project(user, project, "b-gone-empty", "true")
+    ok(user.cli(["run", "--session", "z-empty", "--", "true"], cwd=project))
+    for sid in ("a-gone", "b-gone-empty", "z-empty"):
+        age(user.state, sid, 10 * DAY)
+
+    rows = {r["id"]: r for r in json.loads(ok(user.cli(["status", "--json"], cwd=project)))}
+    assert rows["a-gone"]["state"] == "project-gone" and rows["a-gone"]["changes"] is None
+    assert "no longer exists" in rows["a-gone"]["reason"] and "stockade clean a-gone" in rows["a-gone"]["reason"]
+    assert rows["b-gone-empty"]["state"] == "project-gone"
+    assert rows["b-gone-empty"]["changes"] == {"added": 0, "modified": 0, "deleted": 0}
+    assert rows["z-empty"]["state"] == "empty"
+    r = user.cli(["status"], cwd=project)
+    line = {ln.split()[0]: ln.split() for ln in ok(r).splitlines()[1:]}
+    assert line["a-gone"][3] == "project-gone" and "stockade: a-gone: project " in r.stderr.decode()
+
+    # the automatic collector (the process a run starts now and then)
+    r = user.py("from stockade.changes import retention\n"
+                "import json; print(json.dumps([o.to_json() for o in retention.collect_auto()]))")
+    outs = {o["id"]: o for o in json.loads(ok(r))}
+    assert outs["z-empty"]["action"] == "removed" and outs["b-gone-empty"]["action"] == "removed", outs
+    assert outs["a-gone"]["action"] == "skipped" and outs["a-gone"]["state"] == "project-gone"
+    assert sessions(user.state) == {"a-gone"}
+
+    # `clean --older-than`: the same rule; --include-unapplied takes its changes too
+    ok(user.cli(["run", "--session", "z-empty", "--", "true"], cwd=project))
+    age(user.state, "z-empty", 10 * DAY)
+    data = clean_json(user, project, "--older-than", "7d")
+    assert data["removed"] == ["z-empty"]
+    s = skipped(data)["a-gone"]
+    assert s["state"] == "project-gone" and "--include-unapplied" in str(s["reason"])
+    r = user.cli(["clean", "--older-than", "7d"], cwd=project)
+    assert r.returncode == 0 and "kept a-gone (project-gone): project " in r.stderr.decode()
+    data = clean_json(user, project, "--older-than", "7d", "--include-unapplied", "--dry-run")
+    assert data["would_remove"] == ["a-gone"] and sessions(user.state) == {"a-gone"}
+
+    # `clean S` and `clean --all` remove it
+    r = user.cli(["clean", "a-gone"], cwd=project)
+    assert r.returncode == 0 and "removed 1 session(s): a-gone" in r.stderr.decode(), r.stderr
+    _gone_project(user, project, "c-gone", "echo y > new")
+    ok(user.cli(["run", "--session", "d-kept", "--", "sh", "-c", "echo x > g"], cwd=project))
+    data = clean_json(user, project, "--all")
+    assert sorted(data["removed"]) == ["c-gone", "d-kept"] and sessions(user.state) == set()  # type: ignore[arg-type]
+
+
+def test_a_broken_session_is_skipped_with_its_reason(user: User, project: Path) -> None:
+    """An unreadable meta.json, one that names no project, and (unprivileged) a session
+    directory the caller may not rename are each skipped with the reason; the sessions
+    after them are collected. `clean S` removes an unreadable one."""
+    for sid in ("a-bad-json", "b-no-project", "c-not-mine", "z-empty"):
+        ok(user.cli(["run", "--session", sid, "--", "true"], cwd=project))
+    d = user.state / "sessions"
+    (d / "a-bad-json" / "meta.json").write_text("{")
+    (d / "b-no-project" / "meta.json").write_text("[1]")
+    if user.name != "root":  # a directory of another owner: its rename is refused (EACCES)
+        os.chown(d / "c-not-mine", 0, 0)
+    for sid in ("a-bad-json", "b-no-project", "c-not-mine", "z-empty"):
+        age(user.state, sid, 10 * DAY)
+
+    rows = {r["id"]: r for r in json.loads(ok(user.cli(["status", "--json"], cwd=project)))}
+    assert rows["a-bad-json"]["state"] == "unreadable" and "meta.json is unreadable" in rows["a-bad-json"]["reason"]
+    assert rows["b-no-project"]["state"] == "unreadable" and "names no project" in rows["b-no-project"]["reason"]
+
+    r = user.py("from stockade.changes import retention\n"
+                "import json; print(json.dumps([o.to_json() for o in retention.collect_auto()]))")
+    outs = {o["id"]: o for o in json.loads(ok(r))}
+    assert outs["z-empty"]["action"] == "removed", outs
+    for sid, why in (("a-bad-json", "meta.json is unreadable"), ("b-no-project", "names no project")):
+        assert outs[sid]["action"] == "skipped" and why in outs[sid]["reason"], outs
+        assert f"stockade clean {sid}" in outs[sid]["reason"]
+    if user.name != "root":
+        assert outs["c-not-mine"]["action"] == "skipped" and outs["c-not-mine"]["state"] == "error"
+        assert "Permission denied" in outs["c-not-mine"]["reason"], outs
+        r = user.cli(["clean", "c-not-mine"], cwd=project)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and len(err.splitlines()) == 1 and "Permission denied" in err, err
+        os.chown(d / "c-not-mine", user.uid, user.gid)
+    else:
+        assert outs["c-not-mine"]["action"] == "removed"
+    r = user.cli(["clean", "a-bad-json"], cwd=project)
+    assert r.returncode == 0 and "removed 1 session(s): a-bad-json" in r.stderr.decode(), r.stderr
+    data = clean_json(user, project, "--older-than", "7d", "--include-unapplied")
+    assert "b-no-project" in data["removed"]  # type: ignore[operator]
+    assert sessions(user.state) <= {"c-not-mine"}

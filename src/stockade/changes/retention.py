@@ -17,7 +17,15 @@ without ``session=``, ``stockade run`` without ``--session``: meta.json's
   checked at most every ``AUTO_EVERY`` seconds at the end of a run, in a process of
   its own (``maybe_collect``: the run never waits for it);
 * a session with unapplied changes goes only when asked
-  (``stockade clean --older-than AGE --include-unapplied``, ``clean S``, ``clean --all``).
+  (``stockade clean --older-than AGE --include-unapplied``, ``clean S``, ``clean --all``);
+* a session whose project directory is gone (state ``project-gone``) is judged without
+  the project: entries in its layers are unapplied changes (they can never be applied
+  now), so it goes like a session with unapplied changes; with empty layers it goes by
+  age like an empty one.
+
+A collection never stops at one session: whatever fails for one (an unreadable
+meta.json, a directory it may not open, a sandbox's ids it cannot reach) is reported
+as that session skipped, with the reason, and the next is judged.
 
 An apply's journal lives in ``<state>/applies/``, not in the session: ``stockade
 rollback`` of an apply whose session was collected still restores the project exactly;
@@ -31,6 +39,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -39,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import paths
-from ..errors import SessionBusy, SessionNotFound, StockadeError
+from ..errors import ProjectGone, SessionBusy, SessionNotFound, StockadeError
 from ..session import store
 from ..session.age import DURATION_FORMS, parse_age
 from ..session.store import Session
@@ -47,7 +56,7 @@ from ..session.store import Session
 __all__ = ["DURATION_FORMS", "Outcome", "SessionInfo", "after_run", "clean", "list_infos", "maybe_collect",
            "parse_age", "remove"]
 
-STATES = ("running", "idle", "locked", "has-changes", "applied", "empty")
+STATES = ("running", "idle", "locked", "has-changes", "applied", "empty", "project-gone", "unreadable")
 AUTO_EVERY = 900.0  # seconds between two automatic collections (the stamp's age)
 STARTING_GRACE = 60.0  # a session with no run yet, younger than this, is being started
 _STAMP = ".collected"
@@ -66,7 +75,7 @@ class SessionInfo:
     created: str
     runs: int
     anonymous: bool
-    reason: str = ""  # why it is in use (running, idle, locked)
+    reason: str = ""  # why it is in use (running, idle, locked), or why project-gone
     size: int | None = None  # bytes on disk (when asked for)
     changes: dict[str, int] | None = None  # added, modified, deleted (when scanned)
 
@@ -171,10 +180,50 @@ def _busy_reason(sess: Session) -> tuple[str, str]:
     return "locked", "locked by another stockade command (apply, discard, snapshot, clean)"
 
 
+class Unreadable(StockadeError):
+    """A session's meta.json cannot be read as a session's record."""
+
+
+def _meta(sess: Session) -> dict[str, Any]:
+    try:
+        meta = sess.meta()
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Unreadable(f"its meta.json is unreadable ({e})") from None
+    except IsADirectoryError:
+        raise Unreadable("its meta.json is a directory") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("project"), str):
+        raise Unreadable("its meta.json names no project") from None
+    return meta
+
+
+def _project_gone(project: str) -> bool:
+    """The project directory no longer exists (a permission error is not that: it raises)."""
+    try:
+        return not stat.S_ISDIR(os.stat(project).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+
+
+def _gone(base: SessionInfo, sess: Session) -> SessionInfo:
+    """A session whose project is gone: entries in its layers are changes that can never
+    be applied (``changes`` None: they cannot be classified without the project)."""
+    if not sess.has_layer_entries():
+        return replace(base, state="project-gone", changes={"added": 0, "modified": 0, "deleted": 0},
+                       reason=f"project {base.project} no longer exists; nothing in the session")
+    return replace(base, state="project-gone",
+                   reason=f"project {base.project} no longer exists: its changes can never be applied "
+                          f"(the files are in {sess.upper}); `stockade clean {sess.id}` removes it")
+
+
+def unapplied(info: SessionInfo) -> bool:
+    """Whether the session holds changes not applied (a gone project's: any layer entry)."""
+    return info.state == "has-changes" or (info.state == "project-gone" and info.changes is None)
+
+
 def _judge(sess: Session, pending: set[str], applied: set[str], *, scan: bool = True,
            probe: bool = True) -> SessionInfo:
     """The session's state. ``probe``: try its lock (else the caller holds it)."""
-    meta = sess.meta()
+    meta = _meta(sess)
     now = time.time()
     age = max(0.0, now - store.last_used(sess))
     try:
@@ -188,10 +237,15 @@ def _judge(sess: Session, pending: set[str], applied: set[str], *, scan: bool = 
         used = _busy_reason(sess)
     if used is not None:
         return replace(base, state=used[0], reason=used[1])
+    if _project_gone(base.project):
+        return _gone(base, sess)
     if not sess.has_layer_entries():
         counts: dict[str, int] | None = {"added": 0, "modified": 0, "deleted": 0}
     elif scan:
-        counts = _counts(sess)
+        try:
+            counts = _counts(sess)
+        except ProjectGone:  # removed since the check above
+            return _gone(base, sess)
     else:
         counts = None
     if counts is not None and not any(counts.values()):
@@ -227,8 +281,11 @@ def list_infos(*, size: bool = True) -> list[SessionInfo]:
             info = _judge(s, pending, applied)
         except (SessionNotFound, FileNotFoundError):
             continue  # removed meanwhile
-        except (StockadeError, OSError, ValueError) as e:
-            info = SessionInfo(s.id, "", "locked", 0.0, "", 0, False, reason=f"unreadable: {e}")
+        except Unreadable as e:
+            info = _unreadable(s, pending, str(e))
+        except Exception as e:  # one session's failure never hides the others
+            info = SessionInfo(s.id, "", "unreadable", 0.0, "", 0, False,
+                               reason=f"{_why(e)}; `stockade clean {s.id}` removes it")
         if size:
             info = replace(info, size=du(str(s.dir)))
         out.append(info)
@@ -315,33 +372,69 @@ def forget_living(sid: str) -> None:
 
 def remove(sess: Session, *, include_unapplied: bool, older_than: float | None = None,
            dry_run: bool = False, pending: set[str] | None = None, applied: set[str] | None = None) -> Outcome:
-    """Remove one session when the rules allow it, judged again under its lock."""
+    """Remove one session when the rules allow it, judged again under its lock. Never
+    raises for the session's own trouble: that is an outcome ``skipped`` with the reason."""
+    try:
+        return _remove(sess, include_unapplied=include_unapplied, older_than=older_than, dry_run=dry_run,
+                       pending=pending, applied=applied)
+    except SessionBusy:
+        state, why = _living(sess.id) or _busy_reason(sess)
+        return Outcome(sess.id, "skipped", state, 0.0, f"in use: {why}")
+    except (SessionNotFound, FileNotFoundError):
+        return Outcome(sess.id, "skipped", "empty", 0.0, "removed meanwhile")
+    except Exception as e:  # one session's failure never stops a collection
+        return Outcome(sess.id, "skipped", "error", 0.0, _why(e))
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, StockadeError):
+        return str(e)
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    return f"{type(e).__name__}: {e}"
+
+
+def _unreadable(sess: Session, pending: set[str], why: str) -> SessionInfo:
+    """A session whose meta.json cannot be read: judged by its lock (held), its living
+    sandbox and its journals only; what its layers hold counts as unapplied."""
+    base = SessionInfo(sess.id, "", "unreadable", round(max(0.0, time.time() - store.last_used(sess)), 1),
+                       "", 0, False, reason=f"{why}; `stockade clean {sess.id}` removes it")
+    living = _living(sess.id)
+    if living is not None:
+        return replace(base, state=living[0], reason=living[1])
+    if sess.id in pending:
+        return replace(base, state="locked", reason="an interrupted apply needs it; run `stockade recover`")
+    return base
+
+
+def _remove(sess: Session, *, include_unapplied: bool, older_than: float | None, dry_run: bool,
+            pending: set[str] | None, applied: set[str] | None) -> Outcome:
     if older_than is not None:
         young = time.time() - store.last_used(sess)
         if young < older_than:  # before any lock or scan: most sessions stop here
             return Outcome(sess.id, "kept", "", round(young, 1), "younger than the age asked for")
     if pending is None or applied is None:
         pending, applied = _journals()
-    try:
-        with sess.lock(wait=False):
+    with sess.lock(wait=False):
+        try:
             info = _judge(sess, pending, applied, probe=False)
-            if info.state in ("running", "idle", "locked"):
-                return Outcome(sess.id, "skipped", info.state, info.age_s, f"in use: {info.reason}")
-            if older_than is not None and info.age_s < older_than:
-                return Outcome(sess.id, "kept", info.state, info.age_s, "younger than the age asked for")
-            if info.state == "has-changes" and not include_unapplied:
-                return Outcome(sess.id, "skipped", info.state, info.age_s,
-                               f"unapplied changes (review: stockade diff {sess.id}; "
-                               "--include-unapplied removes them)")
-            if dry_run:
-                return Outcome(sess.id, "would-remove", info.state, info.age_s)
-            _remove_locked(sess)
-            return Outcome(sess.id, "removed", info.state, info.age_s)
-    except SessionBusy:
-        state, why = _living(sess.id) or _busy_reason(sess)
-        return Outcome(sess.id, "skipped", state, 0.0, f"in use: {why}")
-    except (SessionNotFound, FileNotFoundError):
-        return Outcome(sess.id, "skipped", "empty", 0.0, "removed meanwhile")
+        except Unreadable as e:
+            info = _unreadable(sess, pending, str(e))
+        if info.state in ("running", "idle", "locked"):
+            return Outcome(sess.id, "skipped", info.state, info.age_s, f"in use: {info.reason}")
+        if older_than is not None and info.age_s < older_than:
+            return Outcome(sess.id, "kept", info.state, info.age_s, "younger than the age asked for")
+        if info.state == "has-changes" and not include_unapplied:
+            return Outcome(sess.id, "skipped", info.state, info.age_s,
+                           f"unapplied changes (review: stockade diff {sess.id}; "
+                           "--include-unapplied removes them)")
+        if (unapplied(info) or info.state == "unreadable") and not include_unapplied:
+            return Outcome(sess.id, "skipped", info.state, info.age_s,
+                           f"{info.reason} (or --include-unapplied)")
+        if dry_run:
+            return Outcome(sess.id, "would-remove", info.state, info.age_s)
+        _remove_locked(sess)
+        return Outcome(sess.id, "removed", info.state, info.age_s)
 
 
 def clean(older_than: float | None = None, *, include_unapplied: bool = False, dry_run: bool = False,

@@ -25,7 +25,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import ProjectGone, UsageError
 from ..session import idrange
 from ..session.store import Session
 from ._safefs import Root, files_equal, is_whiteout
@@ -183,9 +183,9 @@ class Walker:
                     if lroot is None:
                         lroot = layer_roots[e.layer] = Root(self.stack[e.layer])
                     self._one(host, lroot, p, e, entries)
-        except FileNotFoundError as ex:
+        except (FileNotFoundError, NotADirectoryError) as ex:
             if ex.filename == os.fspath(self.project):
-                raise UsageError(
+                raise ProjectGone(
                     f"project {self.project} of session {self.session.id} no longer exists"
                 ) from None
             raise

@@ -155,14 +155,23 @@ def cmd_list(args: Args) -> int:
             c: dict[str, Any] = {"added": counts.added, "modified": counts.modified,
                                  "deleted": counts.deleted}
         except StockadeError as e:
-            meta, c = s.meta() if s.meta_path.exists() else {}, {"error": e.one_line()}
-        except OSError as e:
+            try:
+                meta, c = s.meta() if s.meta_path.exists() else {}, {"error": e.one_line()}
+            except (OSError, ValueError, StockadeError) as e2:
+                meta, c = {}, {"error": str(e2)}
+        except (OSError, ValueError) as e:  # an unreadable meta.json: one row says so
             meta, c = {}, {"error": str(e)}
+        if not isinstance(meta, dict):
+            meta, c = {}, {"error": "meta.json is not a session's record"}
+        try:
+            runs = len(s.runs())
+        except OSError:  # a directory of another owner's
+            runs = 0
         rows.append({
             "session": s.id,
             "project": meta.get("project"),
             "age_s": round(now - int(meta.get("created_ns", 0)) / 1e9, 1),
-            "runs": len(s.runs()),
+            "runs": runs,
             "changes": c,
             "disk_bytes": du(str(s.dir)),
         })
@@ -458,7 +467,7 @@ def cmd_clean(args: Args) -> int:
     """`clean [S]`, `clean --all`, `clean --older-than AGE [--include-unapplied]`; `--dry-run`.
     A session in use is never removed: `S` is an error then, the others report it skipped."""
     from ..changes import retention
-    from ..errors import SessionBusy, UsageError
+    from ..errors import SessionBusy, StockadeError, UsageError
     from ..session import store
 
     older = args.older_than
@@ -477,9 +486,11 @@ def cmd_clean(args: Args) -> int:
     else:
         s = store.resolve(args.session_name)
         o = retention.remove(s, include_unapplied=True, dry_run=args.dry_run)
-        if o.action == "skipped":
+        if o.action == "skipped" and o.state in ("running", "idle", "locked"):
             then = "" if o.state == "idle" else f"; retry when it has ended (`stockade status {s.id}` lists its runs)"
             raise SessionBusy(f"session {s.id!r} was not removed: {o.reason}{then}")
+        if o.action == "skipped":
+            raise StockadeError(f"session {s.id!r} was not removed: {o.reason}")
         outs = [o]
     done = [o.id for o in outs if o.action in ("removed", "would-remove")]
     skipped = [o for o in outs if o.action == "skipped"]

@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import re
+import stat
 import sys
 import threading
 import time
@@ -600,7 +601,7 @@ def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | N
 def open_session(name: str) -> Session:
     validate_name(name)
     d = sessions_dir() / name
-    if not (d / "meta.json").is_file():
+    if not _has_meta(d):
         raise SessionNotFound(f"no session named {name!r}; list them with `stockade list`")
     return Session(name, d)
 
@@ -634,7 +635,18 @@ def list_sessions() -> list[Session]:
         names = sorted(os.listdir(root))
     except FileNotFoundError:
         return []
-    return [Session(n, root / n) for n in names if not n.startswith(".") and (root / n / "meta.json").is_file()]
+    return [Session(n, root / n) for n in names if not n.startswith(".") and _has_meta(root / n)]
+
+
+def _has_meta(d: Path) -> bool:
+    """``d`` is a session: it has a meta.json; or the caller may not look (a directory of
+    another owner's), then it is listed, and what acts on it says why it cannot."""
+    try:
+        return stat.S_ISREG(os.stat(d / "meta.json").st_mode)
+    except PermissionError:
+        return os.path.isdir(d)
+    except OSError:
+        return False
 
 
 def latest_session(project: Path | None = None) -> Session:
