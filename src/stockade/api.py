@@ -208,8 +208,9 @@ def run(
 
 
 def sessions() -> list[SessionInfo]:
-    """Every session with its state (running, idle, locked, has-changes, applied, empty),
-    age since last use (seconds), size on disk and change counts: ``stockade status``."""
+    """Every session with its state (running, idle, locked, has-changes, applied, empty,
+    project-gone, unreadable), age since last use (seconds), size on disk and change
+    counts: ``stockade status``."""
     from .changes.retention import list_infos
 
     return list_infos()
