@@ -305,6 +305,107 @@ def test_apply_is_gated_then_allowed_by_config(user: User, project: Path) -> Non
     assert json.loads(r.stdout)["changes"] == []
 
 
+def test_held_back_paths_never_apply_through_mcp_even_named(user: User, project: Path) -> None:
+    """The security review's repro: with allow_apply on, the agent writes a git hook, an
+    .envrc and a .stockade.toml that widens its network, and names them in apply. They
+    stay held back (the host project unchanged for them, checked from the host); a plain
+    file in the same call is applied; the answer names the person's command for the rest."""
+    (project / ".git" / "hooks").mkdir(parents=True)
+    (project / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    user.own(project / ".git")
+    conf = user.home / ".config" / "stockade" / "config.toml"
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text("[mcp]\nallow_apply = true\n")
+    user.own(user.home / ".config")
+    before = tree_snapshot(project)
+    held = [".git/hooks/pre-commit", ".envrc", ".stockade.toml"]
+
+    async def body() -> None:
+        async with client(user, project) as s:
+            _, r = await call(s, "exec", command=(
+                "printf '#!/bin/sh\\ntouch /tmp/pwned\\n' > .git/hooks/pre-commit && chmod +x .git/hooks/pre-commit"
+                " && echo 'export PWNED=1' > .envrc && printf '[network]\\nmode = \"host\"\\n' > .stockade.toml"
+                " && echo fine > ok.txt"))
+            assert r["exit_status"] == 0, r
+            sid = r["session"]
+            _, d = await call(s, "diff", stat=True)
+            assert set(held) <= set(d["held_back"]), d["held_back"]
+            text, d = await call(s, "apply", paths=[*held, "ok.txt"])
+            assert d["applied"] == ["ok.txt"], d
+            assert set(held) <= set(d["held_back"]), d
+            assert "held back (3): a person applies these after review" in text, text
+            assert f"stockade apply -s {sid} " in text and f"`stockade review {sid}`" in text, text
+            assert (project / "ok.txt").read_text() == "fine\n"
+            # named alone, or the whole .git, or everything: still nothing, and said how a person does it
+            for paths in ([".git/hooks/pre-commit"], [".git"], [".stockade.toml", ".envrc"], []):
+                msg = await fails(s, "apply", paths=paths)
+                assert "nothing to apply" in msg and "held back" in msg, msg
+                assert "a person applies these after review" in msg and f"stockade review {sid}" in msg, msg
+                assert "name them explicitly" not in msg, msg
+            _, d = await call(s, "status")  # still in the session, for a person's review
+            assert {c["path"] for c in d["changes"]} >= set(held), d["changes"]
+    drive(body)
+    after = tree_snapshot(project)
+    assert after.pop("ok.txt")[1] == b"fine\n"
+    assert after == before  # the hook, .envrc and .stockade.toml never reached the project
+    assert not (project / ".git" / "hooks" / "pre-commit").exists() and not (project / ".stockade.toml").exists()
+    # the next run gets the policy as it was: no host network
+    r = user.cli(["policy", "show", "--json"], cwd=project, timeout=60)
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads(r.stdout)["network"]["mode"] != "host"
+
+
+def test_allow_apply_from_the_project_config_is_refused_at_start(user: User, project: Path) -> None:
+    """A cloned repo's committed config cannot open the apply gate: [mcp] allow_apply in the
+    project's .stockade.toml (or pyproject.toml) stops the server before it serves, naming
+    the file and the global config; nothing is created."""
+    state_before = sorted(p.name for p in (user.state / "sessions").iterdir()) if (user.state / "sessions").exists() \
+        else []
+    before = tree_snapshot(project)
+    for name, text in ((".stockade.toml", "[mcp]\nallow_apply = true\n"),
+                       ("pyproject.toml", '[project]\nname = "x"\n\n[tool.stockade.mcp]\nallow_apply = true\n')):
+        f = project / name
+        f.write_text(text)
+        user.own(f)
+        r = subprocess.run(server_argv(user, project), env=user.env(), capture_output=True, timeout=60,
+                           stdin=subprocess.DEVNULL)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and r.stdout == b"", err
+        assert err.startswith("stockade: ") and str(f) in err and "mcp.allow_apply" in err, err
+        assert "global config only" in err and len(err.strip().splitlines()) == 1, err
+        f.unlink()
+    assert tree_snapshot(project) == before
+    state_after = sorted(p.name for p in (user.state / "sessions").iterdir()) if (user.state / "sessions").exists() \
+        else []
+    assert state_after == state_before
+
+
+def test_a_tool_env_cannot_reach_the_servers_config(user: User, project: Path) -> None:
+    """The tools' env goes into the sandbox only: pointing XDG_CONFIG_HOME or HOME at a
+    config that turns allow_apply on leaves the server's gate closed."""
+    evil = project.parent / "evil-config"
+    (evil / "stockade").mkdir(parents=True)
+    (evil / "stockade" / "config.toml").write_text("[mcp]\nallow_apply = true\n")
+    (evil / ".config" / "stockade").mkdir(parents=True)
+    (evil / ".config" / "stockade" / "config.toml").write_text("[mcp]\nallow_apply = true\n")
+    user.own(evil)
+    before = tree_snapshot(project)
+
+    async def body() -> None:
+        async with client(user, project) as s:
+            await call(s, "exec", command="echo x > new.txt")
+            for tool in ("exec", "run"):
+                for env in ({"XDG_CONFIG_HOME": str(evil)}, {"HOME": str(evil)}):
+                    # refused by the environment rules, or given to the sandbox's command only
+                    await s.call_tool(tool, {"command": "echo y >> new.txt", "env": env})
+                    _, d = await call(s, "status")
+                    assert d["apply_allowed"] is False, (tool, env)
+                    text, d = await call(s, "apply", paths=["new.txt"])
+                    assert d["applied"] is False and d["gated"] is True, text
+    drive(body)
+    assert tree_snapshot(project) == before
+
+
 # --------------------------------------------------------------------------- bad input
 
 

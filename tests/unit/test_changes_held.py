@@ -195,6 +195,44 @@ def test_held_back_is_decided_again_under_the_lock(tmp_path: Path, state_dir: Pa
     assert not (b.project / "l").is_symlink()
 
 
+def test_never_held_keeps_held_back_paths_even_named(tmp_path: Path, state_dir: Path) -> None:
+    """``never_held`` (the MCP apply tool's, for an untrusted caller): naming a held-back path,
+    or passing it in ``only``, never applies it, and ``include_git`` is refused."""
+    from stockade.changes.apply import apply_changes
+
+    b = Builder(tmp_path, {"a": "a\n"})
+    b.up(".stockade.toml", WIDEN)
+    b.up(".envrc", "export X=1\n")
+    b.up("a", "b\n")
+    cs = scan(b.session)
+    with pytest.raises(UsageError, match="include_git cannot be combined with never_held"):
+        apply_changes(cs, include_git=True, never_held=True)
+    with pytest.raises(UsageError, match=r"2 held back: .*a person applies these after review: "
+                                         rf"`stockade apply -s {b.session.id} PATH\.\.\.` or `stockade review"):
+        cs.apply([".stockade.toml", ".envrc"], never_held=True)
+    with pytest.raises(UsageError, match="held back"):
+        apply_changes(cs, only=[c for c in cs.changes if c.path == ".envrc"], never_held=True)
+    res = cs.apply([".stockade.toml", ".envrc", "a"], never_held=True)
+    assert res.applied == ("a",) and set(res.held_back) == {".stockade.toml", ".envrc"}
+    assert not (b.project / ".stockade.toml").exists() and not (b.project / ".envrc").exists()
+    assert (b.project / "a").read_text() == "b\n"
+
+
+def test_never_held_is_decided_again_under_the_lock(tmp_path: Path, state_dir: Path) -> None:
+    """A link that was harmless at the scan is re-pointed out of the project before the
+    apply: named with ``never_held``, it is held back on what would be written."""
+    b = Builder(tmp_path)
+    b.symlink("l", "inside")
+    b.up("other", "o\n")
+    cs = scan(b.session)
+    assert cs.held_back() == {}
+    os.unlink(b.upper / "l")
+    os.symlink("/etc", b.upper / "l")
+    res = cs.apply(["l", "other"], never_held=True)
+    assert res.applied == ("other",) and "resolves outside" in res.why_held["l"]
+    assert not (b.project / "l").is_symlink()
+
+
 # ---- review output says why ---------------------------------------------------------------------
 
 

@@ -36,10 +36,38 @@ def test_tables_and_tiers(env: dict[str, Path]) -> None:
     env["workspace"].write_text("[mcp]\nmax_output = 4096\n")
     eff = policy.load(env["proj"], None, CliPolicy())
     assert (eff.mcp_allow_apply, eff.mcp_max_output) == (True, 4096)
-    (env["sess"] / "policy.json").write_text(json.dumps({"schema_version": 1, "mcp": {"allow_apply": False}}))
+    (env["sess"] / "policy.json").write_text(json.dumps({"schema_version": 1, "mcp": {"max_output": "2K"}}))
     eff = policy.load(env["proj"], env["sess"], CliPolicy())
-    assert (eff.mcp_allow_apply, eff.mcp_max_output) == (False, 4096)
-    assert {r.target: r.origin.layer for r in eff.rules()}["mcp.allow_apply = false"] == "session"
+    assert (eff.mcp_allow_apply, eff.mcp_max_output) == (True, 2048)
+    assert {r.target: r.origin.layer for r in eff.rules()}["mcp.max_output = 2048"] == "session"
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+@pytest.mark.parametrize("where", ["workspace", "pyproject", "session"])
+def test_allow_apply_only_in_the_global_config(env: dict[str, Path], where: str, value: str) -> None:
+    """A cloned repo's committed config must not open the apply gate: allow_apply from a
+    project's .stockade.toml, its pyproject.toml or a session's policy is an error naming
+    the file, the line and where the setting belongs; the gate stays closed."""
+    env["global"].write_text("[mcp]\nmax_output = 4096\n")
+    sess = None
+    if where == "workspace":
+        f = env["workspace"]
+        f.write_text(f"# committed by the repo\n[mcp]\nallow_apply = {value}\n")
+        line = ":3"
+    elif where == "pyproject":
+        f = env["proj"] / "pyproject.toml"
+        f.write_text(f'[project]\nname = "x"\n\n[tool.stockade.mcp]\nallow_apply = {value}\n')
+        line = ":5"
+    else:
+        f = env["sess"] / "policy.json"
+        f.write_text(json.dumps({"schema_version": 1, "mcp": {"allow_apply": value == "true"}}))
+        sess, line = env["sess"], ""
+    with pytest.raises(PolicyError) as e:
+        policy.load(env["proj"], sess, CliPolicy())
+    msg = e.value.one_line()
+    assert str(f) + line in msg and "mcp.allow_apply" in msg, msg
+    assert "global config only" in msg and str(env["global"]) in msg, msg
+    assert "\n" not in msg
 
 
 def test_pyproject_table(env: dict[str, Path]) -> None:

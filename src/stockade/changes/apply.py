@@ -161,13 +161,13 @@ def _hold(cs: Changes, chosen: list[Change], specs: Sequence[str],
     return out, held
 
 
-def _nothing_why(held: dict[str, str], refused: list[str]) -> str:
+def _nothing_why(held: dict[str, str], refused: list[str], agent_hint: str | None = None) -> str:
     if held:
         by_why: dict[str, list[str]] = {}
         for p, w in held.items():
             by_why.setdefault(w, []).append(p)
         shown = "; ".join(f"{', '.join(ps[:8])}{', ...' if len(ps) > 8 else ''} ({w})" for w, ps in by_why.items())
-        return f"; {len(held)} held back: {shown}; name them explicitly to apply them"
+        return f"; {len(held)} held back: {shown}; " + (agent_hint or "name them explicitly to apply them")
     if refused:
         return f"; {len(refused)} refused (fifos, sockets, devices)"
     return ""
@@ -184,6 +184,7 @@ def apply_changes(
     include_git: bool = False,
     contents: Mapping[str, bytes] | None = None,
     expect: str | None = None,
+    never_held: bool = False,
 ) -> ApplyResult:
     """``include_git``: take git metadata (objects, refs, index, logs, HEAD, worktree admin
     dirs) with the rest; hooks and config still wait until named (``held.git_runs_code``).
@@ -196,14 +197,26 @@ def apply_changes(
     other, and the session's entry leaves the session as for a plain apply (a rollback puts
     the session's own version back). ``expect``: the change set's fingerprint
     (``fingerprint.fingerprint``) the caller reviewed; checked under the session lock, and
-    a change set that moved on since is a :class:`StaleChangeSet` with nothing written."""
+    a change set that moved on since is a :class:`StaleChangeSet` with nothing written.
+
+    ``never_held``: for an untrusted caller (the MCP server's agent): ``paths`` only select,
+    naming a held-back path never applies it, and ``include_git`` must be off; the
+    held-back decision is made again under the lock on exactly what is written."""
     session = cs.session
     recover_pending()
     contents = dict(contents or {})
     picked, specs, refused = _select(cs, paths, exclude, only)
+    hint = None
+    if never_held:
+        if include_git:
+            raise UsageError("apply: include_git cannot be combined with never_held (held-back git metadata "
+                             "is for a person to apply)")
+        specs = []  # nothing counts as named: what held_back names waits, whatever was asked
+        hint = (f"a person applies these after review: `stockade apply -s {session.id} PATH...` "
+                f"or `stockade review {session.id}`")
     chosen, held = _hold(cs, picked, specs, include_git)
     if not chosen:
-        raise UsageError(f"nothing to apply in session {session.id}{_nothing_why(held, refused)}")
+        raise UsageError(f"nothing to apply in session {session.id}{_nothing_why(held, refused, hint)}")
     flushing = None if dry_run else flush_early(cs.project)
     with session.lock(wait=False), global_lock():
         # re-scan under the lock so the plan matches the layers exactly, and decide again
@@ -225,7 +238,7 @@ def apply_changes(
         held_now.update(dangling)
         held = {**held, **held_now}
         if not chosen:
-            raise UsageError(f"nothing to apply in session {session.id}{_nothing_why(held, refused)}")
+            raise UsageError(f"nothing to apply in session {session.id}{_nothing_why(held, refused, hint)}")
         project = cs.project
         with Root(project) as host:
             planner = Planner(fresh, chosen, host)

@@ -35,9 +35,10 @@ class ChangeSet(Changes):
         force: bool = False,
         dry_run: bool = False,
         include_git: bool = False,
+        never_held: bool = False,
     ) -> ApplyResult:
         return apply_changes(self, paths=paths, exclude=exclude, force=force, dry_run=dry_run,
-                             include_git=include_git)
+                             include_git=include_git, never_held=never_held)
 
     def discard(self, paths: list[str] | None = None) -> list[str]:
         return discard_changes(self, paths=paths)

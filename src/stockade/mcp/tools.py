@@ -137,7 +137,7 @@ TOOLS: tuple[Tool, ...] = (
          NoArgs, lambda ws, a, c: ws.status(), read_only=True, idempotent=True),
     Tool("diff", "Diff of the change set",
          "The session's changes as a git-style unified diff (or a diffstat with stat=true), for all paths or "
-         "the given ones, with the paths apply holds back and why, and the risks worth a second look.",
+         "the given ones, with the paths held back from the apply tool and why, and the risks worth a second look.",
          DiffArgs, lambda ws, a, c: ws.diff(a.paths, a.stat), read_only=True, idempotent=True),
     Tool("snapshot", "Take a snapshot",
          "Save the session's files as they are now as a named snapshot (a restore point), also while the "
@@ -155,8 +155,9 @@ TOOLS: tuple[Tool, ...] = (
          "Apply the session's changes (all, or the given paths) to the real project. Off unless the person "
          "running the server turned it on ([mcp] allow_apply = true); otherwise it changes nothing and "
          "answers with the command a person runs after reviewing (`stockade apply -s SESSION`) and the review "
-         "page's command: tell the user. Held-back paths (git hooks, CI config, policy files...) apply only "
-         "when named in paths.",
+         "page's command: tell the user. paths only select: held-back paths (git hooks and metadata, CI "
+         "config, .envrc, stockade policy files...) are never applied by this tool, named or not; the answer "
+         "lists them with the command a person runs for them after review.",
          PathsArgs, lambda ws, a, c: ws.apply(a.paths), destructive=True),
 )
 BY_NAME = {t.name: t for t in TOOLS}

@@ -467,7 +467,7 @@ class Workspace:
         lines = [f"session {self.session_id}: {len(sel)} change(s) shown of {cs.counts().phrase()}"]
         lines.append(text.rstrip("\n") if text.strip() else "(no textual diff)")
         if held:
-            lines.append(f"held back from apply unless named explicitly ({len(held)}):")
+            lines.append(f"held back: never applied by the apply tool, a person applies them after review ({len(held)}):")
             lines += [f"  {p}: {why}" for p, why in held.items()]
         from ..changes.risks import counts, format_risks, summary
 
@@ -530,6 +530,9 @@ class Workspace:
         return self._free("discard", act)
 
     def apply(self, paths: Sequence[str] = ()) -> Reply:
+        """Apply the change set (``paths`` select) when ``[mcp] allow_apply`` (global config
+        only) is on, else answer with a person's command. The agent is untrusted: a held-back
+        path (hooks, CI, .envrc, policy files, git metadata) is never applied, even named."""
         sess = self.session("apply")
         pol = self.policy()
         spec = "".join(" " + shlex.quote(p) for p in paths)
@@ -546,12 +549,17 @@ class Workspace:
         def act(s: store.Session) -> Reply:
             from ..changes.scan import scan
 
-            res = scan(s).apply(list(paths) or None)
+            # the agent's paths only select: held-back paths (hooks, CI, .envrc, policy files,
+            # git metadata) never apply through here, named or not; the engine decides it again
+            # under the apply's lock on exactly what it writes
+            res = scan(s).apply(list(paths) or None, never_held=True)
             lines = [f"session {s.id}: applied {len(res.applied)} path(s) to {self.project} (apply {res.apply_id}); "
                      f"a person undoes it with `stockade rollback {res.apply_id}`"]
             lines += [f"  {p}" for p in res.applied]
             if res.why_held:
-                lines.append(f"held back ({len(res.why_held)}), applied only when named in paths:")
+                held_cmd = f"stockade apply -s {s.id}" + "".join(" " + shlex.quote(p) for p in res.why_held)
+                lines.append(f"held back ({len(res.why_held)}): a person applies these after review: "
+                             f"`{held_cmd}` or `stockade review {s.id}`:")
                 lines += [f"  {p}: {why}" for p, why in res.why_held.items()]
             if res.refused:
                 lines.append(f"refused (fifos, sockets, devices, masked secrets): {', '.join(res.refused)}")

@@ -744,8 +744,16 @@ def parse_output_cap(raw: object) -> int:
 
 
 def _mcp_from_source(t: Mapping[str, Any], lay: Layer, file: str, origin: Any) -> None:
-    """[mcp]: allow_apply (bool), max_output (a size); a bad value named by file, line and key."""
+    """[mcp]: allow_apply (bool), max_output (a size); a bad value named by file, line and key.
+    allow_apply lets the agent write to the project, so only the user's global config turns
+    it on: a cloned repo's .stockade.toml / pyproject.toml must not open its own gate.
+    max_output only narrows or widens what the agent reads back, so any tier may set it."""
     if "allow_apply" in t:
+        if lay.name != "global":
+            o = origin(["mcp", "allow_apply"])
+            raise _err(file, o.line, "mcp.allow_apply",
+                       f"[mcp] allow_apply is read from the global config only ({global_config_path()}), "
+                       "not from a project's or a session's: move it there")
         lay.mcp_allow_apply = (t["allow_apply"], origin(["mcp", "allow_apply"]))
     if "max_output" in t:
         o = origin(["mcp", "max_output"])
