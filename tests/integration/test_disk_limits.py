@@ -213,7 +213,9 @@ def test_the_floor_is_never_crossed(user: User, project: Path) -> None:
         assert r.returncode == 122, err
         assert "disk-limit-hit (disk floor 256M: the state dir's filesystem has" in err, err
         assert "warning: --disk none: nothing caps what the sandbox writes" in err, err
-        assert lowest[0] >= floor - 32 * MiB, lowest[0]
+        # (a tmpfs fills at RAM speed, a worst case: on a loaded host one late look of the
+        # watchdog may let some tens of MB through)
+        assert lowest[0] >= floor - 64 * MiB, lowest[0]
         # still usable: a run that writes nothing, and the change set
         again = user.cli(["run", "--session", "fl", "--", "true"], cwd=project, env=env, timeout=120)
         assert again.returncode == 0, again.stderr.decode()
