@@ -73,9 +73,9 @@ def test_a_2g_write_into_the_project_stops_near_the_cap(user: User, project: Pat
     assert b"wrote-all" not in r.stdout
     assert re.search(r"ended: disk-limit-hit \(disk limit 256M: the project's layers hold [\d.]+M\)", err), err
     held = upper_bytes(user, "dk1")
-    # near the cap: the watchdog looks 20 times a second (a loaded host's late look may
-    # let one more look's writes through)
-    assert cap // 2 <= held <= cap + cap // 4, held
+    # near the cap: it looks ahead at most 0.25 s of writes at their rate (GB/s into the
+    # page cache here), and a loaded host's late look may let one look's writes through
+    assert cap // 4 <= held <= cap + cap // 4, held
     # what it wrote stays reviewable, and the session is usable afterwards
     d = user.cli(["diff", "--session", "dk1", "--stat"], cwd=project, timeout=120)
     assert d.returncode == 0 and b"f0" in d.stdout, d.stderr.decode()
@@ -213,7 +213,9 @@ def test_the_floor_is_never_crossed(user: User, project: Path) -> None:
         assert r.returncode == 122, err
         assert "disk-limit-hit (disk floor 256M: the state dir's filesystem has" in err, err
         assert "warning: --disk none: nothing caps what the sandbox writes" in err, err
-        assert lowest[0] >= floor - 32 * MiB, lowest[0]
+        # (a tmpfs fills at RAM speed, a worst case: on a loaded host one late look of the
+        # watchdog may let some tens of MB through)
+        assert lowest[0] >= floor - 64 * MiB, lowest[0]
         # still usable: a run that writes nothing, and the change set
         again = user.cli(["run", "--session", "fl", "--", "true"], cwd=project, env=env, timeout=120)
         assert again.returncode == 0, again.stderr.decode()

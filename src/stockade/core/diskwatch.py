@@ -28,14 +28,19 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
+import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+CLONE_NEWUSER = 0x10000000
 #: Seconds between looks; ``FAST_TICK`` when the next look at this rate may pass the cap.
 TICK = 0.05
 FAST_TICK = 0.01
+#: The longest look ahead (seconds of growth at the current rate).
+MAX_AHEAD = 0.25
 #: Seconds between two walks of the layers while the filesystem's figures move.
 WALK_EVERY = 2.0
 #: A walk may take at most this share of the time (adaptive interval); near the cap or
@@ -119,11 +124,13 @@ class Probe:
     """The watchdog's measurements of the real system (the unit tests give their own)."""
 
     def __init__(self, layers: Sequence[str], fs_path: str | None,
-                 walk: Callable[[Sequence[str]], int] = layers_bytes) -> None:
+                 walk: Callable[[Sequence[str]], int] = layers_bytes, session_dir: str | None = None) -> None:
         self.layers = tuple(layers)
         self.fs_path = fs_path
         self._walk = walk
+        self.session_dir = session_dir
         self.fds: dict[str, int] = {}
+        self.ns_walker: NsWalker | None = None
 
     def attach(self, pid: int, pidfd: int, tmpfs: Sequence[str]) -> None:
         """Open each tmpfs through the sandbox's root. Only once its command started
@@ -147,6 +154,11 @@ class Probe:
                 os.close(fd)
             return
         self.fds.update(fds)
+        if self.ns_walker is None and self.session_dir is not None and self.layers:
+            from ..session import idrange
+
+            if idrange.needs_child(self.session_dir):
+                self.ns_walker = NsWalker.start(pid, pidfd, self.layers)
 
     def tmpfs(self) -> dict[str, tuple[int, bool]]:
         """Per tmpfs: (bytes used, full)."""
@@ -171,15 +183,95 @@ class Probe:
         return FsState((s.f_blocks - s.f_bfree) * s.f_frsize, s.f_bavail * s.f_frsize)
 
     def walk(self) -> int:
+        if self.ns_walker is not None:
+            n = self.ns_walker.walk()
+            if n is not None:
+                return n
+            self.ns_walker.close()
+            self.ns_walker = None
         return self._walk(self.layers)
 
     def close(self) -> None:
+        if self.ns_walker is not None:
+            self.ns_walker.close()
+            self.ns_walker = None
         for fd in self.fds.values():
             try:
                 os.close(fd)
             except OSError:
                 pass
         self.fds.clear()
+
+
+class NsWalker:
+    """A child of this process in the running sandbox's own user namespace (its owner
+    may join it: ``setns``), walking the layers on request. Where the caller cannot read
+    what the sandbox gave to its other ids, this reaches them without a fork and a
+    newuidmap per walk (``walk_session``'s way, kept for before the sandbox runs)."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid = pid
+        self.sock = sock
+
+    @classmethod
+    def start(cls, init_pid: int, init_pidfd: int, paths: Sequence[str]) -> NsWalker | None:
+        from ..linux import libc
+
+        try:
+            ns = os.open(f"/proc/{init_pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            signal.pidfd_send_signal(init_pidfd, 0)  # (still the sandbox's init: not a reused pid)
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        except OSError:
+            os.close(ns)
+            return None
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 0
+            try:
+                # nothing of this process but its socket: a copy of the sandbox's stdin
+                # pipe (or pty) held here would keep its end from the sandbox
+                lo = 3
+                for k in sorted({b.fileno(), ns}):
+                    os.closerange(lo, k)
+                    lo = k + 1
+                os.closerange(lo, os.sysconf("SC_OPEN_MAX"))
+                if libc.setns(ns, CLONE_NEWUSER) != 0:
+                    os._exit(3)
+                while b.recv(8):
+                    try:
+                        n = layers_bytes(paths)
+                    except OSError:
+                        n = -1
+                    b.sendall(struct.pack("q", n))
+            except BaseException:
+                code = 1
+            os._exit(code)
+        os.close(ns)
+        b.close()
+        a.settimeout(30)
+        return cls(pid, a)
+
+    def walk(self) -> int | None:
+        """Bytes the layers hold; None: the walker is gone (the caller walks itself)."""
+        try:
+            self.sock.send(b"w")
+            data = self.sock.recv(8)
+        except OSError:
+            return None
+        if len(data) != 8:
+            return None
+        n = int(struct.unpack("q", data)[0])
+        return n if n >= 0 else None
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
 
 
 class DiskWatch:
@@ -211,8 +303,7 @@ class DiskWatch:
         self.peak = 0  # the largest total seen (bytes)
 
     def attach(self, pid: int, pidfd: int) -> None:
-        if self.tmpfs_paths:
-            self.probe.attach(pid, pidfd, self.tmpfs_paths)
+        self.probe.attach(pid, pidfd, self.tmpfs_paths)
 
     def _walk(self, now: float) -> int:
         t0 = time.monotonic()
@@ -258,7 +349,8 @@ class DiskWatch:
         # how far ahead to look: one look, or twice the last gap between looks when this
         # process is scheduled late (a loaded host), plus the kill's own latency
         # and until the next walk can come (a costly walk, e.g. in the sandbox's ids)
-        window = max(2 * TICK, 2 * dt, self._walk_gap(True) + self.walk_cost)
+        # (never more than MAX_AHEAD: one late look must not end a run far from its cap)
+        window = min(MAX_AHEAD, max(2 * TICK, 2 * dt, self._walk_gap(True) + self.walk_cost))
         fs_ahead = fs_rate * window
         near = (self.cap is not None and guess + fs_ahead + tm_used >= self.cap) or (
             self.floor is not None and fs is not None and fs.free - fs_ahead < self.floor)
@@ -328,7 +420,7 @@ def for_run(cap: int | None, floor: int | None, tmpfs: Sequence[str], upper: str
         return None
     paths = [upper, *layers] if upper is not None else []
     sdir = os.path.dirname(upper) if upper is not None else None
-    probe = Probe(paths, upper, (lambda ps: walk_session(sdir, ps)) if sdir is not None else layers_bytes)
+    probe = Probe(paths, upper, (lambda ps: walk_session(sdir, ps)) if sdir is not None else layers_bytes, sdir)
     return DiskWatch(cap, floor, tmpfs, probe)
 
 
