@@ -310,8 +310,9 @@ def test_the_default_cap_holds_a_large_write(user: User, project: Path) -> None:
     from stockade.cgroups.base import DEFAULT_DISK, DEFAULT_DISK_FLOOR
 
     s = os.statvfs(user.state.parent)
-    need(s.f_bavail * s.f_frsize > DEFAULT_DISK + DEFAULT_DISK_FLOOR + 20 * GiB,
-         "the disk has no room for a write at the default cap")
+    if s.f_bavail * s.f_frsize <= DEFAULT_DISK + DEFAULT_DISK_FLOOR + 20 * GiB:
+        # room on a disk is the host's, not a kernel feature: a skip even under STOCKADE_MUST_WORK
+        pytest.skip("the disk has no room for a write at the default cap")
     if user.name != "root" or user.path == "served":
         pytest.skip("once is enough for 10 GiB of writes (root, in-process)")
     r = run(user, project, "--session", "dflt", "--", "sh", "-c", _write_files(".", 12, 1024), timeout=600)
