@@ -214,7 +214,8 @@ def test_sessions_are_spread_over_ext4_block_groups(state_dir: Path, api_project
         return bool(flags & 0x00020000)
 
     assert not top(sessions)
-    ids = [stockade.run(["true"], project=api_project).session for _ in range(2)]
+    # (named: an anonymous session whose run changed nothing is removed when it ends)
+    ids = [stockade.run(["true"], project=api_project, session=f"spread{i}").session for i in range(2)]
     with stockade.Sandbox(api_project, session="named") as sb:
         sb.run(["true"])
     assert top(sessions)
