@@ -46,7 +46,8 @@ def execute(req: RunRequest, io: RunIO) -> RunResult:
             discard_unused(sess)
         raise
     finally:
-        _retain(sess, anonymous and not refused, req.keep_latest_empty, res)
+        # bad input or a start that failed leaves the state dir as it was: no collection
+        _retain(sess, anonymous and not refused, req.keep_latest_empty, res, collect=not refused)
 
 
 def execute_in(sess: store.Session, req: RunRequest, io: RunIO) -> RunResult:
@@ -58,7 +59,8 @@ def execute_in(sess: store.Session, req: RunRequest, io: RunIO) -> RunResult:
         _retain(sess, False, False, None)
 
 
-def _retain(sess: store.Session, anonymous: bool, keep_latest: bool, res: RunResult | None) -> None:
+def _retain(sess: store.Session, anonymous: bool, keep_latest: bool, res: RunResult | None, *,
+            collect: bool = True) -> None:
     """After a run (its session's lock released): an anonymous session that holds no
     change goes (changes/retention.py), and now and then the old sessions are collected."""
     from ..changes import retention
@@ -66,7 +68,8 @@ def _retain(sess: store.Session, anonymous: bool, keep_latest: bool, res: RunRes
     try:
         if anonymous and retention.after_run(sess.id, keep_latest=keep_latest) and res is not None:
             res.session_removed = True
-        retention.maybe_collect()
+        if collect:
+            retention.maybe_collect()
     except Exception:
         pass
 
