@@ -334,3 +334,50 @@ def test_no_sandbox_process_holds_the_listener(user: User, project: Path) -> Non
     finally:
         _out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err.decode()
+
+
+HOSTILE = r'''
+import os, socket
+for p in ("/tmp/x\n  /etc/FAKE-LINE-INJECTED", "/tmp/\x1b[2J\x1b[31mRED\x9b31m\u202e"):
+    try:
+        os.close(os.open(p, os.O_RDONLY))
+    except OSError:
+        pass
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+try:
+    s.sendto(b"x", "\0abs\n\x1b[31mUNIX")
+except OSError:
+    pass
+print("done")
+'''
+
+
+def _raw_controls(text: bytes) -> list[str]:
+    """Control characters a terminal would act on, other than the line ends between lines."""
+    s = text.decode("utf-8", "replace")
+    return sorted({repr(c) for c in s if c != "\n" and (ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f or c == "\u202e")})
+
+
+def test_what_the_sandbox_names_cannot_forge_a_line(user: User, project: Path) -> None:
+    """A path or an address the command chose is escaped in every text report: no line of
+    its own, no escape sequence reaches the terminal (the JSON keeps it exactly)."""
+    (project / "hostile.py").write_text(HOSTILE)
+    user.own(project)
+    r = user.cli(["run", "--observe", "--", PY3, "hostile.py"], cwd=project)
+    assert r.returncode == 0 and r.stdout == b"done\n", r.stderr.decode()
+    sess = session_of(r.stderr)
+    obs = observed_json(user, project, sess)
+    opened = set(obs["opened"]) | {d["target"] for d in obs["denied"]}
+    assert "/tmp/x\n  /etc/FAKE-LINE-INJECTED" in opened, opened  # exact in JSON
+    assert any(h["target"].startswith("unix:@abs\n") for h in obs["hosts"]), [h["target"] for h in obs["hosts"]]
+    for argv in (["log", "--observed", sess], ["log", "--observed", "--summary", sess], ["log", sess]):
+        t = user.cli(argv, cwd=project)
+        assert t.returncode == 0, t.stderr.decode()
+        assert _raw_controls(t.stdout) == [], (argv, t.stdout)
+        lines = t.stdout.decode().splitlines()
+        # the forged line would start with its own indentation; escaped, it stays inside its line
+        assert not any(ln.lstrip().startswith("/etc/FAKE-LINE-INJECTED") for ln in lines), argv
+        if "--summary" not in argv:
+            assert any("/tmp/x\\n  /etc/FAKE-LINE-INJECTED" in ln for ln in lines), argv
+    full = user.cli(["log", "--observed", sess], cwd=project).stdout.decode()
+    assert "/tmp/\\x1b[2J\\x1b[31mRED\\x9b31m\\u202e" in full and "unix:@abs\\n\\x1b[31mUNIX" in full
