@@ -37,6 +37,9 @@
 #ifndef SECCOMP_FILTER_FLAG_NEW_LISTENER
 #define SECCOMP_FILTER_FLAG_NEW_LISTENER (1UL << 3)
 #endif
+#ifndef SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV
+#define SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV (1UL << 5)
+#endif
 #ifndef SECCOMP_USER_NOTIF_FLAG_CONTINUE
 #define SECCOMP_USER_NOTIF_FLAG_CONTINUE (1UL << 0)
 #endif
@@ -65,7 +68,13 @@ int sk_observe_child(const struct sk_plan *p, int rep)
         if (BPF_CLASS(f[i].code) == BPF_JMP && f[i].k == (uint32_t)SK_OBSERVE_SOCK_K)
             f[i].k = (uint32_t)p->observe_sock;
     struct sock_fprog prog = {.len = (unsigned short)n, .filter = f};
-    long fd = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, &prog);
+    /* Linux 5.19+: once the supervisor has received a notification, the task waits
+     * killable-only, so a signal no longer turns the call into EINTR (it still can in
+     * the short time before the receive); older kernels refuse the flag with EINVAL. */
+    long fd = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER,
+                      SECCOMP_FILTER_FLAG_NEW_LISTENER | SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV, &prog);
+    if (fd < 0 && errno == EINVAL)
+        fd = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, &prog);
     if (fd < 0) {
         sk_report(rep, SK_REP_ERROR, SK_STEP_OBSERVE, errno, 0, "SECCOMP_FILTER_FLAG_NEW_LISTENER");
         return -1;
