@@ -568,13 +568,17 @@ int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_pref
                 rec.nr = n->data.nr;
                 dl = take_arg(&pc, n, &c, &rec, data, sizeof data);
             }
-            /* Only now is what we read the target's: it was still in this call. */
-            int valid = ioctl(listener, SECCOMP_IOCTL_NOTIF_ID_VALID, &n->id) == 0;
+            /* The answer is the validity check (one syscall less per call than
+             * SECCOMP_IOCTL_NOTIF_ID_VALID): the kernel accepts it only while the target
+             * still waits in this call, i.e. it was there through our read, and what
+             * we read was the target's; ENOENT: it was interrupted or died meanwhile. */
             memset(resp.raw, 0, sizes.seccomp_notif_resp);
             resp.r.id = n->id;
             resp.r.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
-            while (ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp) < 0 && errno == EINTR)
+            int sent;
+            while ((sent = ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp)) < 0 && errno == EINTR)
                 ;
+            int valid = sent == 0;
             if (!known)
                 continue;
             if (!valid) {
