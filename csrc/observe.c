@@ -10,8 +10,8 @@
  *
  * Supervisor side (sk_observe_loop, called from a supervisor thread through cffi,
  * which releases the GIL): receive each notification, read its argument from the
- * target's memory (process_vm_readv), check the notification is still valid
- * (SECCOMP_IOCTL_NOTIF_ID_VALID) before trusting what was read, answer CONTINUE,
+ * target's memory (process_vm_readv), answer CONTINUE (the kernel accepts the answer
+ * only while the notification is still valid: then what was read was the target's),
  * append a record. The kernel runs the call itself after CONTINUE, rereading the
  * arguments: what we read is for the log only (seccomp_unotify(2), TOCTOU), never a
  * decision. The loop never blocks on the target: each read is one syscall that fails
