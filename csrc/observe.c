@@ -10,8 +10,8 @@
  *
  * Supervisor side (sk_observe_loop, called from a supervisor thread through cffi,
  * which releases the GIL): receive each notification, read its argument from the
- * target's memory (process_vm_readv), check the notification is still valid
- * (SECCOMP_IOCTL_NOTIF_ID_VALID) before trusting what was read, answer CONTINUE,
+ * target's memory (process_vm_readv), answer CONTINUE (the kernel accepts the answer
+ * only while the notification is still valid: then what was read was the target's),
  * append a record. The kernel runs the call itself after CONTINUE, rereading the
  * arguments: what we read is for the log only (seccomp_unotify(2), TOCTOU), never a
  * decision. The loop never blocks on the target: each read is one syscall that fails
@@ -36,6 +36,9 @@
 
 #ifndef SECCOMP_FILTER_FLAG_NEW_LISTENER
 #define SECCOMP_FILTER_FLAG_NEW_LISTENER (1UL << 3)
+#endif
+#ifndef SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV
+#define SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV (1UL << 5)
 #endif
 #ifndef SECCOMP_USER_NOTIF_FLAG_CONTINUE
 #define SECCOMP_USER_NOTIF_FLAG_CONTINUE (1UL << 0)
@@ -65,7 +68,13 @@ int sk_observe_child(const struct sk_plan *p, int rep)
         if (BPF_CLASS(f[i].code) == BPF_JMP && f[i].k == (uint32_t)SK_OBSERVE_SOCK_K)
             f[i].k = (uint32_t)p->observe_sock;
     struct sock_fprog prog = {.len = (unsigned short)n, .filter = f};
-    long fd = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, &prog);
+    /* Linux 5.19+: once the supervisor has received a notification, the task waits
+     * killable-only, so a signal no longer turns the call into EINTR (it still can in
+     * the short time before the receive); older kernels refuse the flag with EINVAL. */
+    long fd = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER,
+                      SECCOMP_FILTER_FLAG_NEW_LISTENER | SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV, &prog);
+    if (fd < 0 && errno == EINVAL)
+        fd = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, &prog);
     if (fd < 0) {
         sk_report(rep, SK_REP_ERROR, SK_STEP_OBSERVE, errno, 0, "SECCOMP_FILTER_FLAG_NEW_LISTENER");
         return -1;
@@ -559,13 +568,17 @@ int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_pref
                 rec.nr = n->data.nr;
                 dl = take_arg(&pc, n, &c, &rec, data, sizeof data);
             }
-            /* Only now is what we read the target's: it was still in this call. */
-            int valid = ioctl(listener, SECCOMP_IOCTL_NOTIF_ID_VALID, &n->id) == 0;
+            /* The answer is the validity check (one syscall less per call than
+             * SECCOMP_IOCTL_NOTIF_ID_VALID): the kernel accepts it only while the target
+             * still waits in this call, i.e. it was there through our read, and what
+             * we read was the target's; ENOENT: it was interrupted or died meanwhile. */
             memset(resp.raw, 0, sizes.seccomp_notif_resp);
             resp.r.id = n->id;
             resp.r.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
-            while (ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp) < 0 && errno == EINTR)
+            int sent;
+            while ((sent = ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp)) < 0 && errno == EINTR)
                 ;
+            int valid = sent == 0;
             if (!known)
                 continue;
             if (!valid) {

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from .redact import printable, record_argv, redact_text, secret_name
+from .redact import printable, record_argv, redact_text, secret_name, terminal_safe
 
 SCHEMA_VERSION = 1
 MAX_FIELD = 2048
@@ -321,6 +321,12 @@ def _format_net(rec: Mapping[str, Any], head: list[str]) -> str:
 
 
 def format_event(rec: Mapping[str, Any]) -> str:
+    """One event as one line of text; what the sandbox chose (a path, an address, an
+    argument) is escaped so that it cannot forge a line or drive the terminal."""
+    return terminal_safe(_format_event(rec))
+
+
+def _format_event(rec: Mapping[str, Any]) -> str:
     ts = str(rec.get("timestamp", ""))
     run = rec.get("run")
     if rec.get("operation") in ("net-connect", "net-dns"):

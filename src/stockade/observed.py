@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .redact import printable, terminal_safe
+
 OPERATIONS = ("observed-exec", "observed-open", "observed-connect")
 SUPPRESSED = "observed-suppressed"
 SUMMARY = "observed-summary"
@@ -436,7 +438,9 @@ def format_grouped(g: Grouped, *, summary: bool) -> list[str]:
         lost = [f"{k} {s[k]}" for k in ("stale", "unreadable", "lost") if s.get(k)]
         if lost:
             lines.append(f"run {s.get('run')}: " + ", ".join(lost))
-    return lines
+    # what the sandbox chose (the paths it opened, the addresses it tried) cannot forge
+    # a line or drive the terminal
+    return [terminal_safe(line) for line in lines]
 
 
 # --------------------------------------------------------------------------- policy suggest
@@ -450,8 +454,24 @@ class Suggestion:
     because: str  # the observed entry
 
 
+_TOML_SHORT = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
 def _quote(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """``s`` as a TOML basic string that stays on its line: a path the sandbox chose
+    cannot end the string or the line and add a key or a table. Controls (C0, DEL, C1)
+    and the characters a terminal reorders are ``\\uNNNN`` escapes, which TOML reads
+    back as the same character."""
+    out = []
+    for c in printable(s):
+        short = _TOML_SHORT.get(c)
+        if short is not None:
+            out.append(short)
+        elif terminal_safe(c) != c:
+            out.append(f"\\u{ord(c):04x}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
 
 
 def suggest(events: Iterable[Mapping[str, Any]], *, project: str) -> list[Suggestion]:
@@ -541,13 +561,16 @@ def render(sugg: Sequence[Suggestion]) -> list[str]:
             body.append('mode = "allow"')
         body.append(f"{key} = [")
         for s in items:
-            value = s.line.rpartition(f"{key} = ")[2][1:-1]  # the one item of "key = [item]"
-            body.append(f"    # risk: {s.risk}")
-            body.append(f"    # because: {s.because}")
+            # the one item of "key = [item]" (on the last line: mode = "allow" comes first);
+            # a quoted value holds no raw newline, and its own " = " comes after the key's
+            value = s.line.rsplit("\n", 1)[-1].partition(" = ")[2][1:-1]
+            body.append(f"    # risk: {terminal_safe(s.risk)}")
+            body.append(f"    # because: {terminal_safe(s.because)}")
             body.append(f"    {value},")
         body.append("]")
     for section, body in sections.items():
         out += ["", section, *body]
     for s in tables:
-        out += ["", f"# risk: {s.risk}", f"# because: {s.because}", s.section, s.line]
+        # a comment is one line: what the sandbox chose is escaped in it
+        out += ["", f"# risk: {terminal_safe(s.risk)}", f"# because: {terminal_safe(s.because)}", s.section, s.line]
     return out

@@ -85,6 +85,35 @@ def printable(s: str) -> str:
         return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+
+# what a terminal would act on rather than show: C0 controls (newline, CR, ESC starts an
+# escape sequence), DEL, C1 controls (U+009B is a one-character CSI to some terminals),
+# and the Unicode line separators and bidi overrides that reorder or split what is shown
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group(0)
+    short = _SHORT.get(c)
+    if short is not None:
+        return short
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def terminal_safe(s: str) -> str:
+    """``s`` as one line a terminal shows as it is: what the sandbox chose (a path it
+    opened, an address, an argument) can hold a newline that forges a line of the
+    report, or an escape sequence that rewrites the screen. Control characters become
+    ``\\n``, ``\\r``, ``\\t`` or ``\\xNN`` (bidi and line-separator characters
+    ``\\uNNNN``), bytes that were not UTF-8 ``\\xNN`` (as ``printable``). A backslash
+    stays as it is: ``--json`` is the exact form."""
+    s = printable(s)
+    if s.isprintable() and s.isascii():
+        return s
+    return _CONTROL.sub(_escape, s)
+
+
 # inside a shell script argument (``sh -c '...'``): NAME=value, --name=value, --name value
 _WORD_ASSIGN = re.compile(r"""(?<![^\s'";&|(])(-{0,2})([A-Za-z_][A-Za-z0-9_.-]*)=("[^"]*"|'[^']*'|[^\s;&|)]+)""")
 _WORD_FLAG = re.compile(r"""(?<![^\s'";&|(])(-{1,2})([A-Za-z][A-Za-z0-9_-]*)(\s+)("[^"]*"|'[^']*'|[^\s;&|)-][^\s;&|)]*)""")

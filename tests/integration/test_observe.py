@@ -220,7 +220,7 @@ def test_bad_input(user: User, project: Path) -> None:
     r = user.cli(["start", "--observe"], cwd=project)
     assert r.returncode == 2 and "not available for living sandboxes" in r.stderr.decode(), r.stderr.decode()
     after = sorted(os.listdir(sessions)) if sessions.exists() else []
-    assert after == before  # nothing created
+    assert [n for n in after if not n.startswith(".")] == [n for n in before if not n.startswith(".")]  # (.collected: retention's stamp)
     r = user.cli(["log", "--summary"], cwd=project)
     assert r.returncode == 2
 
@@ -230,10 +230,16 @@ def test_config_turns_it_on_and_the_flag_off(user: User, project: Path) -> None:
     user.own(project)
     r = user.cli(["run", "--", "/usr/bin/true"], cwd=project)
     assert r.returncode == 0, r.stderr.decode()
-    assert "/usr/bin/true" in observed_json(user, project, session_of(r.stderr))["programs"]
+    first = session_of(r.stderr)
+    assert "/usr/bin/true" in observed_json(user, project, first)["programs"]
     r = user.cli(["run", "--no-observe", "--", "/usr/bin/true"], cwd=project)
     assert r.returncode == 0
     assert observed_json(user, project, session_of(r.stderr))["programs"] == {}
+    # an unobserved run that changed nothing drops the one before it when that one is
+    # empty too; an observed one is kept for its log
+    r = user.cli(["run", "--no-observe", "--", "/usr/bin/true"], cwd=project)
+    assert r.returncode == 0
+    assert "/usr/bin/true" in observed_json(user, project, first)["programs"]
 
 
 def test_python_api(api_project: Path) -> None:
@@ -334,3 +340,50 @@ def test_no_sandbox_process_holds_the_listener(user: User, project: Path) -> Non
     finally:
         _out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err.decode()
+
+
+HOSTILE = r'''
+import os, socket
+for p in ("/tmp/x\n  /etc/FAKE-LINE-INJECTED", "/tmp/\x1b[2J\x1b[31mRED\x9b31m\u202e"):
+    try:
+        os.close(os.open(p, os.O_RDONLY))
+    except OSError:
+        pass
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+try:
+    s.sendto(b"x", "\0abs\n\x1b[31mUNIX")
+except OSError:
+    pass
+print("done")
+'''
+
+
+def _raw_controls(text: bytes) -> list[str]:
+    """Control characters a terminal would act on, other than the line ends between lines."""
+    s = text.decode("utf-8", "replace")
+    return sorted({repr(c) for c in s if c != "\n" and (ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f or c == "\u202e")})
+
+
+def test_what_the_sandbox_names_cannot_forge_a_line(user: User, project: Path) -> None:
+    """A path or an address the command chose is escaped in every text report: no line of
+    its own, no escape sequence reaches the terminal (the JSON keeps it exactly)."""
+    (project / "hostile.py").write_text(HOSTILE)
+    user.own(project)
+    r = user.cli(["run", "--observe", "--", PY3, "hostile.py"], cwd=project)
+    assert r.returncode == 0 and r.stdout == b"done\n", r.stderr.decode()
+    sess = session_of(r.stderr)
+    obs = observed_json(user, project, sess)
+    opened = set(obs["opened"]) | {d["target"] for d in obs["denied"]}
+    assert "/tmp/x\n  /etc/FAKE-LINE-INJECTED" in opened, opened  # exact in JSON
+    assert any(h["target"].startswith("unix:@abs\n") for h in obs["hosts"]), [h["target"] for h in obs["hosts"]]
+    for argv in (["log", "--observed", sess], ["log", "--observed", "--summary", sess], ["log", sess]):
+        t = user.cli(argv, cwd=project)
+        assert t.returncode == 0, t.stderr.decode()
+        assert _raw_controls(t.stdout) == [], (argv, t.stdout)
+        lines = t.stdout.decode().splitlines()
+        # the forged line would start with its own indentation; escaped, it stays inside its line
+        assert not any(ln.lstrip().startswith("/etc/FAKE-LINE-INJECTED") for ln in lines), argv
+        if "--summary" not in argv:
+            assert any("/tmp/x\\n  /etc/FAKE-LINE-INJECTED" in ln for ln in lines), argv
+    full = user.cli(["log", "--observed", sess], cwd=project).stdout.decode()
+    assert "/tmp/\\x1b[2J\\x1b[31mRED\\x9b31m\\u202e" in full and "unix:@abs\\n\\x1b[31mUNIX" in full

@@ -170,3 +170,27 @@ def test_python_api(api_project: Path) -> None:
                                                               ("symlink", ("h",), "high")}
     assert [(x.rule, x.paths) for x in only] == [("executable", ("t.sh",))]
     assert "t.sh" in format_risks(risks)
+
+
+HOSTILE_LINK = (
+    "ln -s \"$(printf '/etc/x\\n\\033[2J\\033[31mFORGED-LINE')\" evil-link"
+    " && printf '{\"scripts\": {\"postinstall\\\\n\\\\u001b[31mFAKE\": \"x\"}}\\n' > package.json"
+)
+
+
+def test_what_the_sandbox_wrote_cannot_forge_a_line(user: User, project: Path) -> None:
+    """A symlink target or a script name the sandbox chose, quoted in a risk's reason or a
+    held-back reason, is escaped in the text reports (the JSON keeps it exact)."""
+    user.own(project)
+    r = user.cli(["run", "--session", "h", "--", "sh", "-c", HOSTILE_LINK], cwd=project)
+    assert r.returncode == 0, r.stderr
+    for argv in (["diff", "--risks", "h"], ["status", "h"], ["apply", "--dry-run", "h"]):
+        t = user.cli(argv, cwd=project)
+        out = t.stdout.decode("utf-8", "replace") + t.stderr.decode("utf-8", "replace")
+        bad = sorted({repr(c) for c in out if c != "\n" and (ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f)})
+        assert bad == [], (argv, out)
+        assert not any(ln.lstrip().startswith(("\x1b", "FORGED-LINE", "[31m")) for ln in out.splitlines()), out
+    risks = user.cli(["diff", "--risks", "h"], cwd=project).stdout.decode()
+    assert "/etc/x\\n\\x1b[2J\\x1b[31mFORGED-LINE" in risks, risks
+    j = json.loads(user.cli(["diff", "--risks", "--json", "h"], cwd=project).stdout)
+    assert any("/etc/x\n\x1b[2J" in r["reason"] for r in j["risks"]), j

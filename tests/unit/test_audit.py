@@ -200,3 +200,23 @@ def test_non_utf8_argv_is_recorded_as_escapes(log: audit.AuditLog) -> None:
     assert rec["argv"] == ["echo", "\\x9b|café"] and rec["target"] == "/p/\\x9b|café"
     assert rec["extra"] == {"\\x9b|café": ["\\x9b|café"]}
     log.path.read_bytes().decode("utf-8")  # the file is valid UTF-8
+
+
+def test_terminal_safe_escapes_controls_and_undecodable_bytes() -> None:
+    import os
+
+    from stockade.redact import terminal_safe
+
+    assert terminal_safe("/usr/lib/x86_64-linux-gnu/libc.so.6") == "/usr/lib/x86_64-linux-gnu/libc.so.6"
+    assert terminal_safe("héllo wörld ✓") == "héllo wörld ✓"
+    assert terminal_safe("a\nb") == "a\\nb" and terminal_safe("a\rb\tc") == "a\\rb\\tc"
+    assert terminal_safe("\x1b[2J\x00\x07\x7f") == "\\x1b[2J\\x00\\x07\\x7f"
+    assert terminal_safe("\x85\x9b\x80") == "\\x85\\x9b\\x80"  # C1: U+009B is a CSI to some terminals
+    assert terminal_safe("a\u202eb\u2066c\u2028d") == "a\\u202eb\\u2066c\\u2028d"
+    assert terminal_safe(os.fsdecode(b"/tmp/\xff\xfe\n")) == "/tmp/\\xff\\xfe\\n"  # not UTF-8
+    assert terminal_safe("\ud800") == "\\ud800"  # a lone surrogate that is no escaped byte
+    for c in map(chr, range(0x110000)):
+        if 0xd800 <= ord(c) <= 0xdfff:
+            continue
+        out = terminal_safe(c)
+        assert all(ord(x) >= 0x20 and not 0x7f <= ord(x) <= 0x9f for x in out), repr(c)

@@ -252,6 +252,85 @@ def test_suggest_marks_each_line_with_its_risk(tmp_path: Path) -> None:
     assert sorted(p["access"] for p in doc["paths"]) == ["ro", "rw"]
 
 
+
+# ---- what the sandbox chose, printed: no forged line, no escape sequence ------------------
+
+HOSTILE = ["/tmp/x\n  /etc/FAKE-LINE-INJECTED", "/tmp/\x1b[2J\x1b[31mRED", "@abs\n\x1b[31mUNIX", "/tmp/a\rb",
+           "/tmp/c1\x9b31m\x85", "/tmp/del\x7f", "/tmp/bidi\u202egpj.exe", "/tmp/ls\u2028x"]
+
+
+def _no_controls(text: str) -> None:
+    bad = [c for c in text if ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f or c in "\u2028\u2029\u202e"]
+    assert not bad, (bad, text)
+
+
+def test_format_grouped_escapes_what_the_sandbox_chose() -> None:
+    events = [{"operation": "observed-open", "target": t, "result": "allowed", "run": 1, "access": "read"}
+              for t in HOSTILE]
+    events += [{"operation": "observed-open", "target": "/etc/sh\nadow", "result": "blocked", "run": 1,
+                "access": "read", "policy": "mount-view", "reason": "not in the view: /etc/sh\nadow"},
+               {"operation": "observed-connect", "target": "@abs\n\x1b[31mUNIX", "result": "blocked", "run": 1,
+                "access": "sendto", "policy": "net-none", "reason": "no network"},
+               {"operation": "observed-exec", "target": "/bin/\x1b]0;title\x07x", "result": "allowed", "run": 1}]
+    for summary in (False, True):
+        lines = observed.format_grouped(observed.group(events), summary=summary)
+        for line in lines:
+            _no_controls(line)
+        assert not any("FAKE-LINE-INJECTED" in ln and not ln.startswith("  /tmp/x\\n") for ln in lines)
+    text = "\n".join(observed.format_grouped(observed.group(events), summary=False))
+    for shown in ("/tmp/x\\n  /etc/FAKE-LINE-INJECTED", "/tmp/\\x1b[2J\\x1b[31mRED", "@abs\\n\\x1b[31mUNIX",
+                  "/tmp/a\\rb", "/tmp/c1\\x9b31m\\x85", "/tmp/del\\x7f", "/tmp/bidi\\u202egpj.exe",
+                  "/etc/sh\\nadow", "/bin/\\x1b]0;title\\x07x"):
+        assert shown in text, shown
+
+
+def test_format_event_escapes_targets_reasons_and_argv() -> None:
+    from stockade import audit
+
+    for t in HOSTILE:
+        line = audit.format_event({"timestamp": "T", "run": 1, "operation": "observed-open", "target": t,
+                                   "result": "allowed", "reason": f"why {t}", "argv": ["sh", t]})
+        _no_controls(line)
+    line = audit.format_event({"timestamp": "T", "run": 1, "operation": "net-connect", "target": "h\n:1",
+                               "result": "blocked", "reason": "x\x1b[2J"})
+    _no_controls(line)
+    assert "h\\n:1" in line and "x\\x1b[2J" in line
+
+
+def test_suggest_of_a_hostile_path_is_one_value_of_valid_toml(tmp_path: Path) -> None:
+    import tomllib
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    # a name that would end the string, the line and open a table if it were printed raw
+    evil = tmp_path / 'd"]\n[network]\nmode = "allow"\nallow = ["*"]\n# \x1b[2J\u202e'
+    evil.mkdir()
+    etc_like = tmp_path / "plain"
+    etc_like.mkdir()
+    events = [
+        {"operation": "observed-open", "target": str(evil), "result": "blocked", "policy": "mount-view",
+         "access": "read", "reason": f"not in the view: {evil}"},
+        {"operation": "observed-open", "target": str(evil / "f"), "result": "blocked", "policy": "read-only",
+         "access": "write", "resolved": str(evil), "reason": "read-only"},
+    ]
+    sugg = observed.suggest(events, project=str(proj))
+    assert len(sugg) == 2
+    text = "\n".join(observed.render(sugg))
+    _no_controls(text.replace("\n", " "))
+    doc = tomllib.loads(text)
+    assert set(doc) == {"paths"}, doc
+    assert [p["path"] for p in doc["paths"]] == [str(evil), str(evil)]
+    assert sorted(p["access"] for p in doc["paths"]) == ["ro", "rw"]
+    assert all(set(p) == {"path", "access"} for p in doc["paths"])
+    # in a list table too ([etc] extra, [secrets] allow): one item, the same string back
+    evil_secret = proj / '.env"]\nx = 1\n['
+    evil_secret.write_text("x")
+    sugg = observed.suggest([{"operation": "observed-open", "target": str(evil_secret), "result": "blocked",
+                              "policy": "secret-mask", "access": "read"}], project=str(proj))
+    doc = tomllib.loads("\n".join(observed.render(sugg)))
+    assert doc == {"secrets": {"allow": ['.env"]\nx = 1\n[']}}
+
+
 # ---- bad input and config -----------------------------------------------------------------
 
 def test_observe_needs_seccomp() -> None:

@@ -621,7 +621,10 @@ def _drop_if_empty(sess: Session, *, scan: bool = True) -> bool:
     when its layers hold entries that make no change (else only an empty layer counts)."""
     try:
         with _lock_soon(sess):
-            if not sess.meta().get("anonymous") or _living(sess.id) is not None:
+            meta = sess.meta()
+            if not meta.get("anonymous") or _living(sess.id) is not None:
+                return False
+            if meta.get("observed"):  # its audit log is what an observed run was for: the age rule decides
                 return False
             if not (_empty_now(sess) if scan else not sess.has_layer_entries()):
                 return False

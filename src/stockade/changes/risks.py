@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .. import _tokens
+from ..redact import terminal_safe
 from ..session.idrange import with_sandbox_ids
 from . import manifests
 from ._safefs import Root, Roots
@@ -788,7 +789,9 @@ def format_risks(risks: list[Risk], *, max_paths: int = 10) -> str:
     lines: list[str] = []
     width = max((len(r) for r in RULES), default=12)
     for r in risks:
-        lines.append(f"{r.severity:<7} {r.rule:<{width}}  {r.reason}")
+        # a reason quotes what the sandbox wrote (a symlink's target, a script's name):
+        # escaped, it cannot forge a line or drive the terminal (--json keeps it exact)
+        lines.append(f"{r.severity:<7} {r.rule:<{width}}  {terminal_safe(r.reason)}")
         pad = " " * (8 + width + 2)
         for p in r.paths[:max_paths]:
             lines.append(pad + quote_path(b"", os.fsencode(p)).decode("utf-8", "backslashreplace"))

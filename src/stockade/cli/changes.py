@@ -95,6 +95,14 @@ def _changes(session: Session, classify: bool = True) -> ChangeSet:
     return scan(session, classify=classify)
 
 
+def terminal_safe(s: str) -> str:
+    """What the sandbox wrote (a symlink's target, a held-back reason), escaped for the
+    terminal (``redact.terminal_safe``, imported on use: the CLI starts light)."""
+    from ..redact import terminal_safe as safe
+
+    return safe(s)
+
+
 def _quote(path: str) -> str:
     from ..changes.diff import quote_path
 
@@ -235,7 +243,8 @@ def cmd_status(args: Args) -> int:
         res = living.get("resources") or {}
         _out(f"sandbox: {living.get('status')} since {living.get('started_at')}"
              + (f", {res.get('processes')} processes, {res.get('memory_used')} memory" if res else "")
-             + (f" ({living.get('reason')})" if living.get("reason") and living.get("status") != "running" else "")
+             + (f" ({terminal_safe(str(living.get('reason')))})"
+                if living.get("reason") and living.get("status") != "running" else "")
              + "\n")
     if runs:
         _out("runs:\n")
@@ -244,7 +253,7 @@ def cmd_status(args: Args) -> int:
             cmd = " ".join(argv) if isinstance(argv, list) else str(argv)
             status = r.get("outcome") or r.get("status") or ""
             code = r.get("exit_status", r.get("returncode", ""))
-            _out(f"  {r.get('run', '?'):>3}  exit {code!s:<4} {status:<20} {cmd}\n")
+            _out(f"  {r.get('run', '?'):>3}  exit {code!s:<4} {status:<20} {terminal_safe(cmd)}\n")
     if changes:
         _out(f"changes ({cs.counts().phrase()}):\n")
         held = cs.held_back(changes)
@@ -258,7 +267,7 @@ def cmd_status(args: Args) -> int:
                 extra += f"  (owner inside {c.owner[0]}:{c.owner[1]})"
             if c.path in held:
                 extra += f"  (held back: {held[c.path]})"
-            _out(f"  {c.letter} {_quote(c.path)}{extra}\n")
+            _out(f"  {c.letter} {_quote(c.path)}{terminal_safe(extra)}\n")
         if held:
             _out(f"held back from `stockade apply` unless named: {len(held)} path(s)\n")
     else:
@@ -365,7 +374,7 @@ def _say_held(sid: str, held: dict[str, str], lead: str) -> None:
     _err(f"stockade: {lead} {len(held)} path(s) unless named explicitly "
          f"(stockade apply {sid} PATH):")
     for p, why in held.items():
-        _err(f"  {_quote(p)}: {why}")
+        _err(f"  {_quote(p)}: {terminal_safe(why)}")
 
 
 def _interactive(cs: ChangeSet, paths: list[str] | None, exclude: list[str] | None) -> list[Any] | None:
@@ -380,7 +389,7 @@ def _interactive(cs: ChangeSet, paths: list[str] | None, exclude: list[str] | No
             chosen.append(c)
             continue
         while True:
-            note = f" (held back: {held[c.path]})" if c.path in held else ""
+            note = f" (held back: {terminal_safe(held[c.path])})" if c.path in held else ""
             sys.stderr.write(f"({i + 1}/{len(todo)}) apply {c.kind.value} {_quote(c.path)}{note} [y,n,d,a,q,?]? ")
             sys.stderr.flush()
             ans = sys.stdin.readline()

@@ -198,7 +198,9 @@ RUN_ARGS: tuple[Arg | Group, ...] = (
     Arg("--seccomp", default="default", metavar="NAME|PATH", keep=True, help="seccomp profile (default, strict, permissive, a JSON file, or off)"),
     Arg("--observe", dest="observe", action="store_const", const=True, default=None,
         help="log every exec, every open outside the project and every connect/send target the command tries "
-             "(seccomp user notification; `stockade log --observed`); default: [audit] observe"),
+             "(seccomp user notification; `stockade log --observed`); default: [audit] observe. "
+             "An observed call can fail with EINTR in a program whose signal handlers lack SA_RESTART "
+             "(README: Observe mode)"),
     Arg("--no-observe", dest="observe", action="store_const", const=False, help="override a configured [audit] observe = true"),
     Arg("--no-landlock", action="store_true", help="do not apply Landlock (needs --allow-degraded landlock)"),
     Arg("--allow-degraded", action="append", default=[], metavar="WHAT",

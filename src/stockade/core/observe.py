@@ -4,10 +4,13 @@ what each means)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 from typing import TYPE_CHECKING, Any
+
+from ..errors import StockadeError
 
 if TYPE_CHECKING:
     from ..linux.seccomp.observe import Observer
@@ -112,6 +115,9 @@ class RunObserve:
         kept, left = observed.capped(events)
         summary["events"] = len(events)
         summary["blocked"] = sum(1 for e in events if e["result"] == "blocked")
+        with contextlib.suppress(StockadeError, OSError):
+            # kept after the run even with no change: its log is what it ran for
+            sess.update_meta(observed=True)
         log = AuditLog(sess, batch=True)
         try:
             for e in kept:
