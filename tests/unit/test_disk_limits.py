@@ -313,6 +313,85 @@ def test_tree_bytes_counts_blocks_and_hard_links_once(tmp_path: Path) -> None:
     assert 100_000 <= n < 100_000 + 64 * 1024
 
 
+def _swap_on_open(monkeypatch: pytest.MonkeyPatch, victim: Path, replace: object) -> list[str]:
+    """Swap ``victim`` (already lstat'ed by the walk) just before the walk opens it."""
+    real = diskwatch._open_dir
+    done: list[str] = []
+
+    def racing(name: str, parent_fd: int | None, key: tuple[int, int] | None) -> int | None:
+        if name == victim.name and not done:
+            done.append(name)
+            replace()  # type: ignore[operator]
+        return real(name, parent_fd, key)
+
+    monkeypatch.setattr(diskwatch, "_open_dir", racing)
+    return done
+
+
+def _target(tmp_path: Path) -> Path:
+    t = tmp_path / "host"
+    (t / "a" / "b").mkdir(parents=True)
+    (t / "a" / "b" / "big").write_bytes(b"x" * 2_000_000)
+    return t
+
+
+def test_a_directory_swapped_for_a_symlink_mid_walk_is_not_followed(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sandbox renames a directory of its upper layer away and puts a symlink to a
+    host tree in its place between the walk's lstat and its open: nothing of the
+    target is counted (the walk runs as root on the host)."""
+    target = _target(tmp_path)
+    root = tmp_path / "upper"
+    (root / "d").mkdir(parents=True)
+
+    def swap() -> None:
+        os.rename(root / "d", tmp_path / "moved")
+        os.symlink(target, root / "d")
+
+    done = _swap_on_open(monkeypatch, root / "d", swap)
+    got = diskwatch.tree_usage(str(root))
+    assert done == ["d"]
+    assert got.bytes < 64 * 1024 and got.entries == 1, got  # the entry "d" itself
+
+
+def test_a_directory_swapped_for_another_mid_walk_is_skipped(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    target = _target(tmp_path)
+    root = tmp_path / "upper"
+    (root / "d").mkdir(parents=True)
+
+    def swap() -> None:
+        os.rename(root / "d", tmp_path / "moved")
+        os.rename(target, root / "d")  # (a bind mount of a host tree would do the same)
+
+    _swap_on_open(monkeypatch, root / "d", swap)
+    assert diskwatch.tree_usage(str(root)).bytes < 64 * 1024
+
+
+def test_a_deep_tree_is_walked_with_few_fds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(diskwatch, "MAX_OPEN_DEPTH", 4)
+    d = tmp_path / "t"
+    cur = d
+    for i in range(40):
+        cur = cur / f"d{i}"
+    cur.mkdir(parents=True)
+    (cur / "f").write_bytes(b"y" * 100_000)
+    (d / "d0" / "g").write_bytes(b"z" * 100_000)
+    before = len(os.listdir("/proc/self/fd"))
+    peak = [0]
+    real = diskwatch._open_dir
+
+    def counting(name: str, parent_fd: int | None, key: tuple[int, int] | None) -> int | None:
+        peak[0] = max(peak[0], len(os.listdir("/proc/self/fd")) - before)
+        return real(name, parent_fd, key)
+
+    monkeypatch.setattr(diskwatch, "_open_dir", counting)
+    got = diskwatch.tree_usage(str(d))
+    assert got.entries == 40 + 2 and 200_000 <= got.bytes < 200_000 + 64 * 1024 * 4
+    assert peak[0] <= 4 + 3, peak  # the open frames, a re-open's two, the listing's own
+    assert len(os.listdir("/proc/self/fd")) == before  # nothing left open
+
+
 def test_filesystem_of_and_mechanism(tmp_path: Path) -> None:
     mounts = tmp_path / "mounts"
     mounts.write_text("/dev/sda1 / ext4 rw,relatime 0 0\n/dev/sdb1 /var/lib xfs rw,pquota 0 0\n")

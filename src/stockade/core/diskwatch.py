@@ -60,41 +60,146 @@ def size_text(n: int) -> str:
     return format_size(n)
 
 
-def tree_bytes(root: str) -> int:
-    """Bytes a tree holds on disk (``st_blocks``, hard links once, never following
-    symlinks or crossing into other filesystems). Unreadable directories count as
-    what their entry holds."""
-    total = 0
-    seen: set[tuple[int, int]] = set()
+#: Directories deeper than this are not held open during the walk (each is re-opened
+#: from its nearest open ancestor, name by name, when its children are reached): the
+#: fds a walk holds stay bounded however deep the tree.
+MAX_OPEN_DEPTH = 64
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass
+class TreeUsage:
+    bytes: int = 0  # st_blocks * 512, hard links once
+    entries: int = 0  # inodes the tree holds (every entry but the root; hard links once)
+
+
+@dataclass
+class _Frame:
+    name: str  # relative to the frame below it
+    key: tuple[int, int]  # (st_dev, st_ino) of its lstat: what an open must find
+    fd: int | None  # None: deeper than MAX_OPEN_DEPTH, re-opened on demand
+    pending: list[tuple[str, tuple[int, int]]]  # subdirectories still to walk
+
+
+def _open_dir(name: str, parent_fd: int | None, key: tuple[int, int] | None) -> int | None:
+    """``name`` opened as a directory, never through a symlink, and only when it is the
+    inode its entry's lstat found (a directory renamed or swapped for another one
+    between the lstat and the open is skipped: the walk never leaves the tree)."""
     try:
-        top = os.lstat(root)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError:
-        return 0
-    dev = top.st_dev  # (the directory itself is not counted: an empty layer holds nothing)
-    stack = [root]
-    while stack:
-        d = stack.pop()
+        return None
+    if key is not None:
         try:
-            it = os.scandir(d)
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            return None
+        if (st.st_dev, st.st_ino) != key:
+            os.close(fd)
+            return None
+    return fd
+
+
+def _reopen(frames: list[_Frame], k: int) -> int | None:
+    """A fresh fd of ``frames[k]`` (closed by the caller), from its nearest open ancestor."""
+    j = k
+    while frames[j].fd is None:
+        j -= 1
+    cur = os.dup(frames[j].fd)  # type: ignore[arg-type]
+    for f in frames[j + 1:k + 1]:
+        nxt = _open_dir(f.name, cur, f.key)
+        os.close(cur)
+        if nxt is None:
+            return None
+        cur = nxt
+    return cur
+
+
+def tree_usage(root: str) -> TreeUsage:
+    """What a tree holds on disk: ``st_blocks`` and entries, hard links once, never
+    following symlinks or crossing into other filesystems. Walked by fd (``openat``
+    with ``O_NOFOLLOW`` from the parent's fd, checked against the entry's lstat): the
+    sandbox may rename and swap what is under its upper layer while root walks it.
+    Unreadable directories count as what their entry holds."""
+    out = TreeUsage()
+    seen: set[tuple[int, int]] = set()
+    top = _open_dir(root, None, None)
+    if top is None:
+        return out
+    try:
+        st = os.fstat(top)
+    except OSError:
+        os.close(top)
+        return out
+    dev = st.st_dev  # (the directory itself is not counted: an empty layer holds nothing)
+    frames: list[_Frame] = [_Frame(root, (st.st_dev, st.st_ino), top, [])]
+
+    def scan(fd: int, into: list[tuple[str, tuple[int, int]]]) -> None:
+        try:
+            it = os.scandir(fd)
         except PermissionError:
             raise  # (a sandbox's private directory: see walk_session)
         except OSError:
-            continue
+            return
         with it:
             for e in it:
                 try:
-                    st = e.stat(follow_symlinks=False)
+                    s = e.stat(follow_symlinks=False)  # (fstatat on the fd: no path)
                 except OSError:
                     continue
-                if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
-                    key = (st.st_dev, st.st_ino)
+                key = (s.st_dev, s.st_ino)
+                isdir = stat.S_ISDIR(s.st_mode)
+                if s.st_nlink > 1 and not isdir:
                     if key in seen:
                         continue
                     seen.add(key)
-                total += st.st_blocks * 512
-                if stat.S_ISDIR(st.st_mode) and st.st_dev == dev:
-                    stack.append(e.path)
-    return total
+                out.bytes += s.st_blocks * 512
+                out.entries += 1
+                if isdir and s.st_dev == dev:
+                    into.append((e.name, key))
+
+    try:
+        scan(top, frames[0].pending)
+        while frames:
+            f = frames[-1]
+            if not f.pending:
+                frames.pop()
+                if f.fd is not None:
+                    os.close(f.fd)
+                continue
+            name, key = f.pending.pop()
+            parent = f.fd if f.fd is not None else _reopen(frames, len(frames) - 1)
+            if parent is None:
+                f.pending.clear()
+                continue
+            try:
+                fd = _open_dir(name, parent, key)
+            finally:
+                if f.fd is None:
+                    os.close(parent)
+            if fd is None:
+                continue
+            child = _Frame(name, key, fd, [])
+            try:
+                scan(fd, child.pending)
+            except BaseException:
+                os.close(fd)
+                raise
+            if len(frames) >= MAX_OPEN_DEPTH:
+                os.close(fd)
+                child.fd = None
+            frames.append(child)
+    finally:
+        for f in frames:
+            if f.fd is not None:
+                os.close(f.fd)
+    return out
+
+
+def tree_bytes(root: str) -> int:
+    """Bytes a tree holds on disk (``tree_usage``)."""
+    return tree_usage(root).bytes
 
 
 def layers_bytes(paths: Sequence[str]) -> int:
