@@ -141,6 +141,9 @@ class FakeProbe(Probe):
         self.tm: dict[str, tuple[int, bool]] = {}
         self.fs_used = 50 * GiB
         self.fs_free = 50 * GiB
+        self.entries = 0
+        self.fs_inodes_used = 1_000_000
+        self.fs_inodes_total = 10_000_000
         self.walks = 0
 
     def attach(self, pid: int, pidfd: int, tmpfs: Sequence[str]) -> None:
@@ -150,11 +153,17 @@ class FakeProbe(Probe):
         return dict(self.tm)
 
     def fs(self) -> FsState | None:
-        return FsState(self.fs_used, self.fs_free)
+        return FsState(self.fs_used, self.fs_free, self.fs_inodes_used,
+                       self.fs_inodes_total - self.fs_inodes_used, self.fs_inodes_total)
 
-    def walk(self) -> int:
+    def walk(self) -> diskwatch.TreeUsage:
         self.walks += 1
-        return self.layer_bytes
+        return diskwatch.TreeUsage(self.layer_bytes, self.entries)
+
+    def create_files(self, n: int) -> None:
+        """Empty files: inodes, no blocks."""
+        self.entries += n
+        self.fs_inodes_used += n
 
     def write_layers(self, n: int) -> None:
         self.layer_bytes += n
@@ -265,6 +274,55 @@ def test_a_full_tmpfs_beside_a_small_layer_is_not_ended() -> None:
     pr.tm["/dev/shm"] = (2 * MiB, False)  # but a second tmpfs on top of it is
     clock.t = w.next_at
     assert w.tick() == "disk limit 1G: /tmp"
+
+
+def test_empty_files_past_the_inode_share_end_the_run() -> None:
+    """300,000 empty files grow no blocks: the filesystem's used inodes say when to
+    walk, and the walk's entries are held to the cap's inode share (a tmpfs's
+    nr_inodes for the same size)."""
+    w, pr, clock = _watch(cap=16 * MiB)
+    assert w.inode_cap == planmod.TMPFS_MIN_INODES == 4096
+    why = _run_until_hit(w, clock, lambda _t: pr.create_files(200))  # 20,000 a second
+    assert why is not None, pr.entries
+    assert why.startswith("disk limit 16M: the project's layers hold ") and why.endswith(
+        " entries, the cap's inode share is 4,096"), why
+    assert 4096 - 1000 <= pr.entries <= 4096, pr.entries  # before the share, not long before
+    assert pr.layer_bytes == 0
+
+
+def test_the_inode_share_scales_with_the_cap() -> None:
+    w, _pr, _clock = _watch(cap=20 * GiB)
+    assert w.inode_cap == 1_310_720
+    w2, pr2, clock2 = _watch(cap=20 * GiB)
+    pr2.entries = 1_310_000
+    why = _run_until_hit(w2, clock2, lambda _t: pr2.create_files(100), limit=200)
+    assert why is not None and why.endswith("entries, the cap's inode share is 1,310,720"), why
+
+
+def test_many_entries_without_growth_are_not_ended() -> None:
+    """A session already holding more entries than the share runs what creates none."""
+    w, pr, clock = _watch(cap=16 * MiB)
+    pr.entries = 10_000
+    for _ in range(100):
+        clock.t = w.next_at
+        pr.fs_inodes_used += 1000  # the rest of the host
+        assert w.tick() is None
+
+
+def test_the_inode_floor_ends_a_run_creating_entries() -> None:
+    w, pr, clock = _watch(cap=None, floor=GiB)
+    pr.fs_inodes_total = 1_000_000
+    pr.fs_inodes_used = 900_000  # the floor keeps min(5 %, 100,000) = 50,000
+    assert diskwatch.inode_floor(pr.fs()) == 50_000  # type: ignore[arg-type]
+    why = _run_until_hit(w, clock, lambda _t: pr.create_files(500))
+    assert why is not None and why.startswith("disk floor 1G: the state dir's filesystem has "), why
+    assert why.endswith("inodes free, the floor keeps 50,000"), why
+    assert 50_000 <= 1_000_000 - pr.fs_inodes_used <= 50_000 + 5000, pr.fs_inodes_used
+
+
+def test_the_inode_floor_is_capped_and_off_without_a_count() -> None:
+    assert diskwatch.inode_floor(FsState(0, 0, 0, 0, 100_000_000)) == 100_000
+    assert diskwatch.inode_floor(FsState(0, 0, 0, 0, 0)) == 0
 
 
 def test_the_floor_ends_a_writing_run() -> None:

@@ -11,14 +11,17 @@ looks every ``TICK`` seconds at:
   after the sandbox ended, for the end-of-run check of a full tmpfs);
 * the state dir's filesystem: ``statvfs`` (free space against the floor; its used
   blocks growing tells when the layers may have grown);
-* the session's layers (its upper layer and snapshots): an ``st_blocks`` walk, done
-  when the filesystem's growth says the cap or floor may be near, and every
+* the session's layers (its upper layer and snapshots): an ``st_blocks`` and entries
+  walk (by fd, never following a symlink: ``tree_usage``), done when the filesystem's
+  growth (used blocks or used inodes) says the cap or floor may be near, and every
   ``WALK_EVERY`` seconds while the filesystem's figures move at all, never more often
   than ten times its own cost (at most a tenth of a core however big the layer).
 
 It ends the run (the caller kills the tree, as on timeout) when the layers would pass
 the cap before a later look at the rate its walks show, when the tmpfs and layers
-together are past it, or when the filesystem's free space would fall under the floor;
+together are past it, when the layers' entries pass the cap's inode share (a tmpfs's
+``nr_inodes`` for that size: ``plan.tmpfs_inodes``), or when the filesystem's free
+space or free inodes would fall under the floor (``inode_floor``);
 and only while what the sandbox holds grows (by its own walks and tmpfs, never the
 host's figures): a session over its cap can still run what does not write. Pure logic with its measurements injected
 (``Probe``), so the unit tests drive it with a fake clock and fake usage.
@@ -34,6 +37,8 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from .. import plan as planmod
 
 CLONE_NEWUSER = 0x10000000
 #: Seconds between looks; ``FAST_TICK`` when the next look at this rate may pass the cap.
@@ -202,34 +207,52 @@ def tree_bytes(root: str) -> int:
     return tree_usage(root).bytes
 
 
+def layers_usage(paths: Sequence[str]) -> TreeUsage:
+    out = TreeUsage()
+    for p in paths:
+        u = tree_usage(p)
+        out.bytes += u.bytes
+        out.entries += u.entries
+    return out
+
+
 def layers_bytes(paths: Sequence[str]) -> int:
-    return sum(tree_bytes(p) for p in paths)
+    return layers_usage(paths).bytes
 
 
-def walk_session(session_dir: str, paths: Sequence[str]) -> int:
-    """``layers_bytes`` of a session's layers, with the sandbox's ids where its layers
+def walk_session_usage(session_dir: str, paths: Sequence[str]) -> TreeUsage:
+    """``layers_usage`` of a session's layers, with the sandbox's ids where its layers
     may hold inodes the caller cannot read (an unprivileged caller's range, or a
     directory the sandbox made private: ``session/idrange.py``, the change set's seam)."""
     from ..session import idrange
 
     @idrange.with_sandbox_ids(lambda d, _p: [d], retry=True)
-    def walk(_d: str, ps: tuple[str, ...]) -> int:
-        return layers_bytes(ps)
+    def walk(_d: str, ps: tuple[str, ...]) -> tuple[int, int]:
+        u = layers_usage(ps)
+        return u.bytes, u.entries
 
-    return int(walk(session_dir, tuple(paths)))
+    b, n = walk(session_dir, tuple(paths))
+    return TreeUsage(int(b), int(n))
+
+
+def walk_session(session_dir: str, paths: Sequence[str]) -> int:
+    return walk_session_usage(session_dir, paths).bytes
 
 
 @dataclass
 class FsState:
     used: int  # bytes used on the filesystem
     free: int  # bytes available to an unprivileged writer
+    inodes_used: int = 0  # f_files - f_ffree
+    inodes_free: int = 0  # f_favail
+    inodes_total: int = 0  # f_files (0: the filesystem has no fixed count, e.g. btrfs)
 
 
 class Probe:
     """The watchdog's measurements of the real system (the unit tests give their own)."""
 
     def __init__(self, layers: Sequence[str], fs_path: str | None,
-                 walk: Callable[[Sequence[str]], int] = layers_bytes, session_dir: str | None = None) -> None:
+                 walk: Callable[[Sequence[str]], TreeUsage] = layers_usage, session_dir: str | None = None) -> None:
         self.layers = tuple(layers)
         self.fs_path = fs_path
         self._walk = walk
@@ -285,9 +308,10 @@ class Probe:
             s = os.statvfs(self.fs_path)
         except OSError:
             return None
-        return FsState((s.f_blocks - s.f_bfree) * s.f_frsize, s.f_bavail * s.f_frsize)
+        return FsState((s.f_blocks - s.f_bfree) * s.f_frsize, s.f_bavail * s.f_frsize,
+                       max(0, s.f_files - s.f_ffree), s.f_favail, s.f_files)
 
-    def walk(self) -> int:
+    def walk(self) -> TreeUsage:
         if self.ns_walker is not None:
             n = self.ns_walker.walk()
             if n is not None:
@@ -347,10 +371,11 @@ class NsWalker:
                     os._exit(3)
                 while b.recv(8):
                     try:
-                        n = layers_bytes(paths)
+                        u = layers_usage(paths)
+                        n, e = u.bytes, u.entries
                     except OSError:
-                        n = -1
-                    b.sendall(struct.pack("q", n))
+                        n, e = -1, -1
+                    b.sendall(struct.pack("qq", n, e))
             except BaseException:
                 code = 1
             os._exit(code)
@@ -359,17 +384,17 @@ class NsWalker:
         a.settimeout(30)
         return cls(pid, a)
 
-    def walk(self) -> int | None:
-        """Bytes the layers hold; None: the walker is gone (the caller walks itself)."""
+    def walk(self) -> TreeUsage | None:
+        """What the layers hold; None: the walker is gone (the caller walks itself)."""
         try:
             self.sock.send(b"w")
-            data = self.sock.recv(8)
+            data = self.sock.recv(16)
         except OSError:
             return None
-        if len(data) != 8:
+        if len(data) != 16:
             return None
-        n = int(struct.unpack("q", data)[0])
-        return n if n >= 0 else None
+        n, e = struct.unpack("qq", data)
+        return TreeUsage(int(n), int(e)) if n >= 0 else None
 
     def close(self) -> None:
         self.sock.close()
@@ -377,6 +402,21 @@ class NsWalker:
             os.waitpid(self.pid, 0)
         except ChildProcessError:
             pass
+
+
+#: The inode floor beside ``--disk-floor``'s bytes: a run that creates entries ends
+#: before the state dir's filesystem has fewer than 5 % of its inodes free, or 100,000
+#: (the smaller: a small filesystem is not always "under" it). Not on filesystems
+#: without a fixed inode count (``f_files`` 0, e.g. btrfs).
+INODE_FLOOR_SHARE = 20
+INODE_FLOOR_MAX = 100_000
+
+
+def inode_floor(fs: FsState) -> int:
+    """The inodes the floor keeps free on this filesystem (0: none)."""
+    if fs.inodes_total <= 0:
+        return 0
+    return min(fs.inodes_total // INODE_FLOOR_SHARE, INODE_FLOOR_MAX)
 
 
 class DiskWatch:
@@ -393,7 +433,14 @@ class DiskWatch:
         self.clock = clock
         self.next_at = clock() + TICK
         self.layers: int | None = None  # bytes of the last walk
+        self.entries = 0  # entries (inodes) of the last walk
         self.used_at_walk = 0  # the filesystem's used bytes at that walk
+        self.inodes_at_walk = 0  # and its used inodes
+        #: the layers' inode share of the cap: a tmpfs's own nr_inodes for that size
+        self.inode_cap = planmod.tmpfs_inodes(cap) if cap is not None else None
+        self.entry_rate = 0.0  # entries/s between the last two walks
+        self.entries_grew = False
+        self.last_fs_inodes = 0
         self.walk_cost = 0.0
         self.walked_at = -1e18
         self.last_total: int | None = None
@@ -413,8 +460,10 @@ class DiskWatch:
     def _walk(self, now: float) -> int:
         t0 = time.monotonic()
         fs = self.probe.fs()
-        self.layers = self.probe.walk()
+        u = self.probe.walk()
+        self.layers, self.entries = u.bytes, u.entries
         self.used_at_walk = fs.used if fs is not None else 0
+        self.inodes_at_walk = fs.inodes_used if fs is not None else 0
         self.walk_cost = time.monotonic() - t0
         self.walked_at = now
         return self.layers
@@ -447,6 +496,8 @@ class DiskWatch:
         # upper bound while nothing else on the host frees space)
         gained = max(0, fs.used - self.used_at_walk) if fs is not None else 0
         guess = (self.layers or 0) + gained
+        # and the same for inodes (empty files grow no blocks)
+        igained = max(0, fs.inodes_used - self.inodes_at_walk) if fs is not None else 0
         dt = now - self.last_at if self.last_total is not None else 0.0
         # how fast the filesystem fills (the whole host's writes: it says when to look
         # closer, and how close the floor is; never what the layers hold)
@@ -457,32 +508,49 @@ class DiskWatch:
         # (never more than MAX_AHEAD: one late look must not end a run far from its cap)
         window = min(MAX_AHEAD, max(2 * TICK, 2 * dt, self._walk_gap(True) + self.walk_cost))
         fs_ahead = fs_rate * window
+        fs_irate = max(0.0, (fs.inodes_used - self.last_fs_inodes) / dt) if fs is not None and dt > 0 else 0.0
+        fs_iahead = fs_irate * window
+        ifloor = inode_floor(fs) if self.floor is not None and fs is not None else 0
         near = (self.cap is not None and guess + fs_ahead + tm_used >= self.cap) or (
-            self.floor is not None and fs is not None and fs.free - fs_ahead < self.floor)
-        moved = fs is None or fs.used != self.used_at_walk  # a quiet filesystem needs no walk
-        if (self.layers is None or self.rebase or (moved and now - self.walked_at >= WALK_EVERY) or (near and gained > 0)) \
-                and self._walk_allowed(now, near):
-            before, at = (None, 0.0) if self.rebase else (self.layers, self.walked_at)
+            self.floor is not None and fs is not None and fs.free - fs_ahead < self.floor) or (
+            self.inode_cap is not None and self.entries + igained + fs_iahead >= self.inode_cap) or (
+            ifloor > 0 and fs is not None and fs.inodes_free - fs_iahead < ifloor)
+        # a quiet filesystem needs no walk
+        moved = fs is None or fs.used != self.used_at_walk or fs.inodes_used != self.inodes_at_walk
+        if (self.layers is None or self.rebase or (moved and now - self.walked_at >= WALK_EVERY)
+                or (near and (gained > 0 or igained > 0))) and self._walk_allowed(now, near):
+            before, ebefore, at = (None, 0, 0.0) if self.rebase else (self.layers, self.entries, self.walked_at)
             self.rebase = False
             self._walk(now)
             if before is not None and now > at:
                 self.layer_rate = max(0.0, ((self.layers or 0) - before) / (now - at))
                 self.layers_grew = (self.layers or 0) > before
+                self.entry_rate = max(0.0, (self.entries - ebefore) / (now - at))
+                self.entries_grew = self.entries > ebefore
         layers = self.layers or 0  # never end a run on a guess
         total = layers + tm_used
         # growing: by the sandbox's own figures (its last walk, its tmpfs), never the host's
         growing = self.layers_grew or tm_used > self.last_tm
         ahead = self.layer_rate * window if self.layers_grew else 0.0
+        eahead = self.entry_rate * window if self.entries_grew else 0.0
         self.peak = max(self.peak, total)
         reason: str | None = None
         if self.cap is not None and growing and (total > self.cap + SLACK or (ahead > 0 and total + ahead >= self.cap)):
             reason = f"disk limit {size_text(self.cap)}: {self._where(layers, tm)}"
+        elif self.cap is not None and self.inode_cap is not None and self.entries_grew and (
+                self.entries > self.inode_cap or (eahead > 0 and self.entries + eahead >= self.inode_cap)):
+            reason = (f"disk limit {size_text(self.cap)}: the project's layers hold {self.entries:,} entries, "
+                      f"the cap's inode share is {self.inode_cap:,}")
         elif self.floor is not None and fs is not None and growing and fs.free - max(ahead, fs_ahead) < self.floor:
             reason = (f"disk floor {size_text(self.floor)}: the state dir's filesystem has "
                       f"{size_text(max(0, fs.free))} free")
+        elif ifloor > 0 and fs is not None and self.entries_grew and fs.inodes_free - max(eahead, fs_iahead) < ifloor:
+            reason = (f"disk floor {size_text(self.floor or 0)}: the state dir's filesystem has "
+                      f"{max(0, fs.inodes_free):,} inodes free, the floor keeps {ifloor:,}")
         self.last_total, self.last_at, self.last_tm = total, now, tm_used
         self.last_fs_used = fs.used if fs is not None else 0
-        self.next_at = now + (FAST_TICK if near and (growing or gained > 0) else TICK)
+        self.last_fs_inodes = fs.inodes_used if fs is not None else 0
+        self.next_at = now + (FAST_TICK if near and (growing or self.entries_grew or gained > 0 or igained > 0) else TICK)
         if reason is not None:
             self.hit = reason
         return reason
@@ -495,6 +563,8 @@ class DiskWatch:
         self.rebase = True
         self.layers_grew = False
         self.layer_rate = 0.0
+        self.entries_grew = False
+        self.entry_rate = 0.0
         self.next_at = self.clock() + TICK
 
     def _where(self, layers: int, tm: dict[str, tuple[int, bool]]) -> str:
@@ -525,7 +595,7 @@ def for_run(cap: int | None, floor: int | None, tmpfs: Sequence[str], upper: str
         return None
     paths = [upper, *layers] if upper is not None else []
     sdir = os.path.dirname(upper) if upper is not None else None
-    probe = Probe(paths, upper, (lambda ps: walk_session(sdir, ps)) if sdir is not None else layers_bytes, sdir)
+    probe = Probe(paths, upper, (lambda ps: walk_session_usage(sdir, ps)) if sdir is not None else layers_usage, sdir)
     return DiskWatch(cap, floor, tmpfs, probe)
 
 
