@@ -149,6 +149,22 @@ def test_many_empty_files_end_at_the_inode_share(user: User, project: Path) -> N
     assert 1024 <= held <= 4096 + 4096, held
 
 
+def test_deleted_files_held_open_count(user: User, project: Path) -> None:
+    """Files opened, unlinked, then written: no walk sees them, yet they fill the host's
+    disk until closed. The watchdog reads the sandbox's open files from /proc (st_nlink
+    0 on the project's overlay) and ends the run near the cap."""
+    opens = "; ".join(f"exec {fd}>g{fd}; rm g{fd}; head -c 26214400 /dev/zero >&{fd} || echo short >&2"
+                      for fd in range(3, 10))  # 7 x 25 MiB, each under the cap alone
+    r = run(user, project, "--session", "dk6", "--disk", "30M", "--", "sh", "-c", f"{opens}; sleep 4; echo survived")
+    err = r.stderr.decode()
+    assert r.returncode == 122 and b"survived" not in r.stdout, err
+    m = re.search(r"ended: disk-limit-hit \(disk limit 30M: the project's layers hold ([\d.]+)M "
+                  r"\(([\d.]+)M of it in deleted files still open\)\)", err)
+    assert m is not None, err
+    assert 10 <= float(m.group(2)) <= float(m.group(1)) <= 30 + 30 // 4, err  # near the cap, not 175M
+    assert err.count("short") <= 6, err  # killed while writing, not after all of it
+
+
 @pytest.mark.vm
 def test_a_full_tmpfs_survived_is_reported(user: User, project: Path) -> None:
     """The command gets ENOSPC inside, handles it and exits 0: the run goes on (one

@@ -450,6 +450,31 @@ def test_a_deep_tree_is_walked_with_few_fds(tmp_path: Path, monkeypatch: pytest.
     assert len(os.listdir("/proc/self/fd")) == before  # nothing left open
 
 
+def test_open_deleted_counts_a_childs_unlinked_files(tmp_path: Path) -> None:
+    """A real process below ``init`` holds an unlinked file open: counted once (two fds
+    of one inode), on its device only; descendants() finds a grandchild."""
+    import subprocess
+    import sys
+
+    code = ("import os,sys,time\n"
+            "f=open(sys.argv[1],'wb'); f.write(b'x'*3_000_000); f.flush(); os.unlink(sys.argv[1])\n"
+            "g=os.dup(f.fileno()); print('ready', flush=True); time.sleep(30)\n")
+    p = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c "$0" "$1"; :', code, str(tmp_path / "gone")],
+                         stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+        dev = os.stat(tmp_path).st_dev
+        assert len(diskwatch.descendants(p.pid)) == 2
+        got = diskwatch.open_deleted(p.pid, frozenset({dev}))
+        assert 3_000_000 <= got < 3_000_000 + 64 * 1024, got
+        assert diskwatch.open_deleted(p.pid, frozenset({dev + 1})) == 0  # another device
+    finally:
+        for c in diskwatch.descendants(p.pid)[::-1]:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(c, signal.SIGKILL)
+        p.wait()
+
+
 def test_filesystem_of_and_mechanism(tmp_path: Path) -> None:
     mounts = tmp_path / "mounts"
     mounts.write_text("/dev/sda1 / ext4 rw,relatime 0 0\n/dev/sdb1 /var/lib xfs rw,pquota 0 0\n")

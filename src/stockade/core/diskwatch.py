@@ -13,7 +13,8 @@ looks every ``TICK`` seconds at:
   blocks growing tells when the layers may have grown);
 * the session's layers (its upper layer and snapshots): an ``st_blocks`` and entries
   walk (by fd, never following a symlink: ``tree_usage``), done when the filesystem's
-  growth (used blocks or used inodes) says the cap or floor may be near, and every
+  growth (used blocks or used inodes) says the cap or floor may be near (with the
+  files its processes hold open after unlinking them: ``open_deleted``), and every
   ``WALK_EVERY`` seconds while the filesystem's figures move at all, never more often
   than ten times its own cost (at most a tenth of a core however big the layer).
 
@@ -76,6 +77,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 class TreeUsage:
     bytes: int = 0  # st_blocks * 512, hard links once
     entries: int = 0  # inodes the tree holds (every entry but the root; hard links once)
+    deleted: int = 0  # bytes of unlinked files the sandbox still holds open (not in bytes)
 
 
 @dataclass
@@ -216,6 +218,89 @@ def layers_usage(paths: Sequence[str]) -> TreeUsage:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (``/proc/PID/task/TID/children``): the
+    sandbox's init reaps its orphans, so this is every process of the sandbox."""
+    out: list[int] = []
+    todo = [pid]
+    seen: set[int] = set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        out.append(p)
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tids:
+            try:
+                with open(f"/proc/{p}/task/{t}/children", encoding="ascii") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def overlay_devs(pid: int) -> frozenset[int]:
+    """The devices of the overlay mounts in ``pid``'s mount namespace (the project's
+    layers as the sandbox sees them: its open files report these)."""
+    devs: set[int] = set()
+    try:
+        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                try:
+                    fstype = parts[parts.index("-") + 1]
+                    major, minor = parts[2].split(":")
+                except (ValueError, IndexError):
+                    continue
+                if fstype == "overlay":
+                    devs.add(os.makedev(int(major), int(minor)))
+    except OSError:
+        pass
+    return frozenset(devs)
+
+
+def open_deleted(init_pid: int, devs: frozenset[int]) -> int:
+    """Bytes of the files the sandbox's processes hold open (or mapped) after unlinking
+    them from the project's layers (``st_nlink`` 0 on an overlay or upper layer's
+    device): a walk cannot see them, yet they fill the host's disk until closed.
+    ``/proc/PID/fd/N`` is stat'ed (it reaches the inode even when deleted); mapped
+    files through ``/proc/PID/map_files`` where this process may (root), each inode once."""
+    total = 0
+    seen: set[tuple[int, int]] = set()
+
+    def count(path: str) -> None:
+        nonlocal total
+        try:
+            s = os.stat(path)
+        except OSError:
+            return
+        if s.st_nlink == 0 and s.st_dev in devs and stat.S_ISREG(s.st_mode):
+            key = (s.st_dev, s.st_ino)
+            if key not in seen:
+                seen.add(key)
+                total += s.st_blocks * 512
+
+    for pid in descendants(init_pid):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            fds = []
+        for n in fds:
+            count(f"/proc/{pid}/fd/{n}")
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                ranges = [ln.split(None, 1)[0] for ln in f if ln.rstrip().endswith("(deleted)")]
+        except OSError:
+            continue
+        for r in ranges:
+            count(f"/proc/{pid}/map_files/{r}")
+    return total
+
+
 def layers_bytes(paths: Sequence[str]) -> int:
     return layers_usage(paths).bytes
 
@@ -259,6 +344,8 @@ class Probe:
         self.session_dir = session_dir
         self.fds: dict[str, int] = {}
         self.ns_walker: NsWalker | None = None
+        self.init_pid: int | None = None  # the sandbox's init, once attached
+        self.devs: frozenset[int] = frozenset()  # its overlays' and upper layer's devices
 
     def attach(self, pid: int, pidfd: int, tmpfs: Sequence[str]) -> None:
         """Open each tmpfs through the sandbox's root. Only once its command started
@@ -282,11 +369,18 @@ class Probe:
                 os.close(fd)
             return
         self.fds.update(fds)
+        if self.layers and self.init_pid is None:
+            devs = set(overlay_devs(pid))
+            try:
+                devs.add(os.stat(self.layers[0]).st_dev)  # (a mapped file is the upper's own)
+            except OSError:
+                pass
+            self.init_pid, self.devs = pid, frozenset(devs)
         if self.ns_walker is None and self.session_dir is not None and self.layers:
             from ..session import idrange
 
             if idrange.needs_child(self.session_dir):
-                self.ns_walker = NsWalker.start(pid, pidfd, self.layers)
+                self.ns_walker = NsWalker.start(pid, pidfd, self.layers, self.devs)
 
     def tmpfs(self) -> dict[str, tuple[int, bool]]:
         """Per tmpfs: (bytes used, full)."""
@@ -312,13 +406,17 @@ class Probe:
                        max(0, s.f_files - s.f_ffree), s.f_favail, s.f_files)
 
     def walk(self) -> TreeUsage:
+        """The layers' walk, and the deleted files the sandbox holds open."""
         if self.ns_walker is not None:
             n = self.ns_walker.walk()
             if n is not None:
                 return n
             self.ns_walker.close()
             self.ns_walker = None
-        return self._walk(self.layers)
+        u = self._walk(self.layers)
+        if self.init_pid is not None:
+            u.deleted = open_deleted(self.init_pid, self.devs)
+        return u
 
     def close(self) -> None:
         if self.ns_walker is not None:
@@ -343,7 +441,8 @@ class NsWalker:
         self.sock = sock
 
     @classmethod
-    def start(cls, init_pid: int, init_pidfd: int, paths: Sequence[str]) -> NsWalker | None:
+    def start(cls, init_pid: int, init_pidfd: int, paths: Sequence[str],
+              devs: frozenset[int] = frozenset()) -> NsWalker | None:
         from ..linux import libc
 
         try:
@@ -372,10 +471,12 @@ class NsWalker:
                 while b.recv(8):
                     try:
                         u = layers_usage(paths)
-                        n, e = u.bytes, u.entries
+                        # (its caps in the sandbox's user namespace read the /proc/PID/fd
+                        # of the sandbox's other ids)
+                        n, e, d = u.bytes, u.entries, open_deleted(init_pid, devs)
                     except OSError:
-                        n, e = -1, -1
-                    b.sendall(struct.pack("qq", n, e))
+                        n, e, d = -1, -1, -1
+                    b.sendall(struct.pack("qqq", n, e, d))
             except BaseException:
                 code = 1
             os._exit(code)
@@ -388,13 +489,13 @@ class NsWalker:
         """What the layers hold; None: the walker is gone (the caller walks itself)."""
         try:
             self.sock.send(b"w")
-            data = self.sock.recv(16)
+            data = self.sock.recv(24)
         except OSError:
             return None
-        if len(data) != 16:
+        if len(data) != 24:
             return None
-        n, e = struct.unpack("qq", data)
-        return TreeUsage(int(n), int(e)) if n >= 0 else None
+        n, e, d = struct.unpack("qqq", data)
+        return TreeUsage(int(n), int(e), int(d)) if n >= 0 else None
 
     def close(self) -> None:
         self.sock.close()
@@ -434,6 +535,7 @@ class DiskWatch:
         self.next_at = clock() + TICK
         self.layers: int | None = None  # bytes of the last walk
         self.entries = 0  # entries (inodes) of the last walk
+        self.deleted = 0  # bytes of it in deleted files held open (in ``layers`` too)
         self.used_at_walk = 0  # the filesystem's used bytes at that walk
         self.inodes_at_walk = 0  # and its used inodes
         #: the layers' inode share of the cap: a tmpfs's own nr_inodes for that size
@@ -461,7 +563,7 @@ class DiskWatch:
         t0 = time.monotonic()
         fs = self.probe.fs()
         u = self.probe.walk()
-        self.layers, self.entries = u.bytes, u.entries
+        self.layers, self.entries, self.deleted = u.bytes + u.deleted, u.entries, u.deleted
         self.used_at_walk = fs.used if fs is not None else 0
         self.inodes_at_walk = fs.inodes_used if fs is not None else 0
         self.walk_cost = time.monotonic() - t0
@@ -572,6 +674,9 @@ class DiskWatch:
         best_t, best = max(tm.items(), key=lambda kv: kv[1][0], default=("", (0, False)))
         if best[0] > layers:
             return best_t
+        if self.deleted > 0:
+            return (f"the project's layers hold {size_text(layers)} "
+                    f"({size_text(self.deleted)} of it in deleted files still open)")
         return f"the project's layers hold {size_text(layers)}"
 
     def finish(self) -> str | None:
