@@ -161,7 +161,8 @@ def test_deleted_files_held_open_count(user: User, project: Path) -> None:
     m = re.search(r"ended: disk-limit-hit \(disk limit 30M: the project's layers hold ([\d.]+)M "
                   r"\(([\d.]+)M of it in deleted files still open\)\)", err)
     assert m is not None, err
-    assert 10 <= float(m.group(2)) <= float(m.group(1)) <= 30 + 30 // 4, err  # near the cap, not 175M
+    # near the cap, not 175M (ended early by up to one look ahead at GB/s: as the 2G case)
+    assert 0 < float(m.group(2)) <= float(m.group(1)) <= 30 + 30 / 4, err
     assert err.count("short") <= 6, err  # killed while writing, not after all of it
 
 

@@ -94,6 +94,8 @@ def _open_dir(name: str, parent_fd: int | None, key: tuple[int, int] | None) -> 
     between the lstat and the open is skipped: the walk never leaves the tree)."""
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except PermissionError:
+        raise  # (a sandbox's private directory: walk_session walks again with its ids)
     except OSError:
         return None
     if key is not None:
@@ -115,8 +117,10 @@ def _reopen(frames: list[_Frame], k: int) -> int | None:
         j -= 1
     cur = os.dup(frames[j].fd)  # type: ignore[arg-type]
     for f in frames[j + 1:k + 1]:
-        nxt = _open_dir(f.name, cur, f.key)
-        os.close(cur)
+        try:
+            nxt = _open_dir(f.name, cur, f.key)
+        finally:
+            os.close(cur)
         if nxt is None:
             return None
         cur = nxt
