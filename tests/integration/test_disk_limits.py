@@ -161,9 +161,34 @@ def test_deleted_files_held_open_count(user: User, project: Path) -> None:
     m = re.search(r"ended: disk-limit-hit \(disk limit 30M: the project's layers hold ([\d.]+)M "
                   r"\(([\d.]+)M of it in deleted files still open\)\)", err)
     assert m is not None, err
-    # near the cap, not 175M (ended early by up to one look ahead at GB/s: as the 2G case)
-    assert 0 < float(m.group(2)) <= float(m.group(1)) <= 30 + 30 / 4, err
+    # near the cap, not 175M: early by up to one look ahead, or late by what one look
+    # lets through at GB/s into the page cache (one 25M file here)
+    assert 0 < float(m.group(2)) <= float(m.group(1)) <= 30 + 32, err
     assert err.count("short") <= 6, err  # killed while writing, not after all of it
+
+
+def test_deleted_files_still_mapped_count(user: User, project: Path) -> None:
+    """Mapped, closed, unlinked, then written through the mapping: no fd is left, the
+    mapping is read through /proc/PID/map_files (root's: the kernel lets no one else)."""
+    if user.name != "root":
+        pytest.skip("/proc/PID/map_files needs CAP_CHECKPOINT_RESTORE in the host's namespace")
+    code = ("import mmap, os, time\n"
+            "ms = []\n"
+            "for i in range(4):\n"
+            "    f = open(f'm{i}', 'w+b'); f.truncate(16 << 20); m = mmap.mmap(f.fileno(), 16 << 20)\n"
+            "    f.close(); os.unlink(f'm{i}'); ms.append(m)\n"
+            # (mmap keeps a dup of the fd: closed, only the mapping is left)
+            "    for n in os.listdir('/proc/self/fd'):\n"
+            "        try:\n"
+            "            if os.readlink(f'/proc/self/fd/{n}').endswith(f'/m{i} (deleted)'): os.close(int(n))\n"
+            "        except OSError: pass\n"
+            "    for o in range(0, 16 << 20, 1 << 20): m[o:o + (1 << 20)] = b'x' * (1 << 20)\n"
+            "time.sleep(4); print('survived')\n")
+    r = run(user, project, "--session", "dk7", "--disk", "30M", "--", "python3", "-c", code)
+    err = r.stderr.decode()
+    assert r.returncode == 122 and b"survived" not in r.stdout, err
+    assert re.search(r"ended: disk-limit-hit \(disk limit 30M: the project's layers hold [\d.]+M "
+                     r"\([\d.]+M of it in deleted files still open\)\)", err), err
 
 
 @pytest.mark.vm

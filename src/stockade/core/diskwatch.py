@@ -269,8 +269,7 @@ def overlay_devs(pid: int) -> frozenset[int]:
 
 def open_deleted(init_pid: int, devs: frozenset[int]) -> int:
     """Bytes of the files the sandbox's processes hold open (or mapped) after unlinking
-    them from the project's layers (``st_nlink`` 0 on an overlay or upper layer's
-    device): a walk cannot see them, yet they fill the host's disk until closed.
+    them from the project's layers (``st_nlink`` 0 on the project's overlay): a walk cannot see them, yet they fill the host's disk until closed.
     ``/proc/PID/fd/N`` is stat'ed (it reaches the inode even when deleted); mapped
     files through ``/proc/PID/map_files`` where this process may (root), each inode once."""
     total = 0
@@ -349,7 +348,7 @@ class Probe:
         self.fds: dict[str, int] = {}
         self.ns_walker: NsWalker | None = None
         self.init_pid: int | None = None  # the sandbox's init, once attached
-        self.devs: frozenset[int] = frozenset()  # its overlays' and upper layer's devices
+        self.devs: frozenset[int] = frozenset()  # its overlays' devices
 
     def attach(self, pid: int, pidfd: int, tmpfs: Sequence[str]) -> None:
         """Open each tmpfs through the sandbox's root. Only once its command started
@@ -374,12 +373,10 @@ class Probe:
             return
         self.fds.update(fds)
         if self.layers and self.init_pid is None:
-            devs = set(overlay_devs(pid))
-            try:
-                devs.add(os.stat(self.layers[0]).st_dev)  # (a mapped file is the upper's own)
-            except OSError:
-                pass
-            self.init_pid, self.devs = pid, frozenset(devs)
+            # (open and mapped files of the project report the overlay's device; never
+            # the host filesystem's own: a host library deleted by an upgrade is not the
+            # sandbox's)
+            self.init_pid, self.devs = pid, overlay_devs(pid)
         if self.ns_walker is None and self.session_dir is not None and self.layers:
             from ..session import idrange
 
