@@ -914,6 +914,12 @@ TMPFS_BYTES_PER_INODE = 16 * 1024
 TMPFS_MIN_INODES = 4096
 
 
+def tmpfs_inodes(size: int) -> int:
+    """The inodes a cap of ``size`` bytes allows: a tmpfs's ``nr_inodes=``, and the
+    share the disk watchdog holds the project's layers to."""
+    return max(TMPFS_MIN_INODES, size // TMPFS_BYTES_PER_INODE)
+
+
 def tmpfs_cap(size: int | None) -> str:
     """The ``size=`` and ``nr_inodes=`` options of a writable tmpfs ("" without a cap).
     Each writable tmpfs gets the whole cap, so none passes it on its own; the
@@ -921,7 +927,7 @@ def tmpfs_cap(size: int | None) -> str:
     if size is None:
         return ""
     size = max(size // 4096 * 4096, 4096)  # (a size of 0 would be no limit at all)
-    return f",size={size},nr_inodes={max(TMPFS_MIN_INODES, size // TMPFS_BYTES_PER_INODE)}"
+    return f",size={size},nr_inodes={tmpfs_inodes(size)}"
 
 
 def _still_tmpfs(paths: list[str], ops: list[MountOp]) -> tuple[str, ...]:

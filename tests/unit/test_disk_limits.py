@@ -141,6 +141,9 @@ class FakeProbe(Probe):
         self.tm: dict[str, tuple[int, bool]] = {}
         self.fs_used = 50 * GiB
         self.fs_free = 50 * GiB
+        self.entries = 0
+        self.fs_inodes_used = 1_000_000
+        self.fs_inodes_total = 10_000_000
         self.walks = 0
 
     def attach(self, pid: int, pidfd: int, tmpfs: Sequence[str]) -> None:
@@ -150,11 +153,17 @@ class FakeProbe(Probe):
         return dict(self.tm)
 
     def fs(self) -> FsState | None:
-        return FsState(self.fs_used, self.fs_free)
+        return FsState(self.fs_used, self.fs_free, self.fs_inodes_used,
+                       self.fs_inodes_total - self.fs_inodes_used, self.fs_inodes_total)
 
-    def walk(self) -> int:
+    def walk(self) -> diskwatch.TreeUsage:
         self.walks += 1
-        return self.layer_bytes
+        return diskwatch.TreeUsage(self.layer_bytes, self.entries)
+
+    def create_files(self, n: int) -> None:
+        """Empty files: inodes, no blocks."""
+        self.entries += n
+        self.fs_inodes_used += n
 
     def write_layers(self, n: int) -> None:
         self.layer_bytes += n
@@ -267,6 +276,55 @@ def test_a_full_tmpfs_beside_a_small_layer_is_not_ended() -> None:
     assert w.tick() == "disk limit 1G: /tmp"
 
 
+def test_empty_files_past_the_inode_share_end_the_run() -> None:
+    """300,000 empty files grow no blocks: the filesystem's used inodes say when to
+    walk, and the walk's entries are held to the cap's inode share (a tmpfs's
+    nr_inodes for the same size)."""
+    w, pr, clock = _watch(cap=16 * MiB)
+    assert w.inode_cap == planmod.TMPFS_MIN_INODES == 4096
+    why = _run_until_hit(w, clock, lambda _t: pr.create_files(200))  # 20,000 a second
+    assert why is not None, pr.entries
+    assert why.startswith("disk limit 16M: the project's layers hold ") and why.endswith(
+        " entries, the cap's inode share is 4,096"), why
+    assert 4096 - 1000 <= pr.entries <= 4096, pr.entries  # before the share, not long before
+    assert pr.layer_bytes == 0
+
+
+def test_the_inode_share_scales_with_the_cap() -> None:
+    w, _pr, _clock = _watch(cap=20 * GiB)
+    assert w.inode_cap == 1_310_720
+    w2, pr2, clock2 = _watch(cap=20 * GiB)
+    pr2.entries = 1_310_000
+    why = _run_until_hit(w2, clock2, lambda _t: pr2.create_files(100), limit=200)
+    assert why is not None and why.endswith("entries, the cap's inode share is 1,310,720"), why
+
+
+def test_many_entries_without_growth_are_not_ended() -> None:
+    """A session already holding more entries than the share runs what creates none."""
+    w, pr, clock = _watch(cap=16 * MiB)
+    pr.entries = 10_000
+    for _ in range(100):
+        clock.t = w.next_at
+        pr.fs_inodes_used += 1000  # the rest of the host
+        assert w.tick() is None
+
+
+def test_the_inode_floor_ends_a_run_creating_entries() -> None:
+    w, pr, clock = _watch(cap=None, floor=GiB)
+    pr.fs_inodes_total = 1_000_000
+    pr.fs_inodes_used = 900_000  # the floor keeps min(5 %, 100,000) = 50,000
+    assert diskwatch.inode_floor(pr.fs()) == 50_000  # type: ignore[arg-type]
+    why = _run_until_hit(w, clock, lambda _t: pr.create_files(500))
+    assert why is not None and why.startswith("disk floor 1G: the state dir's filesystem has "), why
+    assert why.endswith("inodes free, the floor keeps 50,000"), why
+    assert 50_000 <= 1_000_000 - pr.fs_inodes_used <= 50_000 + 5000, pr.fs_inodes_used
+
+
+def test_the_inode_floor_is_capped_and_off_without_a_count() -> None:
+    assert diskwatch.inode_floor(FsState(0, 0, 0, 0, 100_000_000)) == 100_000
+    assert diskwatch.inode_floor(FsState(0, 0, 0, 0, 0)) == 0
+
+
 def test_the_floor_ends_a_writing_run() -> None:
     w, pr, clock = _watch(cap=None, floor=GiB)
     pr.fs_free = 3 * GiB
@@ -311,6 +369,110 @@ def test_tree_bytes_counts_blocks_and_hard_links_once(tmp_path: Path) -> None:
     os.symlink("/usr", d / "link")
     n = diskwatch.tree_bytes(str(d))
     assert 100_000 <= n < 100_000 + 64 * 1024
+
+
+def _swap_on_open(monkeypatch: pytest.MonkeyPatch, victim: Path, replace: object) -> list[str]:
+    """Swap ``victim`` (already lstat'ed by the walk) just before the walk opens it."""
+    real = diskwatch._open_dir
+    done: list[str] = []
+
+    def racing(name: str, parent_fd: int | None, key: tuple[int, int] | None) -> int | None:
+        if name == victim.name and not done:
+            done.append(name)
+            replace()  # type: ignore[operator]
+        return real(name, parent_fd, key)
+
+    monkeypatch.setattr(diskwatch, "_open_dir", racing)
+    return done
+
+
+def _target(tmp_path: Path) -> Path:
+    t = tmp_path / "host"
+    (t / "a" / "b").mkdir(parents=True)
+    (t / "a" / "b" / "big").write_bytes(b"x" * 2_000_000)
+    return t
+
+
+def test_a_directory_swapped_for_a_symlink_mid_walk_is_not_followed(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sandbox renames a directory of its upper layer away and puts a symlink to a
+    host tree in its place between the walk's lstat and its open: nothing of the
+    target is counted (the walk runs as root on the host)."""
+    target = _target(tmp_path)
+    root = tmp_path / "upper"
+    (root / "d").mkdir(parents=True)
+
+    def swap() -> None:
+        os.rename(root / "d", tmp_path / "moved")
+        os.symlink(target, root / "d")
+
+    done = _swap_on_open(monkeypatch, root / "d", swap)
+    got = diskwatch.tree_usage(str(root))
+    assert done == ["d"]
+    assert got.bytes < 64 * 1024 and got.entries == 1, got  # the entry "d" itself
+
+
+def test_a_directory_swapped_for_another_mid_walk_is_skipped(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    target = _target(tmp_path)
+    root = tmp_path / "upper"
+    (root / "d").mkdir(parents=True)
+
+    def swap() -> None:
+        os.rename(root / "d", tmp_path / "moved")
+        os.rename(target, root / "d")  # (a bind mount of a host tree would do the same)
+
+    _swap_on_open(monkeypatch, root / "d", swap)
+    assert diskwatch.tree_usage(str(root)).bytes < 64 * 1024
+
+
+def test_a_deep_tree_is_walked_with_few_fds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(diskwatch, "MAX_OPEN_DEPTH", 4)
+    d = tmp_path / "t"
+    cur = d
+    for i in range(40):
+        cur = cur / f"d{i}"
+    cur.mkdir(parents=True)
+    (cur / "f").write_bytes(b"y" * 100_000)
+    (d / "d0" / "g").write_bytes(b"z" * 100_000)
+    before = len(os.listdir("/proc/self/fd"))
+    peak = [0]
+    real = diskwatch._open_dir
+
+    def counting(name: str, parent_fd: int | None, key: tuple[int, int] | None) -> int | None:
+        peak[0] = max(peak[0], len(os.listdir("/proc/self/fd")) - before)
+        return real(name, parent_fd, key)
+
+    monkeypatch.setattr(diskwatch, "_open_dir", counting)
+    got = diskwatch.tree_usage(str(d))
+    assert got.entries == 40 + 2 and 200_000 <= got.bytes < 200_000 + 64 * 1024 * 4
+    assert peak[0] <= 4 + 3, peak  # the open frames, a re-open's two, the listing's own
+    assert len(os.listdir("/proc/self/fd")) == before  # nothing left open
+
+
+def test_open_deleted_counts_a_childs_unlinked_files(tmp_path: Path) -> None:
+    """A real process below ``init`` holds an unlinked file open: counted once (two fds
+    of one inode), on its device only; descendants() finds a grandchild."""
+    import subprocess
+    import sys
+
+    code = ("import os,sys,time\n"
+            "f=open(sys.argv[1],'wb'); f.write(b'x'*3_000_000); f.flush(); os.unlink(sys.argv[1])\n"
+            "g=os.dup(f.fileno()); print('ready', flush=True); time.sleep(30)\n")
+    p = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c "$0" "$1"; :', code, str(tmp_path / "gone")],
+                         stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+        dev = os.stat(tmp_path).st_dev
+        assert len(diskwatch.descendants(p.pid)) == 2
+        got = diskwatch.open_deleted(p.pid, frozenset({dev}))
+        assert 3_000_000 <= got < 3_000_000 + 64 * 1024, got
+        assert diskwatch.open_deleted(p.pid, frozenset({dev + 1})) == 0  # another device
+    finally:
+        for c in diskwatch.descendants(p.pid)[::-1]:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(c, signal.SIGKILL)
+        p.wait()
 
 
 def test_filesystem_of_and_mechanism(tmp_path: Path) -> None:
