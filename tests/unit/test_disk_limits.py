@@ -535,3 +535,15 @@ def test_doctor_says_how_this_host_holds_it(tmp_path: Path) -> None:
     assert p.name == "disk" and p.status == "info"
     assert "size= and nr_inodes=" in p.detail and "watchdog" in p.detail and "free" not in p.detail
     assert p.data["mechanism"] == "watchdog"
+
+
+def test_the_default_floor_is_at_most_a_twentieth_of_a_small_filesystem() -> None:
+    """A 1G tmpfs (the second kernel's state dir here) is not under the 1G default floor
+    from the start; a floor given explicitly is kept as given; an unknown size keeps it."""
+    g = 1024**3
+    small = FsState(0, 900 * 1024**2, total=g)
+    assert diskwatch.byte_floor(g, small, default=True) == g // 20
+    assert diskwatch.byte_floor(g, small, default=False) == g
+    assert diskwatch.byte_floor(g, FsState(0, 0, total=100 * g), default=True) == g
+    assert diskwatch.byte_floor(g, FsState(0, 0), default=True) == g
+    assert diskwatch.byte_floor(None, small, default=True) is None

@@ -334,6 +334,7 @@ class FsState:
     inodes_used: int = 0  # f_files - f_ffree
     inodes_free: int = 0  # f_favail
     inodes_total: int = 0  # f_files (0: the filesystem has no fixed count, e.g. btrfs)
+    total: int = 0  # the filesystem's size in bytes (0: unknown)
 
 
 class Probe:
@@ -404,7 +405,7 @@ class Probe:
         except OSError:
             return None
         return FsState((s.f_blocks - s.f_bfree) * s.f_frsize, s.f_bavail * s.f_frsize,
-                       max(0, s.f_files - s.f_ffree), s.f_favail, s.f_files)
+                       max(0, s.f_files - s.f_ffree), s.f_favail, s.f_files, s.f_blocks * s.f_frsize)
 
     def walk(self) -> TreeUsage:
         """The layers' walk, and the deleted files the sandbox holds open."""
@@ -514,6 +515,19 @@ INODE_FLOOR_SHARE = 20
 INODE_FLOOR_MAX = 100_000
 
 
+#: The default byte floor is at most this share of the filesystem (1/20: 5 %): on a small
+#: state dir filesystem (a 1G tmpfs, a small partition) the default 1G would leave the
+#: sandbox nothing to write. A floor given explicitly is kept as given.
+FLOOR_SHARE = 20
+
+
+def byte_floor(floor: int | None, fs: FsState, *, default: bool) -> int | None:
+    """The bytes the floor keeps free on this filesystem (None: no floor)."""
+    if floor is None or not default or fs.total <= 0:
+        return floor
+    return min(floor, fs.total // FLOOR_SHARE)
+
+
 def inode_floor(fs: FsState) -> int:
     """The inodes the floor keeps free on this filesystem (0: none)."""
     if fs.inodes_total <= 0:
@@ -527,9 +541,10 @@ class DiskWatch:
     there: an event of the outcome, or its cause when the command then failed)."""
 
     def __init__(self, cap: int | None, floor: int | None, tmpfs: Sequence[str], probe: Probe,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, floor_is_default: bool = False) -> None:
         self.cap = cap
         self.floor = floor
+        self.floor_is_default = floor_is_default
         self.tmpfs_paths = tuple(tmpfs)
         self.probe = probe
         self.clock = clock
@@ -614,8 +629,9 @@ class DiskWatch:
         fs_irate = max(0.0, (fs.inodes_used - self.last_fs_inodes) / dt) if fs is not None and dt > 0 else 0.0
         fs_iahead = fs_irate * window
         ifloor = inode_floor(fs) if self.floor is not None and fs is not None else 0
+        floor = byte_floor(self.floor, fs, default=self.floor_is_default) if fs is not None else self.floor
         near = (self.cap is not None and guess + fs_ahead + tm_used >= self.cap) or (
-            self.floor is not None and fs is not None and fs.free - fs_ahead < self.floor) or (
+            floor is not None and fs is not None and fs.free - fs_ahead < floor) or (
             self.inode_cap is not None and self.entries + igained + fs_iahead >= self.inode_cap) or (
             ifloor > 0 and fs is not None and fs.inodes_free - fs_iahead < ifloor)
         # a quiet filesystem needs no walk
@@ -644,8 +660,8 @@ class DiskWatch:
                 self.entries > self.inode_cap or (eahead > 0 and self.entries + eahead >= self.inode_cap)):
             reason = (f"disk limit {size_text(self.cap)}: the project's layers hold {self.entries:,} entries, "
                       f"the cap's inode share is {self.inode_cap:,}")
-        elif self.floor is not None and fs is not None and growing and fs.free - max(ahead, fs_ahead) < self.floor:
-            reason = (f"disk floor {size_text(self.floor)}: the state dir's filesystem has "
+        elif floor is not None and fs is not None and growing and fs.free - max(ahead, fs_ahead) < floor:
+            reason = (f"disk floor {size_text(floor)}: the state dir's filesystem has "
                       f"{size_text(max(0, fs.free))} free")
         elif ifloor > 0 and fs is not None and self.entries_grew and fs.inodes_free - max(eahead, fs_iahead) < ifloor:
             reason = (f"disk floor {size_text(self.floor or 0)}: the state dir's filesystem has "
@@ -702,7 +718,9 @@ def for_run(cap: int | None, floor: int | None, tmpfs: Sequence[str], upper: str
     paths = [upper, *layers] if upper is not None else []
     sdir = os.path.dirname(upper) if upper is not None else None
     probe = Probe(paths, upper, (lambda ps: walk_session_usage(sdir, ps)) if sdir is not None else layers_usage, sdir)
-    return DiskWatch(cap, floor, tmpfs, probe)
+    from ..cgroups.base import DEFAULT_DISK_FLOOR
+
+    return DiskWatch(cap, floor, tmpfs, probe, floor_is_default=floor == DEFAULT_DISK_FLOOR)
 
 
 def held_bytes(session_dir: str, layers: Sequence[str]) -> int:

@@ -144,8 +144,11 @@ def _warm() -> None:
     import stockade
 
     skip = {"stockade.fast.server", "stockade.__main__", "stockade.demo"}
+    # verbs that are never served (they serve a client of their own): their web and MCP
+    # stacks would cost every server start a second of imports
+    apart = ("stockade.mcp", "stockade.review")
     for m in pkgutil.walk_packages(stockade.__path__, "stockade."):
-        if m.name not in skip:
+        if m.name not in skip and not m.name.startswith(apart):
             try:
                 __import__(m.name)
             except ImportError:
