@@ -316,9 +316,10 @@ def _remove_locked(sess: Session, *, pointers: bool = True) -> None:
     from ..session import idrange
 
     try:
-        qid = sess.meta().get("quota_project")
+        meta = sess.meta()
     except (OSError, StockadeError, ValueError):
-        qid = None
+        meta = None
+    qid = meta.get("quota_project") if isinstance(meta, dict) else None
     trash = sess.dir.with_name(f".clean-{sess.id}-{os.getpid()}-{os.urandom(3).hex()}")
     os.rename(sess.dir, trash)
     try:

@@ -258,6 +258,9 @@ def _check_disk(lim: Limits, sess: store.Session) -> None:
             f"in its layers; raise it, or drop its changes (stockade discard --session {sess.id})")
 
 
+QUOTA_HEADROOM = 1024 * 1024  # the watchdog's SLACK
+
+
 def _project_quota(lim: Limits, sess: store.Session) -> None:
     """Where the state dir's filesystem enforces project quotas and we are the host's
     root, the kernel holds ``--disk`` on the session's layers: the session directory gets
@@ -274,12 +277,17 @@ def _project_quota(lim: Limits, sess: store.Session) -> None:
         return
     step = f"set the project quota of session {sess.id}"
     try:
-        pid = sess.meta().get("quota_project")
+        meta = sess.meta()
+        pid = meta.get("quota_project") if isinstance(meta, dict) else None
         if not isinstance(pid, int):
             pid = quota.allocate(sess.dir.parent)
             quota.set_project(sess.dir, pid, recursive=True)
             sess.update_meta(quota_project=pid)
-        quota.set_limit(support, sess.dir, pid, lim.disk)
+        # a session at its cap keeps room for overlayfs's work/work (made again at each
+        # mount: without it the overlay comes up read-only) and for removing what it holds;
+        # growth past the cap is still the watchdog's to end
+        held = quota.usage(support, sess.dir, pid)["curspace"]
+        quota.set_limit(support, sess.dir, pid, max(lim.disk, held + QUOTA_HEADROOM))
     except OSError as e:
         raise SandboxError(step, path=str(sess.dir), errno=e.errno or 0,
                            remedy=f"check the project quotas of {support.mount_point} (repquota -P {support.mount_point}) "
