@@ -657,12 +657,14 @@ def probe_cgroups() -> Probe:
 
 
 def probe_disk(state: Path) -> Probe:
-    """How --disk is held on this host: tmpfs caps, and for the layers a watchdog."""
+    """How --disk is held on this host: tmpfs caps, and for the layers a project quota
+    where the state dir's filesystem and our privileges allow one, else a watchdog."""
     from .core import diskwatch
+    from .explain import disk_mechanism_of
 
     mp, fstype, opts = diskwatch.filesystem_of(str(state))
-    return Probe("disk", "info", diskwatch.mechanism(str(state), free=False),
-                 data={"mount": mp, "fstype": fstype, "options": opts, "mechanism": "watchdog"})
+    line, how = disk_mechanism_of(str(state), free=False)
+    return Probe("disk", "info", line, data={"mount": mp, "fstype": fstype, "options": opts, "mechanism": how})
 
 
 def probe_environment(proc: Path = Path("/proc"), root: Path = Path("/")) -> Probe:

@@ -315,6 +315,11 @@ def _remove_locked(sess: Session, *, pointers: bool = True) -> None:
     waited for the lock finds it gone: ``store._still_here``), then deleted."""
     from ..session import idrange
 
+    try:
+        meta = sess.meta()
+    except (OSError, StockadeError, ValueError):
+        meta = None
+    qid = meta.get("quota_project") if isinstance(meta, dict) else None
     trash = sess.dir.with_name(f".clean-{sess.id}-{os.getpid()}-{os.urandom(3).hex()}")
     os.rename(sess.dir, trash)
     try:
@@ -329,6 +334,10 @@ def _remove_locked(sess: Session, *, pointers: bool = True) -> None:
     except OSError:
         shutil.rmtree(trash, ignore_errors=True)
     forget_living(sess.id)
+    if isinstance(qid, int):
+        from ..linux import quota
+
+        quota.release(sess.dir.parent, qid)  # its project quota (``core.prepare._project_quota``)
     if not pointers:
         return
     with contextlib.suppress(OSError):

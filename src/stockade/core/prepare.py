@@ -236,6 +236,7 @@ def finish(resolved: Resolved, sess: store.Session, argv: tuple[str, ...], *, fo
         _no_host_sockets(i.keep_fds, foreign_stdin)
     if rw and not explain_only:
         _check_disk(resolved.limits, sess)
+        _project_quota(resolved.limits, sess)
     return Prepared(plan, resolved.cg_manager, resolved.limits, resolved.timeout, resolved.audit, resolved.net,
                     resolved.observe)
 
@@ -255,6 +256,43 @@ def _check_disk(lim: Limits, sess: store.Session) -> None:
         raise UsageError(
             f"--disk {format_size(lim.disk)} is smaller than the {format_size(held)} session {sess.id} already holds "
             f"in its layers; raise it, or drop its changes (stockade discard --session {sess.id})")
+
+
+QUOTA_HEADROOM = 1024 * 1024  # the watchdog's SLACK
+
+
+def _project_quota(lim: Limits, sess: store.Session) -> None:
+    """Where the state dir's filesystem enforces project quotas and we are the host's
+    root, the kernel holds ``--disk`` on the session's layers: the session directory gets
+    a project id of its own (with PROJINHERIT: its upper, work dir and snapshots inherit
+    it; what a session made before holds is moved under it once) capped at the limit,
+    set again per run (the cap may change). Elsewhere the watchdog alone holds it."""
+    if lim.disk is None or os.geteuid() != 0:
+        return
+    from ..errors import SandboxError
+    from ..linux import quota
+
+    support = quota.probe(sess.dir)
+    if isinstance(support, str):
+        return
+    step = f"set the project quota of session {sess.id}"
+    try:
+        meta = sess.meta()
+        pid = meta.get("quota_project") if isinstance(meta, dict) else None
+        if not isinstance(pid, int):
+            pid = quota.allocate(sess.dir.parent)
+            quota.set_project(sess.dir, pid, recursive=True)
+            sess.update_meta(quota_project=pid)
+        # a session at its cap keeps room for overlayfs's work/work (made again at each
+        # mount: without it the overlay comes up read-only) and for removing what it holds;
+        # growth past the cap is still the watchdog's to end
+        held = quota.usage(support, sess.dir, pid)["curspace"]
+        quota.set_limit(support, sess.dir, pid, max(lim.disk, held + QUOTA_HEADROOM))
+    except OSError as e:
+        raise SandboxError(step, path=str(sess.dir), errno=e.errno or 0,
+                           remedy=f"check the project quotas of {support.mount_point} (repquota -P {support.mount_point}) "
+                                  "or move the state dir (STOCKADE_STATE_DIR) to a filesystem without them",
+                           detail=e.strerror) from e
 
 
 def base_plan(resolved: Resolved) -> planmod.Plan:

@@ -130,3 +130,17 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) 
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e), path)
     return int(fd)
+
+
+SYS_QUOTACTL_FD = 443  # Linux 5.14+, same number on every architecture with the generic table
+
+
+def quotactl_fd(fd: int, cmd: int, qid: int, addr: ctypes.Array[ctypes.c_char] | None) -> int:
+    """quotactl_fd(2) on the filesystem of ``fd``: 0 or -1 (ENOSYS before Linux 5.14)."""
+    return int(_libc().syscall(ctypes.c_long(SYS_QUOTACTL_FD), ctypes.c_uint(fd), ctypes.c_uint(cmd),
+                               ctypes.c_int(qid), addr))
+
+
+def quotactl(cmd: int, special: bytes, qid: int, addr: ctypes.Array[ctypes.c_char] | None) -> int:
+    """quotactl(2) on the filesystem of block device ``special``: 0 or -1."""
+    return int(_libc().quotactl(ctypes.c_int(cmd), ctypes.c_char_p(special), ctypes.c_int(qid), addr))
