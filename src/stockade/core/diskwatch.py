@@ -752,13 +752,14 @@ def filesystem_of(path: str, mounts: str = "/proc/self/mounts") -> tuple[str, st
     return best
 
 
-def mechanism(state: str, free: bool = True) -> str:
-    """How this host holds the disk limit, in one line (``explain``; ``doctor``, whose
-    cached answer leaves out the free space)."""
-    mp, fstype, opts = filesystem_of(state)
-    quota = any(o in ("prjquota", "pquota", "prjjquota") or o.startswith("prjjquota=") for o in opts.split(","))
-    upper = (f"the session's layers on {fstype} at {mp}: the supervisor's watchdog "
-             f"({'project quotas are on there but not used yet' if quota else 'no project quota there'})")
+def mechanism(state: str, free: bool = True, no_quota: str = "") -> str:
+    """How this host holds the disk limit with the watchdog alone, in one line
+    (``explain``; ``doctor``, whose cached answer leaves out the free space); ``no_quota``:
+    why no project quota holds the layers here (``linux/quota.py``)."""
+    mp, fstype, _opts = filesystem_of(state)
+    upper = f"the session's layers on {fstype} at {mp}: the supervisor's watchdog"
+    if no_quota:
+        upper += f" (no project quota: {no_quota})"
     if free:
         try:
             s = os.statvfs(state if os.path.exists(state) else mp)
