@@ -20,6 +20,10 @@ _FWD = (1, 2, 3, 10, 12, 15, 28)  # SIGHUP INT QUIT USR1 USR2 TERM WINCH: what t
 _TSTP, _CONT, _STOP = 20, 18, 19
 
 
+#: How long ``STOCKADE_SERVER=require`` waits for a server to come up (seconds).
+REQUIRE_WAIT = 90
+
+
 def interp_env(environb: dict[bytes, bytes] | None = None) -> list[bytes]:
     """The variables that shape the interpreter (imports, locale): a server only
     serves clients whose values are its own."""
@@ -89,13 +93,14 @@ def run(argv: list[str], entry: str) -> int | None:
         sys.stderr.write(f"stockade: STOCKADE_SERVER=require: cannot make {d}: {e.strerror}; "
                          "free space there or set STOCKADE_STATE_DIR elsewhere, or unset STOCKADE_SERVER\n")
         return 2
-    deadline = time.monotonic() + 30
+    # (a server's first start imports every module: about 30 s under emulation, tests' second kernel)
+    deadline = time.monotonic() + REQUIRE_WAIT
     while True:
         got = _connect_and_serve(argv, d, name, entry)
         if isinstance(got, int):
             return got
         if got or time.monotonic() > deadline:
-            why = got or f"no server came up in 30 s (see {os.path.join(d, name[:-5] + '.log')})"
+            why = got or f"no server came up in {REQUIRE_WAIT} s (see {os.path.join(d, name[:-5] + '.log')})"
             sys.stderr.write(f"stockade: STOCKADE_SERVER=require: this run cannot be served: {why}; "
                              "unset STOCKADE_SERVER to run it in-process\n")
             return 2
