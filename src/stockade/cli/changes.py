@@ -128,32 +128,16 @@ def _age(seconds: float) -> str:
     return f"{s // 86400}d"
 
 
-def _du(path: str) -> int:
-    total = 0
-    seen: set[tuple[int, int]] = set()
-    for dirpath, dirs, files in os.walk(path):
-        for n in dirs + files:
-            try:
-                st = os.lstat(os.path.join(dirpath, n))
-            except OSError:
-                continue
-            key = (st.st_dev, st.st_ino)
-            if key in seen:
-                continue
-            seen.add(key)
-            total += st.st_blocks * 512
-    return total
-
-
 # ---- handlers ----------------------------------------------------------------------------------
 
 
 def cmd_list(args: Args) -> int:
+    from ..changes.retention import disk_usage
     from ..errors import StockadeError
     from ..session import store
     from ..session.idrange import with_sandbox_ids
 
-    du = with_sandbox_ids()(_du)  # a sandbox's other ids' directories count too
+    du = with_sandbox_ids()(disk_usage)  # a sandbox's other ids' directories count too
     rows: list[dict[str, Any]] = []
     now = time.time()
     for s in store.list_sessions():
