@@ -480,14 +480,8 @@ def _sweep_trash() -> None:
     names = [n for n in listing if n.startswith(".clean-")]
     for n in names:
         pid = n.rsplit("-", 2)[-2] if n.count("-") >= 3 else ""
-        if pid.isdigit() and pid != str(os.getpid()):
-            try:
-                os.kill(int(pid), 0)
-                continue
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
+        if pid.isdigit() and pid != str(os.getpid()) and store.pid_alive(int(pid)):
+            continue
         from ..session import idrange
 
         try:

@@ -501,16 +501,20 @@ def _sweep_new_dirs(root: Path) -> None:
         return
     for n in names:
         pid = n.split("-")[1] if n.count("-") >= 2 else ""
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # alive, another user's
-        shutil.rmtree(root / n, ignore_errors=True)
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(root / n, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts): the owner of a state dir
+    entry named after its pid (``.new-*`` here, retention's ``.clean-*``) is gone or not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    return True
 
 
 def _take_ahead(root: Path) -> Path | None:
