@@ -4,6 +4,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 #include "stockade_native.h"
 
 /* clone3(2), for headers that predate it (clone.c, spawn.c, launcher/run.c). */
@@ -30,6 +31,7 @@ void sk_join_procs(int procs_fd, int rep);
 /* report.c: the child's records (the one unit every other calls; it calls none). */
 void sk_report(int fd, int kind, int step, int err, int value, const char *path);
 void sk_report_fill(struct sk_report *r, int kind, int step, int err, int value, const char *path);
+ssize_t sk_send_fd(int sock, int fd, char tag);
 size_t sk_strlen(const char *s);
 
 /* Child side: every function here is async-signal-safe (no malloc, no stdio). */

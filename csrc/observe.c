@@ -80,23 +80,7 @@ int sk_observe_child(const struct sk_plan *p, int rep)
         return -1;
     }
     int lfd = (int)fd;
-    char byte = 'L';
-    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
-    union {
-        char buf[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-    } u;
-    memset(&u, 0, sizeof u);
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
-    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &lfd, sizeof(int));
-    ssize_t w;
-    do
-        w = sendmsg(p->observe_sock, &msg, MSG_NOSIGNAL);
-    while (w < 0 && errno == EINTR);
+    ssize_t w = sk_send_fd(p->observe_sock, lfd, 'L');
     if (w != 1) {
         sk_report(rep, SK_REP_ERROR, SK_STEP_OBSERVE, w < 0 ? errno : EIO, 0, "send the listener");
         return -1;

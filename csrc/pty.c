@@ -29,20 +29,7 @@ int sk_console_pty(int sock, int rep)
     int s = ioctl(m, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
     if (s < 0)
         FAIL(SK_STEP_TTY, "TIOCGPTPEER");
-    char byte = 'm';
-    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
-    union {
-        char buf[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-    } u;
-    memset(&u, 0, sizeof u);
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
-    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &m, sizeof(int));
-    if (sendmsg(sock, &msg, MSG_NOSIGNAL) < 0)
+    if (sk_send_fd(sock, m, 'm') < 0)
         FAIL(SK_STEP_TTY, "console socket");
     close(m);
     close(sock);

@@ -6,6 +6,8 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -40,4 +42,27 @@ void sk_report(int fd, int kind, int step, int err, int value, const char *path)
     /* One record < PIPE_BUF: the write is atomic. */
     while (write(fd, &r, sizeof r) < 0 && errno == EINTR)
         ;
+}
+
+/* One byte TAG with FD attached (SCM_RIGHTS) on SOCK: the child's way to hand the
+ * parent a descriptor (a pty's master, observe mode's listener). Async-signal-safe. */
+ssize_t sk_send_fd(int sock, int fd, char tag)
+{
+    struct iovec iov = {.iov_base = &tag, .iov_len = 1};
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } u;
+    memset(&u, 0, sizeof u);
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof(int));
+    ssize_t w;
+    do
+        w = sendmsg(sock, &msg, MSG_NOSIGNAL);
+    while (w < 0 && errno == EINTR);
+    return w;
 }
