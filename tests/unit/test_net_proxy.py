@@ -63,8 +63,13 @@ def _settled(listener: TcpListener, expect: int) -> int:
     return listener.connections
 
 
+_NET_THREADS = ("stockade-proxy", "stockade-relay", "stockade-resolve", "stockade-netlink")
+
+
 def _proxy_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("stockade-")]
+    # Only the network's own threads: another module's worker (a session's deferred
+    # erase from an earlier test) may still be running in this process.
+    return [t for t in threading.enumerate() if t.name.startswith(_NET_THREADS)]
 
 
 def _fds() -> set[str]:

@@ -523,6 +523,7 @@ _work_cv = threading.Condition()
 _work_todo: list[Path] = []
 _work_busy = 0
 _work_thread: threading.Thread | None = None
+_work_registered = False
 
 
 def _defer_erase(trash: Path) -> None:
@@ -531,20 +532,25 @@ def _defer_erase(trash: Path) -> None:
         _work_todo.append(trash)
         _work_busy += 1
         if _work_thread is None:
-            import atexit
+            global _work_registered
+            if not _work_registered:
+                import atexit
 
+                atexit.register(drain)
+                _work_registered = True
             _work_thread = threading.Thread(target=_work, name="stockade-session-erase", daemon=True)
             _work_thread.start()
-            atexit.register(drain)
         _work_cv.notify_all()
 
 
 def _work() -> None:
-    global _work_busy
+    # Ends once the queue is empty: an embedding program keeps no idle thread of ours.
+    global _work_busy, _work_thread
     while True:
         with _work_cv:
-            while not _work_todo:
-                _work_cv.wait()
+            if not _work_todo:
+                _work_thread = None
+                return
             trash = _work_todo.pop(0)
         try:
             _erase(trash)
