@@ -30,6 +30,7 @@
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -97,10 +98,14 @@ int sk_observe_child(const struct sk_plan *p, int rep)
 #define OBS_PATH_MAX 4096
 #define OBS_ADDR_MAX 128
 #define OBS_BUF (1 << 16)
+/* Records wait in the buffer at most this long: the supervisor classifies them while
+ * the command runs (on another CPU), so the run's end is not kept waiting for all. */
+#define OBS_FLUSH_MS 10
 
 struct obs_out {
     int fd;
     size_t len;
+    long long since_ms; /* when the oldest buffered record came */
     unsigned long long lost;
     unsigned char buf[OBS_BUF];
 };
@@ -121,15 +126,27 @@ static void out_flush(struct obs_out *o)
     o->len = 0;
 }
 
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts); /* vDSO: no syscall */
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
 static void out_rec(struct obs_out *o, struct sk_obs_rec *r, const void *data, size_t n)
 {
     r->data_len = (unsigned int)n;
     r->len = (unsigned int)(sizeof *r + n);
     if (o->len + r->len > sizeof o->buf)
         out_flush(o);
+    long long t = now_ms();
+    if (o->len == 0)
+        o->since_ms = t;
     memcpy(o->buf + o->len, r, sizeof *r);
     memcpy(o->buf + o->len + sizeof *r, data, n);
     o->len += r->len;
+    if (t - o->since_ms >= OBS_FLUSH_MS)
+        out_flush(o);
 }
 
 /* Read n bytes at addr of pid's memory. 0 or -errno. */
@@ -152,9 +169,13 @@ static long read_str(int pid, uint64_t addr, char *buf, size_t cap, int *trunc)
     *trunc = 0;
     if (addr == 0)
         return -EFAULT;
+    size_t chunk = 256; /* most paths fit: no page-sized copy for a short one */
     while (got < cap - 1) {
         size_t page_left = 4096 - (size_t)((addr + got) & 4095);
         size_t want = cap - 1 - got < page_left ? cap - 1 - got : page_left;
+        if (want > chunk)
+            want = chunk;
+        chunk = 4096;
         struct iovec l = {.iov_base = buf + got, .iov_len = want};
         struct iovec r = {.iov_base = (void *)(uintptr_t)(addr + got), .iov_len = want};
         ssize_t n = process_vm_readv(pid, &l, 1, &r, 1, 0);
@@ -198,18 +219,28 @@ static size_t num(char *out, long v)
 #define OBS_PROC_CACHE 32
 struct proc_cache {
     int pid[OBS_PROC_CACHE];
-    int fd[OBS_PROC_CACHE];
+    int fd[OBS_PROC_CACHE];  /* /proc/PID */
+    int fds[OBS_PROC_CACHE]; /* /proc/PID/fd, opened when first needed */
     unsigned int next;
 };
 
-static int proc_dir(struct proc_cache *pc, int pid, int fresh)
+static void proc_forget(struct proc_cache *pc, int i)
+{
+    if (pc->fd[i] >= 0)
+        close(pc->fd[i]);
+    if (pc->fds[i] >= 0)
+        close(pc->fds[i]);
+    pc->fd[i] = pc->fds[i] = -1;
+}
+
+/* The cache slot of pid's /proc directories (opened again when fresh), or -1. */
+static int proc_slot(struct proc_cache *pc, int pid, int fresh)
 {
     for (int i = 0; i < OBS_PROC_CACHE; i++)
         if (pc->fd[i] >= 0 && pc->pid[i] == pid) {
             if (!fresh)
-                return pc->fd[i];
-            close(pc->fd[i]);
-            pc->fd[i] = -1;
+                return i;
+            proc_forget(pc, i);
         }
     char path[32];
     memcpy(path, "/proc/", 6);
@@ -217,30 +248,37 @@ static int proc_dir(struct proc_cache *pc, int pid, int fresh)
     int fd = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0)
         return -1;
-    unsigned int k = pc->next++ % OBS_PROC_CACHE;
-    if (pc->fd[k] >= 0)
-        close(pc->fd[k]);
+    int k = (int)(pc->next++ % OBS_PROC_CACHE);
+    proc_forget(pc, k);
     pc->pid[k] = pid;
     pc->fd[k] = fd;
-    return fd;
+    return k;
 }
 
 /* The directory a relative path of pid's is resolved from: its cwd (AT_FDCWD) or
  * the directory fd, as the sandbox names it. Its length, or -errno. */
 static long dir_of(struct proc_cache *pc, int pid, int dirfd, char *out, size_t cap)
 {
-    char link[32];
-    if (dirfd == AT_FDCWD) {
+    char link[24];
+    if (dirfd == AT_FDCWD)
         memcpy(link, "cwd", 4);
-    } else {
-        memcpy(link, "fd/", 3);
-        num(link + 3, dirfd);
-    }
+    else
+        num(link, dirfd);
     for (int attempt = 0; attempt < 2; attempt++) {
-        int pfd = proc_dir(pc, pid, attempt);
-        if (pfd < 0)
+        int k = proc_slot(pc, pid, attempt);
+        if (k < 0)
             return -errno;
-        ssize_t r = readlinkat(pfd, link, out, cap - 1);
+        int at = pc->fd[k];
+        if (dirfd != AT_FDCWD) { /* fd/N: one lookup in a directory kept open */
+            if (pc->fds[k] < 0)
+                pc->fds[k] = openat(pc->fd[k], "fd", O_PATH | O_DIRECTORY | O_CLOEXEC);
+            if ((at = pc->fds[k]) < 0) {
+                if (errno != ESRCH && errno != ENOENT)
+                    return -errno;
+                continue;
+            }
+        }
+        ssize_t r = readlinkat(at, link, out, cap - 1);
         if (r >= 0) {
             out[r] = '\0';
             return r;
@@ -511,6 +549,7 @@ int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_pref
         return -ENOMEM;
     o->fd = out_fd;
     o->len = 0;
+    o->since_ms = 0;
     o->lost = 0;
     size_t plen = skip_prefix ? strlen(skip_prefix) : 0;
     /* Linux 6.6+: the target and this thread hand over on one CPU (each notification
@@ -519,12 +558,16 @@ int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_pref
     char data[OBS_PATH_MAX + 1];
     struct proc_cache pc;
     for (int i = 0; i < OBS_PROC_CACHE; i++)
-        pc.fd[i] = -1, pc.pid[i] = 0;
+        pc.fd[i] = pc.fds[i] = -1, pc.pid[i] = 0;
     pc.next = 0;
     struct pollfd pf[2] = {{.fd = listener, .events = POLLIN}, {.fd = stop_fd, .events = POLLIN}};
     int ret = 0;
     for (;;) {
-        int pr = poll(pf, stop_fd >= 0 ? 2 : 1, -1);
+        int pr = poll(pf, stop_fd >= 0 ? 2 : 1, o->len ? OBS_FLUSH_MS : -1);
+        if (pr == 0) {
+            out_flush(o); /* the command is quiet: hand over what it did so far */
+            continue;
+        }
         if (pr < 0) {
             if (errno == EINTR)
                 continue;
@@ -592,8 +635,7 @@ int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_pref
     }
     out_flush(o);
     for (int i = 0; i < OBS_PROC_CACHE; i++)
-        if (pc.fd[i] >= 0)
-            close(pc.fd[i]);
+        proc_forget(&pc, i);
     st->lost = o->lost;
     free(o);
     return ret;

@@ -85,12 +85,14 @@ _SEQUENCES = (list, tuple, set, frozenset)
 
 def cap(value: Any, depth: int = 0) -> Any:
     """Redact and length-cap a JSON-able value."""
+    t = type(value)
+    if t is str:
+        return _cap_str(value)
+    if value is None or t in _SCALAR_TYPES:
+        return value
     if isinstance(value, str):
-        v = redact_text(printable(value))
-        if len(v) > MAX_FIELD:
-            v = v[: MAX_FIELD - 20] + f"...[+{len(v) - MAX_FIELD + 20} chars]"
-        return v
-    if value is None or isinstance(value, _SCALARS):
+        return _cap_str(str(value))
+    if isinstance(value, _SCALARS):
         return value
     if isinstance(value, Path):
         return cap(str(value), depth)
@@ -111,9 +113,40 @@ def cap(value: Any, depth: int = 0) -> Any:
     return cap(str(value), depth)
 
 
+_SCALAR_TYPES = frozenset({bool, int, float})
+
+
+# short strings already capped (operations, results, reasons, policies recur in every event)
+_CAPPED: dict[str, str] = {}
+
+
+def _cap_str(s: str) -> str:
+    hit = _CAPPED.get(s)
+    if hit is not None:
+        return hit
+    v = redact_text(printable(s))
+    if len(v) > MAX_FIELD:
+        v = v[: MAX_FIELD - 20] + f"...[+{len(v) - MAX_FIELD + 20} chars]"
+    if len(s) <= 160:
+        if len(_CAPPED) >= 4096:
+            _CAPPED.clear()
+        _CAPPED[s] = v
+    return v
+
+
+_second: tuple[int, str] = (-1, "")
+
+
 def _now() -> str:
+    global _second
     t = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+    sec = int(t)
+    if _second[0] != sec:  # (an observed run writes thousands of events in one second)
+        _second = (sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec)))
+    return _second[1] + f".{int(t * 1000) % 1000:03d}Z"
+
+
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 class AuditLog:
@@ -155,8 +188,7 @@ class AuditLog:
             elif k == "env" and isinstance(v, Mapping):
                 v = {n: ("[REDACTED]" if secret_name(str(n)) else val) for n, val in v.items()}
             rec[k] = cap(v)
-        line = json.dumps(rec, ensure_ascii=False, separators=(",", ":"))
-        data = line.encode("utf-8")
+        data = _encode(rec).encode("utf-8")
         if len(data) + 1 > MAX_LINE:
             for k in sorted(extra, key=lambda k: -len(json.dumps(rec.get(k)))):
                 rec[k] = "[truncated]"

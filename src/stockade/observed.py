@@ -302,13 +302,29 @@ class Classifier:
     def events(self) -> list[dict[str, Any]]:
         """Blocked first, in the order first seen within each; each a dict of
         AuditLog.event's arguments."""
-        ordered = sorted(self.aggs.values(), key=lambda a: a.result != "blocked")
-        return [
-            {"operation": a.operation, "target": a.target, "result": a.result, "policy": a.policy,
-             "reason": a.reason, "access": a.access, "syscall": a.syscall, "count": a.count, "host_pids": a.pids,
-             "basis": "predicted", **a.extra}
-            for a in ordered
-        ]
+        return [_event(a) for a in self._ordered()]
+
+    def written(self, limit: int = MAX_EVENTS) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """``capped(self.events(), limit)`` without making the events left out (a
+        ``find /`` has tens of thousands)."""
+        ordered = self._ordered()
+        left: dict[str, int] = {}
+        for a in ordered[limit:]:
+            k = f"{a.operation} {a.result}"
+            left[k] = left.get(k, 0) + 1
+        return [_event(a) for a in ordered[:limit]], left
+
+    def blocked(self) -> int:
+        return sum(1 for a in self.aggs.values() if a.result == "blocked")
+
+    def _ordered(self) -> list[_Agg]:
+        return sorted(self.aggs.values(), key=lambda a: a.result != "blocked")
+
+
+def _event(a: _Agg) -> dict[str, Any]:
+    return {"operation": a.operation, "target": a.target, "result": a.result, "policy": a.policy,
+            "reason": a.reason, "access": a.access, "syscall": a.syscall, "count": a.count, "host_pids": a.pids,
+            "basis": "predicted", **a.extra}
 
 
 def classify(records: Iterable[RecordLike], ctx: Context) -> list[dict[str, Any]]:

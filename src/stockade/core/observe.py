@@ -81,7 +81,7 @@ class RunObserve:
                     self.classifier.feed(recs)
                 if over:
                     return
-                self._wake.wait(0.05)
+                self._wake.wait(0.01)  # the loop hands records over every 10 ms (OBS_FLUSH_MS)
         except Exception as e:
             self.error = f"classify: {e}"
         finally:
@@ -106,18 +106,18 @@ class RunObserve:
         if self.error:
             summary["error"] = self.error
         done = self.classifier is not None and not self._reader.is_alive()
-        events = self.classifier.events() if done else []
+        kept, left = self.classifier.written() if done else ([], {})
         if done and not self.error:
             try:  # classified: its entries are in the audit log now (a long build's raw records are large)
                 os.unlink(self.path)
             except OSError:
                 pass
-        kept, left = observed.capped(events)
-        summary["events"] = len(events)
-        summary["blocked"] = sum(1 for e in events if e["result"] == "blocked")
+        summary["events"] = len(kept) + sum(left.values())
+        summary["blocked"] = self.classifier.blocked() if done else 0
         with contextlib.suppress(StockadeError, OSError):
             # kept after the run even with no change: its log is what it ran for
-            sess.update_meta(observed=True)
+            if not sess.meta().get("observed"):
+                sess.update_meta(observed=True)
         log = AuditLog(sess, batch=True)
         try:
             for e in kept:
