@@ -640,3 +640,59 @@ int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_pref
     free(o);
     return ret;
 }
+
+/* The listener's fd from init's one message on sock (SCM_RIGHTS), or -errno. */
+static int take_listener(int sock, int stop_fd)
+{
+    struct pollfd pf[2] = {{.fd = sock, .events = POLLIN}, {.fd = stop_fd, .events = POLLIN}};
+    for (;;) {
+        int pr = poll(pf, stop_fd >= 0 ? 2 : 1, -1);
+        if (pr < 0 && errno == EINTR)
+            continue;
+        if (pr < 0)
+            return -errno;
+        if (pf[1].revents)
+            return -ENOMSG;
+        break;
+    }
+    char tag;
+    struct iovec iov = {.iov_base = &tag, .iov_len = 1};
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * 4)];
+        struct cmsghdr align;
+    } u;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    ssize_t r;
+    do
+        r = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    while (r < 0 && errno == EINTR);
+    if (r < 0)
+        return -errno;
+    int fd = -1;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < n; i++) {
+            int got;
+            memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof got);
+            if (fd < 0)
+                fd = got;
+            else
+                close(got); /* one listener is all a sandbox sends */
+        }
+    }
+    return fd >= 0 ? fd : -ENOMSG;
+}
+
+int sk_observe_serve(int sock, int stop_fd, int out_fd, const char *skip_prefix, const char *const *watch,
+                     size_t n_watch, struct sk_observe_stats *st)
+{
+    memset(st, 0, sizeof *st);
+    int listener = take_listener(sock, stop_fd);
+    if (listener < 0)
+        return listener;
+    int r = sk_observe_loop(listener, stop_fd, out_fd, skip_prefix, watch, n_watch, st);
+    close(listener); /* (a task left would now get ENOSYS: there is none, or it is being killed) */
+    return r;
+}

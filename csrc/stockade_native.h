@@ -348,3 +348,9 @@ struct sk_observe_stats {
 
 int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_prefix, const char *const *watch,
                     size_t n_watch, struct sk_observe_stats *st);
+/* Receive the listener init sends over sock, then sk_observe_loop until the sandbox is
+ * gone; the listener is closed after. -ENOMSG: the sandbox ended (sock's EOF) or
+ * stop_fd became readable before a listener came. One call with no GIL from start
+ * to end: the thread never competes with the supervisor's Python for it. */
+int sk_observe_serve(int sock, int stop_fd, int out_fd, const char *skip_prefix, const char *const *watch,
+                     size_t n_watch, struct sk_observe_stats *st);

@@ -158,7 +158,7 @@ class AuditLog:
         # batch: events are kept until flush(), which appends them with one write
         self._batch: list[bytes] | None = [] if batch else None
 
-    def event(
+    def render(
         self,
         operation: str,
         target: str,
@@ -168,7 +168,8 @@ class AuditLog:
         policy: str | None = None,
         reason: str | None = None,
         **extra: Any,
-    ) -> None:
+    ) -> bytes:
+        """One event's line (newline included), as ``event`` appends it."""
         rec: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "timestamp": _now(),
@@ -199,10 +200,27 @@ class AuditLog:
                 rec["target"] = str(rec["target"])[:256]
                 rec["reason"] = str(rec["reason"] or "")[:256]
                 data = json.dumps(rec, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return data + b"\n"
+
+    def event(
+        self,
+        operation: str,
+        target: str,
+        result: str,
+        *,
+        run: int | None = None,
+        policy: str | None = None,
+        reason: str | None = None,
+        **extra: Any,
+    ) -> None:
+        self.add(self.render(operation, target, result, run=run, policy=policy, reason=reason, **extra))
+
+    def add(self, line: bytes) -> None:
+        """Append a line ``render`` made."""
         if self._batch is not None:
-            self._batch.append(data + b"\n")
+            self._batch.append(line)
             return
-        self._append(data + b"\n")
+        self._append(line)
 
     def flush(self) -> None:
         """Append the batched events (one write: O_APPEND keeps them together)."""

@@ -253,6 +253,7 @@ class Classifier:
         self.resolver = _Resolver(ctx)
         self.aggs: dict[tuple[str, str, str], _Agg] = {}
         self.memo: dict[tuple[str, str], tuple[str, str, str]] = {}
+        self.touched: dict[tuple[str, str, str], _Agg] = {}  # changed since ``take_touched``
 
     def feed(self, records: Iterable[RecordLike]) -> None:
         ctx, aggs, memo = self.ctx, self.aggs, self.memo
@@ -298,21 +299,29 @@ class Classifier:
             a.count += 1
             if len(a.pids) < MAX_PIDS and r.pid not in a.pids:
                 a.pids.append(r.pid)
+            self.touched[k] = a
+
+    def take_touched(self) -> list[_Agg]:
+        """The aggregates changed since the last call."""
+        out = list(self.touched.values())
+        self.touched.clear()
+        return out
 
     def events(self) -> list[dict[str, Any]]:
         """Blocked first, in the order first seen within each; each a dict of
         AuditLog.event's arguments."""
-        return [_event(a) for a in self._ordered()]
+        return [event_of(a) for a in self._ordered()]
 
-    def written(self, limit: int = MAX_EVENTS) -> tuple[list[dict[str, Any]], dict[str, int]]:
-        """``capped(self.events(), limit)`` without making the events left out (a
-        ``find /`` has tens of thousands)."""
+    def written(self, limit: int = MAX_EVENTS) -> tuple[list[_Agg], dict[str, int]]:
+        """The aggregates ``capped(self.events(), limit)`` keeps (``event_of`` makes each
+        an event), without making the events left out (a ``find /`` has tens of
+        thousands), and the counts of those."""
         ordered = self._ordered()
         left: dict[str, int] = {}
         for a in ordered[limit:]:
             k = f"{a.operation} {a.result}"
             left[k] = left.get(k, 0) + 1
-        return [_event(a) for a in ordered[:limit]], left
+        return ordered[:limit], left
 
     def blocked(self) -> int:
         return sum(1 for a in self.aggs.values() if a.result == "blocked")
@@ -321,7 +330,7 @@ class Classifier:
         return sorted(self.aggs.values(), key=lambda a: a.result != "blocked")
 
 
-def _event(a: _Agg) -> dict[str, Any]:
+def event_of(a: _Agg) -> dict[str, Any]:
     return {"operation": a.operation, "target": a.target, "result": a.result, "policy": a.policy,
             "reason": a.reason, "access": a.access, "syscall": a.syscall, "count": a.count, "host_pids": a.pids,
             "basis": "predicted", **a.extra}

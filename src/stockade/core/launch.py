@@ -143,7 +143,7 @@ class Launch:
                 raise UsageError(LIVE_REFUSED)
             from .observe import RunObserve
 
-            obs = self.observe = RunObserve(run_dir or str(sess.dir), prep)
+            obs = self.observe = RunObserve(run_dir or str(sess.dir), prep, sess, run_no)
             self.to_close.append(obs.child_fd)
         child = self.child = launch.start(plan, (self.stdin_fd, self.out_w, self.err_w), place.clone_fd if place else None,
                                           pty=self.io.pty, console_sock=self.console[1], hold_before_exec=hold,

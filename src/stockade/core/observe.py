@@ -8,8 +8,10 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
+from ..audit import AuditLog
 from ..errors import StockadeError
 
 if TYPE_CHECKING:
@@ -19,7 +21,8 @@ if TYPE_CHECKING:
 
 LIVE_REFUSED = ("observe mode is not available for living sandboxes (its filter is installed when a sandbox starts, "
                 "for one command tree): observe a command with `stockade run --observe -- CMD`")
-RECORDS = "observed.bin"  # a run's raw records (runs/N/), decoded into the audit log at its end
+RECORDS = "observed.bin"
+FEED = 64  # records classified per hold of the GIL (the supervisor's thread may be waiting for it)  # a run's raw records (runs/N/), decoded into the audit log at its end
 
 
 class RunObserve:
@@ -28,7 +31,7 @@ class RunObserve:
     writes, and a thread that classifies them as they arrive (``observed.Classifier``),
     so the run's end only adds the last ones to the audit log."""
 
-    def __init__(self, run_dir: str, prep: Prepared) -> None:
+    def __init__(self, run_dir: str, prep: Prepared, sess: store.Session, run_no: int) -> None:
         from ..linux.seccomp.observe import Observer, observe_bpf
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -40,25 +43,33 @@ class RunObserve:
         masked = tuple(str(m.path) for m in prep.audit.masked if observed_under(str(m.path), project))
         self.observer: Observer = Observer(ours, self.path, project, masked)
         self.classifier: Any = None
+        self.run_no = run_no
+        self._render = AuditLog(sess).render
+        # each event's audit line, made while the command runs (the run's end only
+        # remakes those whose count changed since): id(aggregate) -> ((count, pids), line)
+        self._lines: dict[int, tuple[tuple[int, int], bytes]] = {}
         self.error: str | None = None
         self._wake = threading.Event()
         self._reader = threading.Thread(target=self._classify, name="stockade-observe-log", daemon=True)
 
     def start(self) -> None:
+        from .. import observed
+
+        try:  # here, before the sandbox starts: the reader then only classifies
+            self.classifier = observed.Classifier(context(self.prep))
+        except Exception as e:  # never lose the run to its log
+            self.error = f"classify: {e}"
         self.observer.start()
-        self._reader.start()
+        if self.classifier is not None:
+            self._reader.start()
 
     def _classify(self) -> None:
         """Read the records as the loop appends them, classify each batch; a last read
         once the loop is over."""
-        from .. import observed
         from ..linux.seccomp import observe as kobs
 
-        try:
-            self.classifier = observed.Classifier(context(self.prep))
-        except Exception as e:  # never lose the run to its log
-            self.error = f"classify: {e}"
-            return
+        with contextlib.suppress(OSError):  # the command first, on a busy machine (this thread only)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         fd = -1
         buf = b""
         off = 0
@@ -78,7 +89,10 @@ class RunObserve:
                     buf += chunk
                     recs, used = kobs.parse_records(buf)
                     buf = buf[used:]
-                    self.classifier.feed(recs)
+                    for i in range(0, len(recs), FEED):
+                        self.classifier.feed(recs[i:i + FEED])
+                        time.sleep(0)  # the GIL for the supervisor's thread, should it wait
+                    self._prerender()
                 if over:
                     return
                 self._wake.wait(0.01)  # the loop hands records over every 10 ms (OBS_FLUSH_MS)
@@ -88,15 +102,34 @@ class RunObserve:
             if fd >= 0:
                 os.close(fd)
 
+    def _prerender(self) -> None:
+        """Make the lines of the events changed since the last batch (at most the number
+        a run writes: a ``find /`` touches tens of thousands)."""
+        from .. import observed
+
+        touched = self.classifier.take_touched()
+        if len(self._lines) >= observed.MAX_EVENTS:
+            return
+        for a in touched[:observed.MAX_EVENTS]:
+            self._lines[id(a)] = ((a.count, len(a.pids)), self._line(a))
+        time.sleep(0)
+
+    def _line(self, a: Any) -> bytes:
+        from .. import observed
+
+        e = observed.event_of(a)
+        return self._render(e.pop("operation"), e.pop("target"), e.pop("result"), run=self.run_no,
+                            policy=e.pop("policy"), reason=e.pop("reason"), **e)
+
     def finish(self, sess: store.Session, run_no: int) -> dict[str, Any]:
         """Wait for the threads (the loop ends with the sandbox), write the classified
         records to the session's audit log; the run's summary of them."""
         from .. import observed
-        from ..audit import AuditLog
 
         st = self.observer.stop()
         self._wake.set()
-        self._reader.join(30.0)
+        if self._reader.ident is not None:
+            self._reader.join(30.0)
         summary: dict[str, Any] = {"notified": st.notified, "logged": st.logged, "inside_project": st.skipped,
                                    "stale": st.stale, "unreadable": st.unreadable, "lost": st.lost}
         if st.error:
@@ -120,10 +153,9 @@ class RunObserve:
                 sess.update_meta(observed=True)
         log = AuditLog(sess, batch=True)
         try:
-            for e in kept:
-                e = dict(e)
-                log.event(e.pop("operation"), e.pop("target"), e.pop("result"), run=run_no, policy=e.pop("policy"),
-                          reason=e.pop("reason"), **e)
+            for a in kept:
+                made = self._lines.get(id(a))
+                log.add(made[1] if made is not None and made[0] == (a.count, len(a.pids)) else self._line(a))
             if left:
                 log.event(observed.SUPPRESSED, f"run {run_no}", "info", run=run_no, policy="observe",
                           reason=f"more than {observed.MAX_EVENTS} distinct observed entries: the rest counted",

@@ -13,6 +13,7 @@ lands in a file; ``read_records`` decodes it.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import socket
@@ -227,33 +228,30 @@ class Observer:
         self._thread = threading.Thread(target=self._run, name="stockade-observe", daemon=True)
 
     def start(self) -> None:
+        # everything the thread needs is made here: its body is one C call without the
+        # GIL (receive the listener, answer until the sandbox is gone), so a notification
+        # never waits for the supervisor's Python
+        try:
+            self._out = os.open(self.out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError:
+            self._out = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)  # still answered: never stall the command
+        self._st = ffi.new("struct sk_observe_stats *")
+        self._keep = [ffi.new("char[]", os.fsencode(self.skip_prefix)),
+                      *(ffi.new("char[]", os.fsencode(w)) for w in self.watch)]
+        self._watch = ffi.new("char *[]", [*self._keep[1:], ffi.NULL])
         self._thread.start()
         self._started = True
 
     def _run(self) -> None:
+        st = self._st
         try:
-            _msg, fds, _flags, _addr = socket.recv_fds(self.sock, 1, 1)
-        except OSError:
-            return
-        if not fds:
-            return  # the sandbox ended (or failed) before it sent one
-        listener = fds[0]
-        for extra in fds[1:]:
-            os.close(extra)
-        self.got_listener = True
-        try:
-            out = os.open(self.out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        except OSError:
-            out = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)  # still answered: never stall the command
-        st = ffi.new("struct sk_observe_stats *")
-        prefix = ffi.new("char[]", os.fsencode(self.skip_prefix))
-        keep = [ffi.new("char[]", os.fsencode(w)) for w in self.watch]
-        watch = ffi.new("char *[]", [*keep, ffi.NULL])
-        try:
-            r = lib.sk_observe_loop(listener, self._stop_r, out, prefix, watch, len(keep), st)
+            r = lib.sk_observe_serve(self.sock.fileno(), self._stop_r, self._out, self._keep[0], self._watch,
+                                     len(self._keep) - 1, st)
         finally:
-            os.close(out)
-            os.close(listener)  # (any task left would now get ENOSYS: there is none, or it is being killed)
+            os.close(self._out)
+        self.got_listener = r != -errno.ENOMSG
+        if not self.got_listener:
+            return
         self.stats = Stats(st.notified, st.logged, st.skipped, st.stale, st.unreadable, st.lost, -r if r < 0 else 0)
 
     def running(self) -> bool:
