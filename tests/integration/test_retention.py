@@ -504,7 +504,7 @@ def test_a_broken_session_is_skipped_with_its_reason(user: User, project: Path) 
         ok(user.cli(["run", "--session", sid, "--", "true"], cwd=project))
     d = user.state / "sessions"
     (d / "a-bad-json" / "meta.json").write_text("{")
-    (d / "b-no-project" / "meta.json").write_text("[1]")
+    (d / "b-no-project" / "meta.json").write_text('{"note": "no project"}')
     if user.name != "root":  # a directory of another owner: its rename is refused (EACCES)
         os.chown(d / "c-not-mine", 0, 0)
     for sid in ("a-bad-json", "b-no-project", "c-not-mine", "z-empty"):
@@ -513,6 +513,12 @@ def test_a_broken_session_is_skipped_with_its_reason(user: User, project: Path) 
     rows = {r["id"]: r for r in json.loads(ok(user.cli(["status", "--json"], cwd=project)))}
     assert rows["a-bad-json"]["state"] == "unreadable" and "meta.json is unreadable" in rows["a-bad-json"]["reason"]
     assert rows["b-no-project"]["state"] == "unreadable" and "names no project" in rows["b-no-project"]["reason"]
+    # `list`: an unreadable record has no creation time, so no age (not one since 1970)
+    listed = {r["session"]: r for r in json.loads(ok(user.cli(["list", "--json"], cwd=project)))}
+    assert listed["a-bad-json"]["age_s"] is None and "error" in listed["a-bad-json"]["changes"], listed
+    assert 0 <= listed["z-empty"]["age_s"] < 3600, listed
+    table = ok(user.cli(["list"], cwd=project)).splitlines()
+    assert next(ln for ln in table if ln.startswith("a-bad-json")).split()[1] == "?", table
 
     r = user.py("from stockade.changes import retention\n"
                 "import json; print(json.dumps([o.to_json() for o in retention.collect_auto()]))")

@@ -119,3 +119,19 @@ def test_busy_session_names_a_remedy_the_verb_has(state_dir: Path, tmp_path: Pat
     finally:
         os.close(fd)
     assert (s.upper / "f").exists() and not (proj / "f").exists()
+
+
+def test_a_meta_json_that_is_no_record_is_a_clear_error(state_dir: Path, tmp_path: Path) -> None:
+    """meta.json holding valid JSON that is not a session's record (a list; an object
+    naming no project): the one-line errors callers report, never a TypeError or KeyError."""
+    from stockade.errors import SessionNotFound
+
+    proj = tmp_path / "p"
+    proj.mkdir()
+    s = store.open_or_create(proj, "odd")
+    s.meta_path.write_text("[1]")
+    with pytest.raises(ValueError, match=r"not a session's record.*stockade clean odd"):
+        s.meta()
+    s.meta_path.write_text('{"note": 1}')
+    with pytest.raises(SessionNotFound, match=r"names no project.*stockade clean odd"):
+        _ = s.project

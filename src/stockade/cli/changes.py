@@ -162,7 +162,8 @@ def cmd_list(args: Args) -> int:
         rows.append({
             "session": s.id,
             "project": meta.get("project"),
-            "age_s": round(now - int(meta.get("created_ns", 0)) / 1e9, 1),
+            # (None: an unreadable record says no creation time)
+            "age_s": round(now - created / 1e9, 1) if isinstance(created := meta.get("created_ns"), int) else None,
             "runs": runs,
             "changes": c,
             "disk_bytes": du(str(s.dir)),
@@ -177,7 +178,8 @@ def cmd_list(args: Args) -> int:
     for r in rows:
         c = r["changes"]
         ch = "error" if "error" in c else f"+{c['added']} ~{c['modified']} -{c['deleted']}"
-        _out(f"{r['session']:<16} {_age(r['age_s']):>5} {r['runs']:>4} {ch:<14} {_human(r['disk_bytes']):>7}  {r['project']}\n")
+        age = _age(r["age_s"]) if r["age_s"] is not None else "?"
+        _out(f"{r['session']:<16} {age:>5} {r['runs']:>4} {ch:<14} {_human(r['disk_bytes']):>7}  {r['project']}\n")
     return 0
 
 

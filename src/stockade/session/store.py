@@ -219,10 +219,13 @@ class Session:
     def meta(self) -> dict[str, Any]:
         try:
             with open(self.meta_path, encoding="utf-8") as f:
-                data: dict[str, Any] = json.load(f)
-                return data
+                data = json.load(f)
         except FileNotFoundError:
             raise SessionNotFound(f"session {self.id!r} has no meta.json; remove it with `stockade clean {self.id}`") from None
+        if not isinstance(data, dict):  # (a ValueError, as for a torn file)
+            raise ValueError(f"session {self.id!r}: its meta.json is not a session's record; "
+                             f"remove it with `stockade clean {self.id}`")
+        return data
 
     def update_meta(self, **changes: Any) -> dict[str, Any]:
         meta = self.meta()
@@ -232,7 +235,11 @@ class Session:
 
     @property
     def project(self) -> Path:
-        return Path(self.meta()["project"])
+        p = self.meta().get("project")
+        if not isinstance(p, str) or not p:
+            raise SessionNotFound(f"session {self.id!r}: its meta.json names no project; "
+                                  f"remove it with `stockade clean {self.id}`")
+        return Path(p)
 
     # ---- runs ---------------------------------------------------------------
     def new_run_dir(self) -> tuple[int, Path]:
