@@ -62,3 +62,23 @@ def test_a_planted_symlink_or_foreign_directory_is_refused(state: Path, tmp_path
 def test_markup_in_the_url_stays_data() -> None:
     page = opener.redirect_page('http://127.0.0.1:1/?token=x"><script>alert(1)</script>')
     assert "<script>alert" not in page and "\\u003cscript>" in page and "&quot;&gt;&lt;script&gt;" in page
+
+
+def test_a_killed_servers_file_goes_with_the_next_open(state: Path) -> None:
+    """A server killed before removing its file (SIGKILL) leaves it: the next --open
+    removes the files of servers that are gone, never a live one's."""
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no process holds now
+    d = state / "review-open"
+    opener.write_redirect(URL)  # makes the directory
+    dead = d / f"review-{gone.pid}-abc123.html"
+    dead.write_text("stale")
+    live = d / f"review-{os.getppid()}-def456.html"
+    live.write_text("live")
+    other = d / "notes.txt"
+    other.write_text("not ours")
+    f = opener.write_redirect(URL)
+    assert not dead.exists() and live.exists() and other.exists() and f.exists()
+    assert f.name.startswith(f"review-{os.getpid()}-")

@@ -5,7 +5,8 @@ gives full review rights: apply, roll back).
 The browser is given ``file://`` of a small HTML file that redirects to the tokened URL
 (as Jupyter does). The file is 0600 in a 0700 directory of the user's own under the state
 directory, so only the user (and root) can read it; it is removed once the page has been
-loaded, or when the server ends."""
+loaded, or when the server ends; a server killed before that leaves it, and the next
+``--open`` removes it (the file is named after its server's pid)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,12 @@ def redirect_page(url: str) -> str:
 
 
 def write_redirect(url: str) -> Path:
-    """A new 0600 file (O_EXCL, in the private directory) redirecting to ``url``."""
-    fd, name = tempfile.mkstemp(prefix="review-", suffix=".html", dir=_private_dir())
+    """A new 0600 file (O_EXCL, in the private directory) redirecting to ``url``, named
+    after this process; the files of servers that are gone (killed before they removed
+    theirs) are removed first."""
+    d = _private_dir()
+    sweep(d)
+    fd, name = tempfile.mkstemp(prefix=f"review-{os.getpid()}-", suffix=".html", dir=d)
     try:
         os.fchmod(fd, 0o600)
         os.write(fd, redirect_page(url).encode())
@@ -67,3 +72,16 @@ def remove(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+def sweep(d: Path) -> list[Path]:
+    """Remove the redirect files whose server process is gone; those removed."""
+    from ..session.store import pid_alive
+
+    gone: list[Path] = []
+    for f in d.glob("review-*-*.html"):
+        pid = f.name.split("-")[1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            remove(f)
+            gone.append(f)
+    return gone
