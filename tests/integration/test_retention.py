@@ -358,10 +358,14 @@ def test_rollback_after_its_session_was_collected(user: User, project: Path) -> 
     age(user.state, "ap", 10 * DAY)
     data = clean_json(user, project, "--older-than", "7d")  # applied: nothing unapplied left
     assert data["removed"] == ["ap"] and "ap" not in sessions(user.state)
+    # a new session under the same name is another one: the rollback's entries stay out of it
+    ok(user.cli(["run", "--session", "ap", "--", "sh", "-c", "echo mine > mine.txt"], cwd=project))
     r = user.cli(["rollback"], cwd=project)
     assert r.returncode == 0, r.stderr
-    assert "session ap was removed since" in r.stderr.decode()
+    assert "session ap was removed since (the session of that name now is a later one)" in r.stderr.decode()
     assert (project / "README.md").read_bytes() == before and not (project / "new.txt").exists()
+    diff = json.loads(ok(user.cli(["status", "ap", "--json"], cwd=project)))
+    assert sorted(c["path"] for c in diff["changes"]) == ["mine.txt"], diff
 
 
 @pytest.mark.cli_paths

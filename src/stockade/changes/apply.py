@@ -312,6 +312,8 @@ def _run_apply(apply_id: str, session: Session, project: Path, chosen: list[Chan
         "id": apply_id,
         "session": session.id,
         "session_dir": str(session.dir),
+        # which session: one made later under the same name (this one collected) is not it
+        "session_created_ns": session.meta().get("created_ns"),
         "project": str(project),
         "created": time.time_ns(),
         "stack": [str(p) for p in stack],

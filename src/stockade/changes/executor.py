@@ -393,6 +393,23 @@ def undo_all(ex: Executor, ops: list[dict[str, Any]], last: int) -> None:
         ex.undo(n, ops[n])
 
 
+def plan_session(plan: dict[str, Any]) -> Session | None:
+    """The session an apply took its entries from, while it is still that session: gone
+    when collected, and a session made later under the same name is another one (its
+    creation time differs from the one the journal recorded)."""
+    sdir = Path(plan["session_dir"])
+    if not sdir.is_dir():
+        return None
+    s = Session(plan["session"], sdir)
+    want = plan.get("session_created_ns")
+    if want is None:
+        return s  # a journal from before the field: as then
+    try:
+        return s if s.meta().get("created_ns") == want else None
+    except (OSError, ValueError, SessionNotFound):
+        return None
+
+
 def rollback_ops(ex: Executor, plan: dict[str, Any], adir: Path, prog: Progress,
                   project_done: bool = False) -> None:
     ops = plan["ops"]
@@ -402,7 +419,7 @@ def rollback_ops(ex: Executor, plan: dict[str, Any], adir: Path, prog: Progress,
         tick()
     # put the applied entries back into the session's layers (when the session still exists)
     stack = [Path(p) for p in plan["stack"]]
-    sdir = Path(plan["session_dir"])
+    sess = plan_session(plan)
     (adir / "removed").mkdir(mode=0o700, exist_ok=True)
     removed = os.open(adir / "removed", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -410,7 +427,7 @@ def rollback_ops(ex: Executor, plan: dict[str, Any], adir: Path, prog: Progress,
             src = adir / "removed" / str(k)
             if not (src.exists() or src.is_symlink()):
                 continue
-            if sdir.is_dir() and li < len(stack) and stack[li].is_dir():
+            if sess is not None and li < len(stack) and stack[li].is_dir():
                 try:
                     with Root(stack[li]) as lr:
                         _put_back(removed, str(k), lr, p)
@@ -422,11 +439,10 @@ def rollback_ops(ex: Executor, plan: dict[str, Any], adir: Path, prog: Progress,
         os.close(removed)
     shutil.rmtree(adir / "backups", ignore_errors=True)
     prog.note("s rolled-back", sync=True)
-    if sdir.is_dir():
+    if sess is not None:
         with contextlib.suppress(OSError, SessionNotFound):
-            s = Session(plan["session"], sdir)
-            record_applied(s, ex.host, [op["path"] for op in ops])
-            log_event(s, {"event": "rollback", "apply_id": plan["id"]})
+            record_applied(sess, ex.host, [op["path"] for op in ops])
+            log_event(sess, {"event": "rollback", "apply_id": plan["id"]})
 
 
 def _put_back(src_dir: int, src: str, lr: Root, p: str) -> None:

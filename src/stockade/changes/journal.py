@@ -212,6 +212,9 @@ class ApplyRecord:
     created_ns: int
     state: str
     paths: tuple[str, ...]
+    # a rollback's: whether the entries went back into their session (False: it was
+    # collected since, or its name now belongs to a session made later)
+    back_in_session: bool = False
 
 
 def list_applies(session_id: str | None = None) -> list[ApplyRecord]:

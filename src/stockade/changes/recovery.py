@@ -10,8 +10,7 @@ from pathlib import Path
 
 from ..session import store
 from ..session.idrange import with_sandbox_ids
-from ..session.store import Session
-from .executor import Executor, finish_moves, rollback_ops, undo_all
+from .executor import Executor, finish_moves, plan_session, rollback_ops, undo_all
 from .journal import (
     Progress,
     applies_dir,
@@ -85,9 +84,9 @@ def _recover_one(apply_id: str) -> str:
         if state == "prepared":
             undo_all(ex, plan["ops"], begun)
             prog.note("s undone", sync=True)
-            sdir = Path(plan["session_dir"])
-            if sdir.is_dir():
-                record_applied(Session(plan["session"], sdir), ex.host, [op["path"] for op in plan["ops"]])
+            sess = plan_session(plan)
+            if sess is not None:
+                record_applied(sess, ex.host, [op["path"] for op in plan["ops"]])
             msg = f"apply {apply_id}: interrupted; undone (the project is as before it)"
         elif state == "committed":
             finish_moves(adir, stack, ex.host, plan["moves"], moved, prog)

@@ -10,8 +10,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..session import store
 from ..session.idrange import with_sandbox_ids
-from ..session.store import Session
-from .executor import Executor, rollback_ops
+from .executor import Executor, plan_session, rollback_ops
 from .journal import (
     ApplyRecord,
     Progress,
@@ -59,12 +58,9 @@ def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord
     plan = load_plan(adir)
     assert plan is not None
     stack = [Path(p) for p in plan["stack"]]
-    sdir = Path(plan["session_dir"])
+    sess = plan_session(plan)
     lock_cm: contextlib.AbstractContextManager[int | None]
-    if sdir.is_dir():
-        lock_cm = Session(plan["session"], sdir).lock(wait=False)
-    else:
-        lock_cm = contextlib.nullcontext()
+    lock_cm = sess.lock(wait=False) if sess is not None else contextlib.nullcontext()
     with lock_cm, global_lock():
         ex = Executor(rec.id, adir, Path(plan["project"]), stack)
         try:
@@ -97,4 +93,5 @@ def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord
             (pending_dir() / rec.id).unlink(missing_ok=True)
         finally:
             ex.close()
-    return ApplyRecord(rec.id, rec.session, rec.project, rec.created_ns, "rolled-back", rec.paths)
+    return ApplyRecord(rec.id, rec.session, rec.project, rec.created_ns, "rolled-back", rec.paths,
+                       back_in_session=sess is not None)

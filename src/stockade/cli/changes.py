@@ -438,10 +438,11 @@ def cmd_rollback(args: Args) -> int:
     from ..session import store
 
     rec = rollback(args.apply_id, force=args.force)
-    if (store.sessions_dir() / rec.session / "meta.json").is_file():
+    if rec.back_in_session:
         where = f"the changes are back in session {rec.session}"
     else:  # collected since (README: How long sessions stay): the project is restored all the same
-        where = f"session {rec.session} was removed since, so the changes are not kept anywhere"
+        other = " (the session of that name now is a later one)" if (store.sessions_dir() / rec.session).is_dir() else ""
+        where = f"session {rec.session} was removed since{other}, so the changes are not kept anywhere"
     _err(f"stockade: rolled back apply {rec.id} ({len(rec.paths)} path(s)); {where}")
     return 0
 
