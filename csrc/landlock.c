@@ -103,7 +103,8 @@ int sk_landlock_child(const struct sk_landlock *ll, int rep)
             return -1;
         }
     }
-    if (syscall(SK_NR_landlock_restrict_self, rs, 0) < 0) {
+    /* restrict_flags: only ever set for ABI >= 7 (plan.py); older kernels refuse flags (EINVAL). */
+    if (syscall(SK_NR_landlock_restrict_self, rs, ll->restrict_flags) < 0) {
         sk_report(rep, SK_REP_ERROR, SK_STEP_LANDLOCK, errno, 0, "landlock_restrict_self");
         close(rs);
         return -1;

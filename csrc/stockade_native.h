@@ -63,6 +63,9 @@ struct sk_landlock {
     size_t n_bind_ports;
     const unsigned short *connect_ports; /* allowed TCP connect ports */
     size_t n_connect_ports;
+    unsigned int restrict_flags;      /* landlock_restrict_self's flags (ABI >= 7): observe mode's
+                                         LOG_NEW_EXEC_ON, so denials after init's execve of the
+                                         command reach the kernel audit stream; else 0 */
 };
 
 /* The fields marked "run" are what differs between runs of one prepared plan: a

@@ -19,7 +19,7 @@
 
 #include "internal.h"
 
-#define SK_WIRE_MAGIC 0x33504b53u /* "SKP3": a plan */
+#define SK_WIRE_MAGIC 0x34504b53u /* "SKP4": a plan */
 #define SK_RUN_MAGIC 0x31524b53u  /* "SKR1": a run */
 #define SK_NULL_LEN 0xffffffffu
 
@@ -114,6 +114,7 @@ size_t sk_plan_pack(const struct sk_plan *p, unsigned char *buf, size_t cap)
     put(&w, ll->bind_ports, ll->n_bind_ports * sizeof(unsigned short));
     put_u32(&w, (uint32_t)ll->n_connect_ports);
     put(&w, ll->connect_ports, ll->n_connect_ports * sizeof(unsigned short));
+    put_u32(&w, ll->restrict_flags);
     put_blob(&w, p->seccomp_bpf, p->seccomp_len, p->seccomp_bpf == NULL);
     put_u32(&w, SK_WIRE_MAGIC);
     return w.len;
@@ -345,6 +346,7 @@ static int plan_unpack(const unsigned char *buf, size_t len, struct sk_plan *p)
             ll->n_connect_ports = n;
         }
     }
+    ll->restrict_flags = get_u32(&r);
     p->seccomp_bpf = (const unsigned char *)get_blob(&r, &p->seccomp_len);
     if (get_u32(&r) != SK_WIRE_MAGIC || !ops || !rl || !kf || !rules || !ll->bind_ports ||
         !ll->connect_ports || r.off != r.len)

@@ -25,7 +25,8 @@ from typing import Any, Protocol
 
 from .redact import printable, terminal_safe
 
-OPERATIONS = ("observed-exec", "observed-open", "observed-connect")
+LANDLOCK_DENIAL = "observed-landlock-denial"  # Landlock's own record of a denial (kernel audit)
+OPERATIONS = ("observed-exec", "observed-open", "observed-connect", LANDLOCK_DENIAL)
 SUPPRESSED = "observed-suppressed"
 SUMMARY = "observed-summary"
 MAX_EVENTS = 2000  # observed events one run writes at most; the rest are counted in one event
@@ -80,6 +81,28 @@ class RecordLike(Protocol):
 
     @property
     def syscall(self) -> str: ...
+
+
+class DenialLike(Protocol):
+    """``linux.audit_netlink.Denial``."""
+
+    @property
+    def blockers(self) -> tuple[str, ...]: ...
+
+    @property
+    def target(self) -> str: ...
+
+    @property
+    def access(self) -> str: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def exe(self) -> str | None: ...
+
+    @property
+    def syscall(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -336,6 +359,37 @@ def event_of(a: _Agg) -> dict[str, Any]:
             "basis": "predicted", **a.extra}
 
 
+def landlock_events(denials: Iterable[DenialLike]) -> list[dict[str, Any]]:
+    """Landlock's records of our domain's denials, aggregated like the predicted events
+    (one per target and access). These are the kernel's word (``basis: "kernel"``):
+    the call was refused, which a prediction never says for what Landlock alone stops
+    (the mount view showed the path, or seccomp never saw the call)."""
+    aggs: dict[tuple[str, str], dict[str, Any]] = {}
+    for d in denials:
+        k = (d.target, d.access)
+        e = aggs.get(k)
+        if e is None:
+            net = d.access in ("connect", "bind")
+            e = aggs[k] = {"operation": LANDLOCK_DENIAL, "target": d.target, "result": "blocked",
+                           "policy": "landlock", "reason": "", "access": d.access, "blockers": [], "count": 0,
+                           "host_pids": [], "basis": "kernel"}
+            if net:
+                e["family"] = "inet6" if d.target.startswith("[") else "inet"
+            if d.exe:
+                e["exe"] = d.exe
+            if d.syscall is not None:
+                e["syscall_nr"] = d.syscall
+        for b in d.blockers:
+            if b not in e["blockers"]:
+                e["blockers"].append(b)
+        e["count"] += 1
+        if d.pid is not None and d.pid not in e["host_pids"] and len(e["host_pids"]) < MAX_PIDS:
+            e["host_pids"].append(d.pid)
+    for e in aggs.values():
+        e["reason"] = f"Landlock denied {', '.join(e['blockers']) or 'it'} (kernel audit record)"
+    return list(aggs.values())
+
+
 def classify(records: Iterable[RecordLike], ctx: Context) -> list[dict[str, Any]]:
     """``Classifier`` in one call."""
     c = Classifier(ctx)
@@ -393,7 +447,9 @@ def group(events: Iterable[Mapping[str, Any]], run: int | None = None) -> Groupe
             continue
         if op == "observed-exec" and e.get("result") != "blocked":
             g.programs[target] = g.programs.get(target, 0) + count
-        if op in ("observed-exec", "observed-open") and e.get("result") == "blocked":
+        if op == LANDLOCK_DENIAL and e.get("access") in ("connect", "bind"):
+            op = "observed-connect"  # with the hosts tried (its policy and reason say it is Landlock's record)
+        if op in ("observed-exec", "observed-open", LANDLOCK_DENIAL) and e.get("result") == "blocked":
             k = (str(op), target, str(e.get("access", "")))
             if k in denied:
                 denied[k]["count"] += count
@@ -428,7 +484,9 @@ def format_grouped(g: Grouped, *, summary: bool) -> list[str]:
         return ["no observed events: run with `stockade run --observe` (or [audit] observe = true)"]
     n_runs = len(g.runs)
     lines.append(f"observed: {n_runs} run{'s' if n_runs != 1 else ''} "
-                 "(results are predicted from each run's plan, not the calls' return values)")
+                 "(results are predicted from each run's plan, not the calls' return values"
+                 + ("; entries marked (kernel record) are Landlock's own denial records)"
+                    if any(e.get("basis") == "kernel" for e in (*g.denied, *g.hosts)) else ")"))
     lines.append("")
     lines.append(f"programs run ({len(g.programs)}):")
     for p, n in sorted(g.programs.items(), key=lambda kv: (-kv[1], kv[0]))[: 15 if summary else None]:
@@ -438,7 +496,9 @@ def format_grouped(g: Grouped, *, summary: bool) -> list[str]:
     for e in g.denied[: 15 if summary else None]:
         n = int(e.get("count") or 1)
         lines.append(f"  {e.get('access', '')} {e.get('target')}" + (f"  x{n}" if n > 1 else "")
-                     + f"  [{e.get('policy')}]  {e.get('reason')}")
+                     + (f"  denied by Landlock (kernel record): {', '.join(map(str, e.get('blockers') or ()))}"
+                        + (f"  ({e['exe']})" if e.get("exe") else "")
+                        if e.get("operation") == LANDLOCK_DENIAL else f"  [{e.get('policy')}]  {e.get('reason')}"))
     lines.append("")
     lines.append(f"hosts tried ({len(g.hosts)}):")
     for e in g.hosts[: 15 if summary else None]:
@@ -463,6 +523,9 @@ def format_grouped(g: Grouped, *, summary: bool) -> list[str]:
         lost = [f"{k} {s[k]}" for k in ("stale", "unreadable", "lost") if s.get(k)]
         if lost:
             lines.append(f"run {s.get('run')}: " + ", ".join(lost))
+        ll = s.get("landlock_audit")
+        if ll is not None and ll != "on":
+            lines.append(f"run {s.get('run')}: Landlock's own denial records not read: {ll}")
     # what the sandbox chose (the paths it opened, the addresses it tried) cannot forge
     # a line or drive the terminal
     return [terminal_safe(line) for line in lines]
@@ -508,10 +571,13 @@ def suggest(events: Iterable[Mapping[str, Any]], *, project: str) -> list[Sugges
             continue
         target, pol, access = str(e.get("target", "")), str(e.get("policy", "")), str(e.get("access", ""))
         because = f"{e.get('operation')} {access} {target}: {e.get('reason')}"
-        if e.get("operation") == "observed-connect":
+        if e.get("operation") == "observed-connect" or (e.get("operation") == LANDLOCK_DENIAL
+                                                         and access in ("connect", "bind")):
+            if access == "bind":
+                continue  # a listening port: no config line allows it (the sandbox's own network)
             host = target.rsplit(":", 1)[0].strip("[]")
             port = target.rsplit(":", 1)[-1]
-            if pol == "landlock-net" and is_loopback(host):
+            if pol in ("landlock-net", "landlock") and is_loopback(host):
                 s = Suggestion(f"forward = [{port}]", "[network]",
                                f"the sandbox reaches the host's loopback port {port} (a service there acts for it)",
                                because)
@@ -521,10 +587,17 @@ def suggest(events: Iterable[Mapping[str, Any]], *, project: str) -> list[Sugges
             out[(s.section, s.line)] = s
             continue
         path = str(e.get("resolved") or target)
+        if pol == "landlock" and (access not in ("read", "write", "exec")
+                                  or any(is_under(path, d) for d in _SANDBOX_OWN)
+                                  or {"fs.make_char", "fs.make_block"} & set(e.get("blockers") or ())):
+            continue  # the sandbox's own /proc, /dev, tmpfs (or an ioctl, a device node): no grant names them
         if not os.path.lexists(path):
             continue  # nothing on the host to allow (a PATH search, a probe for an optional file)
         home = _home_note(path)
-        if pol == "secret-mask":
+        if pol == "landlock" and access == "exec":
+            s = Suggestion(f"allow = [{_quote(os.path.dirname(path) or path)}]", "[exec]",
+                           f"programs in {os.path.dirname(path)} may run (the exec allowlist grows)", because)
+        elif pol == "secret-mask":
             rel = os.path.relpath(path, project) if is_under(path, project) else path
             s = Suggestion(f"allow = [{_quote(rel)}]", "[secrets]",
                            f"a secret pattern: {rel} matched a sensitive-file pattern; the command could read it "
@@ -533,7 +606,7 @@ def suggest(events: Iterable[Mapping[str, Any]], *, project: str) -> list[Sugges
             s = Suggestion(f'path = {_quote(path)}\naccess = "rw"', "[[paths]]",
                            f"a write outside the project: the command can change {path} on the host directly, "
                            "bypassing the change set and its review" + home, because)
-        elif pol in ("mount-view", "path-deny"):
+        elif pol in ("mount-view", "path-deny", "landlock"):
             if is_under(path, "/etc"):
                 s = Suggestion(f"extra = [{_quote(path)}]", "[etc]",
                                f"read access to the host's {path} (check it holds no secret: /etc/shadow, "
@@ -548,6 +621,9 @@ def suggest(events: Iterable[Mapping[str, Any]], *, project: str) -> list[Sugges
             continue
         out.setdefault((s.section, s.line), s)
     return list(out.values())
+
+
+_SANDBOX_OWN = ("/proc", "/dev", "/sys", "/tmp", "/run")
 
 
 def is_loopback(host: str) -> bool:

@@ -116,6 +116,13 @@ class LandlockPlan:
     rules: tuple[tuple[str, int, bool], ...]  # (sandbox path, access, optional)
     bind_ports: tuple[int, ...] = ()
     connect_ports: tuple[int, ...] = ()
+    # observe mode on ABI 7+: landlock_restrict_self(LOG_NEW_EXEC_ON), so the command's
+    # denials (after init's execve) reach the kernel audit stream (linux/audit_netlink.py)
+    log_denials: bool = False
+
+    @property
+    def restrict_flags(self) -> int:
+        return LL_RESTRICT_SELF_LOG_NEW_EXEC_ON if self.log_denials and self.abi >= 7 else 0
 
 
 @dataclass(frozen=True)
@@ -188,6 +195,9 @@ class Plan:
         if self.landlock:
             ll = self.landlock
             out.append(f"landlock:    ABI {ll.abi}, fs rights 0x{ll.handled_fs:x}, net 0x{ll.handled_net:x}, scoped 0x{ll.scoped:x}")
+            if ll.restrict_flags:
+                out.append("  denials logged (landlock_restrict_self LOG_NEW_EXEC_ON: observe mode reads the "
+                           "kernel's audit records of them while kernel audit is on)")
             for p, acc, _opt in ll.rules:
                 out.append(f"  allow 0x{acc:05x} beneath {p}")
         else:
@@ -462,6 +472,7 @@ LL_NET_BIND_TCP = 1 << 0  # ABI 4
 LL_NET_CONNECT_TCP = 1 << 1
 LL_SCOPE_ABSTRACT_UNIX = 1 << 0  # ABI 6
 LL_SCOPE_SIGNAL = 1 << 1
+LL_RESTRICT_SELF_LOG_NEW_EXEC_ON = 1 << 1  # ABI 7: landlock_restrict_self's flag
 
 
 def landlock_fs_rights(abi: int) -> int:
@@ -538,6 +549,7 @@ def landlock_plan(
     scope: bool = True,
     foreign_fds: bool = False,
     connect_ports: tuple[int, ...] = (),
+    log_denials: bool = False,
 ) -> LandlockPlan:
     handled = landlock_fs_rights(abi)
     read = LL_READ_FILE | LL_READ_DIR
@@ -571,7 +583,8 @@ def landlock_plan(
         handled_net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP
         ports = connect_ports
     scoped = (LL_SCOPE_ABSTRACT_UNIX | LL_SCOPE_SIGNAL) if (abi >= 6 and scope) else 0
-    return LandlockPlan(abi, handled, handled_net, scoped, tuple(rules), connect_ports=ports)
+    return LandlockPlan(abi, handled, handled_net, scoped, tuple(rules), connect_ports=ports,
+                        log_denials=log_denials and abi >= 7)
 
 
 # ---------------------------------------------------------------------------
@@ -687,7 +700,7 @@ class Request:
 
     __slots__ = (
         "argv", "cwd", "degraded", "env", "etc_extra", "exec_allow", "foreign_stdin", "forward", "grants", "hostname",
-        "keep_fds", "landlock", "lower_layers", "masked", "network", "project", "read_only", "rlimits", "root",
+        "keep_fds", "landlock", "landlock_log", "lower_layers", "masked", "network", "project", "read_only", "rlimits", "root",
         "seccomp_bpf", "seccomp_name", "stage_dir", "tmpfs_size", "upper", "user", "work",
     )
 
@@ -721,8 +734,10 @@ class Request:
         degraded: tuple[str, ...] = (),
         stage_dir: str = "/tmp",
         tmpfs_size: int | None = None,  # size= of each writable tmpfs (the --disk cap); None: none
+        landlock_log: bool = False,  # observe mode: Landlock logs the command's denials (ABI 7+)
     ) -> None:
         self.tmpfs_size = tmpfs_size
+        self.landlock_log = landlock_log
         self.argv = argv
         self.project = project
         self.cwd = cwd
@@ -1139,6 +1154,7 @@ def build(req: Request, facts: HostFacts | None = None) -> Plan:
             network=req.network,
             foreign_fds=foreign,
             connect_ports=_proxy_ports(req.network, req.forward),
+            log_denials=req.landlock_log,
         )
     notes.append(tcp_note(req.network, foreign, ll.abi if ll else 0))
     notes.append(id_note)

@@ -151,7 +151,7 @@ class Launch:
                                           observe_sock=obs.child_fd if obs else -1,
                                           observe_bpf=obs.bpf if obs else b"")
         if obs is not None:
-            obs.start()
+            obs.start(child.pidfd, child.pid)
         if hold:
             try:
                 if attach and cg is not None:

@@ -15,6 +15,7 @@ from ..audit import AuditLog
 from ..errors import StockadeError
 
 if TYPE_CHECKING:
+    from ..linux.audit_netlink import Subscription
     from ..linux.seccomp.observe import Observer
     from ..session import store
     from .prepare import Prepared
@@ -51,10 +52,30 @@ class RunObserve:
         self.error: str | None = None
         self._wake = threading.Event()
         self._reader = threading.Thread(target=self._classify, name="stockade-observe-log", daemon=True)
+        # Landlock's own denial records (kernel audit): subscribed before the sandbox
+        # exists, as the stream is never replayed; else why not
+        self.ll_audit: Subscription | str = "Landlock is off for this run"
+        self.init_pid: int | None = None
+        self._ll: tuple[list[dict[str, Any]], str] | None = None
+        ll = prep.plan.landlock
+        if ll is not None and ll.restrict_flags:
+            from ..linux.audit_netlink import Subscription
 
-    def start(self) -> None:
+            self.ll_audit = Subscription.open(ll.abi)
+        elif ll is not None:
+            self.ll_audit = f"Landlock ABI {ll.abi}: denial records need ABI 7 (Linux 6.15+)"
+
+    def start(self, init_pidfd: int = -1, init_pid: int = -1) -> None:
+        """The sandbox started (its init: ``init_pidfd``, ``init_pid`` as its starter
+        names it): the threads start."""
         from .. import observed
 
+        if not isinstance(self.ll_audit, str):
+            from ..linux.audit_netlink import host_pid
+
+            # the pid Landlock's domain record names: the restricting task's, in the
+            # initial PID namespace (a launcher's report is its own namespace's)
+            self.init_pid = (host_pid(init_pidfd) if init_pidfd >= 0 else None) or (init_pid if init_pid > 0 else None)
         try:  # here, before the sandbox starts: the reader then only classifies
             self.classifier = observed.Classifier(context(self.prep))
         except Exception as e:  # never lose the run to its log
@@ -145,14 +166,23 @@ class RunObserve:
                 os.unlink(self.path)
             except OSError:
                 pass
-        summary["events"] = len(kept) + sum(left.values())
-        summary["blocked"] = self.classifier.blocked() if done else 0
+        kernel, summary["landlock_audit"] = self._landlock()
+        if len(kernel) > observed.MAX_EVENTS:  # (the kernel's records: a cap of their own)
+            left[f"{observed.LANDLOCK_DENIAL} blocked"] = len(kernel) - observed.MAX_EVENTS
+            kernel = kernel[:observed.MAX_EVENTS]
+        summary["events"] = len(kept) + len(kernel) + sum(left.values())
+        summary["blocked"] = (self.classifier.blocked() if done else 0) + len(kernel)
+        summary["landlock_denials"] = len(kernel)
         with contextlib.suppress(StockadeError, OSError):
             # kept after the run even with no change: its log is what it ran for
             if not sess.meta().get("observed"):
                 sess.update_meta(observed=True)
         log = AuditLog(sess, batch=True)
         try:
+            for e in kernel:
+                e = dict(e)
+                log.event(e.pop("operation"), e.pop("target"), e.pop("result"), run=run_no, policy=e.pop("policy"),
+                          reason=e.pop("reason"), **e)
             for a in kept:
                 made = self._lines.get(id(a))
                 log.add(made[1] if made is not None and made[0] == (a.count, len(a.pids)) else self._line(a))
@@ -161,11 +191,43 @@ class RunObserve:
                           reason=f"more than {observed.MAX_EVENTS} distinct observed entries: the rest counted",
                           counts=left)
             log.event(observed.SUMMARY, f"run {run_no}", "info", run=run_no, policy="observe",
-                      reason="what observe mode saw (results predicted from the plan)", **summary)
+                      reason="what observe mode saw (results predicted from the plan"
+                             + ("; Landlock's denials from its kernel audit records)" if summary["landlock_audit"] == "on"
+                                else ")"), **summary)
             log.flush()
         except OSError:
             pass  # the audit log never breaks a run
         return summary
+
+    def _landlock(self) -> tuple[list[dict[str, Any]], str]:
+        """Our sandbox's Landlock denials as events (``observed.landlock_events``), and
+        "on" or why they are not read; the subscription is closed. Once, when the run
+        is over (``stop``: the start failed, or the run's teardown; ``finish``)."""
+        from .. import observed
+
+        sub = self.ll_audit
+        if self._ll is not None:
+            return self._ll
+        if isinstance(sub, str):
+            return [], sub
+        self._ll = [], "the run ended before its records were read"
+        try:
+            if self.init_pid is None:
+                self._ll = [], "the sandbox's init pid is unknown (its start failed)"
+                return self._ll
+            # kauditd hands records over asynchronously: wait for them only when a
+            # Landlock denial is likely (its TCP rules predicted one; one of ours came)
+            aggs = self.classifier.aggs.values() if self.classifier is not None else ()
+            expect = any(a.policy == "landlock-net" and a.result == "blocked" for a in aggs)
+            denials = sub.denials(self.init_pid, expect=expect)
+            note = "on" if not (sub.lost or sub.dropped) else (
+                f"on (records lost: {sub.lost} overruns, {sub.dropped} over the cap of the run's subscription)")
+            self._ll = observed.landlock_events(denials), note
+        except Exception as e:  # never lose the run to its log
+            self._ll = [], f"reading the kernel audit records failed: {e}"
+        finally:
+            sub.close()
+        return self._ll
 
     def stop(self) -> None:
         """The run is over (or failed to start): end both threads."""
@@ -173,6 +235,7 @@ class RunObserve:
         self._wake.set()
         if self._reader.ident is not None:
             self._reader.join(30.0)
+        self._landlock()  # the sandbox is gone: its last records are on their way
 
 
 def observed_under(path: str, root: str) -> bool:

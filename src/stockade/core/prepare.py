@@ -226,7 +226,8 @@ def finish(resolved: Resolved, sess: store.Session, argv: tuple[str, ...], *, fo
 
             lower.append(ensure_mask_layer(sess, list(i.mask_items), i.project, i.mask_mode))
     rw = not i.read_only
-    plan = _build(_request(i, argv, tuple(lower), sess.upper if rw else None, sess.work if rw else None, foreign_stdin))
+    plan = _build(_request(i, argv, tuple(lower), sess.upper if rw else None, sess.work if rw else None, foreign_stdin,
+                           landlock_log=resolved.observe))
     if not explain_only and rw and os.geteuid() == 0:
         _own_upper(sess, i.project)
     if len(i.keep_fds) > 64:
@@ -306,7 +307,7 @@ def base_plan(resolved: Resolved) -> planmod.Plan:
 
 
 def _request(i: PlanInputs, argv: tuple[str, ...], lower: tuple[Path, ...], upper: Path | None,
-             work: Path | None, foreign_stdin: bool = False) -> planmod.Request:
+             work: Path | None, foreign_stdin: bool = False, landlock_log: bool = False) -> planmod.Request:
     return planmod.Request(
         argv=argv, project=i.project, cwd=i.cwd, env=i.env, lower_layers=lower, upper=upper, work=work,
         foreign_stdin=foreign_stdin,
@@ -314,7 +315,7 @@ def _request(i: PlanInputs, argv: tuple[str, ...], lower: tuple[Path, ...], uppe
         masked=i.masked,
         grants=i.grants, exec_allow=i.exec_allow, etc_extra=i.etc_extra, landlock=i.landlock,
         seccomp_name=i.seccomp_name, seccomp_bpf=i.seccomp_bpf, rlimits=i.rlimits, degraded=i.degraded,
-        tmpfs_size=i.tmpfs_size,
+        tmpfs_size=i.tmpfs_size, landlock_log=landlock_log,
     )
 
 
@@ -345,7 +346,7 @@ def _build(req: planmod.Request) -> planmod.Plan:
         req.argv, str(req.project), str(req.cwd), tuple(req.env.items()), req.lower_layers, req.upper, req.work,
         req.root, req.user, req.read_only, req.network, req.forward, req.hostname, req.keep_fds, req.masked, req.grants,
         req.exec_allow, req.etc_extra, req.landlock, req.seccomp_name, req.seccomp_bpf, req.rlimits,
-        req.degraded, req.stage_dir, req.foreign_stdin, owner, passwd_sig(), req.tmpfs_size,
+        req.degraded, req.stage_dir, req.foreign_stdin, owner, passwd_sig(), req.tmpfs_size, req.landlock_log,
     )
     hit = _PLANS.get(key)
     if hit is not None and hit[0] == facts:

@@ -182,6 +182,7 @@ class LoweredPlan(_Keep):
             p.landlock.scoped = ll.scoped
             p.landlock.rules = rules
             p.landlock.n_rules = len(ll.rules)
+            p.landlock.restrict_flags = ll.restrict_flags
             for attr, ports in (("bind_ports", ll.bind_ports), ("connect_ports", ll.connect_ports)):
                 if ports:
                     setattr(p.landlock, attr, self.new("unsigned short[]", list(ports)))
