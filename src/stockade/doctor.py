@@ -548,33 +548,21 @@ def probe_seccomp() -> Probe:
 
 
 SECCOMP_RET_USER_NOTIF = 0x7FC00000
-NETLINK_AUDIT = 9
-AUDIT_GET = 1000
 
 
-def _audit_enabled() -> bool | None:
-    """The kernel audit subsystem's ``enabled`` (AUDIT_GET over NETLINK_AUDIT: root); None: unknown."""
-    import socket
-    import struct
+def landlock_audit_line(abi: int) -> tuple[str, bool]:
+    """What `run --observe` gets of Landlock's own denial records here, and whether it
+    reads them (linux/audit_netlink.py says why not)."""
+    from .linux.audit_netlink import unavailable
 
-    try:
-        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_AUDIT) as s:
-            s.settimeout(1.0)
-            s.bind((0, 0))
-            s.send(struct.pack("=IHHII", 16, AUDIT_GET, 0x1 | 0x4, 1, 0))  # NLM_F_REQUEST | NLM_F_ACK
-            for _ in range(4):
-                data = s.recv(8192)
-                off = 0
-                while off + 16 <= len(data):
-                    ln, typ = struct.unpack_from("=IH", data, off)
-                    if typ == AUDIT_GET and off + 24 <= len(data):
-                        return bool(struct.unpack_from("=I", data, off + 20)[0])  # struct audit_status.enabled
-                    if typ == 2 and struct.unpack_from("=i", data, off + 16)[0] < 0:  # NLMSG_ERROR, an error
-                        return None
-                    off += max(16, (ln + 3) & ~3)
-    except OSError:
-        return None
-    return None
+    why = unavailable(abi)
+    if why is None:
+        return ("Landlock denial audit: yes, used by observe mode (ABI 7, kernel audit on, root): each run's "
+                "Landlock denials come from the kernel's own records (basis kernel in `stockade log --observed`)"), True
+    off = "kernel audit is off" in why
+    return (f"Landlock denial audit: no ({why})" + ("" if off or abi < 7 else
+            "; observe mode predicts Landlock's denials from the plan instead")
+            + ("; observe mode uses them once it is on (stockade never turns it on itself)" if off else "")), False
 
 
 def probe_observe() -> Probe:
@@ -605,23 +593,8 @@ def probe_observe() -> Probe:
             seccomp_line += "; this process already runs under a filter: a listener above it would refuse ours (EBUSY)"
     data["seccomp"] = ok
     abi, _err = landlock_abi()
-    audit = os.path.exists("/proc/self/loginuid")  # CONFIG_AUDIT
-    root = os.geteuid() == 0
-    data.update({"landlock_abi": abi, "kernel_audit": audit, "root": root})
-    if abi < 7:
-        ll = f"Landlock denial audit: no (Landlock ABI {abi}: its denial records need ABI 7, Linux 6.15+)"
-    elif not audit:
-        ll = "Landlock denial audit: no (the kernel has no audit subsystem, CONFIG_AUDIT)"
-    elif not root:
-        ll = "Landlock denial audit: no (its records go to the kernel audit stream, which only root reads)"
-    elif _audit_enabled() is False:
-        ll = ("Landlock denial audit: no (kernel audit is off here, so Landlock logs nothing; `auditctl -e 1` "
-              "turns it on)")
-    else:
-        ll = ("Landlock denial audit: available here (ABI 7, audit, root), not used by observe mode: its records "
-              "go to the host's audit stream (auditd, journalctl _TRANSPORT=audit), not to the session; observe "
-              "mode predicts denials from the plan instead")
-    data["landlock_audit"] = abi >= 7 and audit and root
+    ll, data["landlock_audit"] = landlock_audit_line(abi)
+    data.update({"landlock_abi": abi, "kernel_audit": os.path.exists("/proc/self/loginuid"), "root": os.geteuid() == 0})
     return Probe("observe", "ok" if ok else "info", seccomp_line + "\n" + ll, None, data)
 
 

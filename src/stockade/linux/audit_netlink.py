@@ -258,7 +258,7 @@ def unavailable(abi: int) -> str | None:
     if os.geteuid() != 0:
         return "not root: the kernel audit stream is root's (CAP_AUDIT_READ)"
     if audit_enabled() is False:
-        return "kernel audit is off (Landlock logs nothing): `auditctl -e 1` turns it on, host-wide"
+        return "kernel audit is off here, so Landlock logs nothing; `auditctl -e 1` turns it on, host-wide"
     return None
 
 
