@@ -1,0 +1,214 @@
+"""Landlock's denial records (linux/audit_netlink.py) parsed from real-format record
+text, our domain picked out of other processes' records, turned into observed events
+(observed.landlock_events), grouped and suggested; the plan's restrict flag."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+from stockade import observed
+from stockade.linux import audit_netlink as an
+from stockade.plan import LL_RESTRICT_SELF_LOG_NEW_EXEC_ON, landlock_plan
+
+# as the kernel (6.18) printed them for `sh -c 'echo x > /proc/self/comm'` in an observed
+# run, and for a foreign Landlock process meanwhile (auditd's format: type=NAME msg=...)
+LINES = [
+    'type=LANDLOCK_ACCESS msg=audit(1795823218.110:167): domain=1bdfa87af blockers=fs.make_reg path="/proc/2" '
+    'dev="proc" ino=3830921',
+    'type=LANDLOCK_DOMAIN msg=audit(1795823218.110:167): domain=1bdfa87af status=allocated mode=enforcing '
+    'pid=19646 uid=0 exe="/work/src/stockade/stockade-launcher" comm="stockade-init"',
+    'type=LANDLOCK_ACCESS msg=audit(1795823218.110:167): domain=1bdfa87af blockers=fs.write_file '
+    'path="/proc/2/comm" dev="proc" ino=3830922',
+    'type=SYSCALL msg=audit(1795823218.110:167): arch=c000003e syscall=257 success=no exit=-13 a0=ffffff9c '
+    'a1=56389781eb48 a2=241 a3=1b6 items=1 ppid=19646 pid=19649 auid=4294967295 uid=0 gid=0 euid=0 suid=0 '
+    'fsuid=0 egid=0 sgid=0 fsgid=0 tty=(none) ses=4294967295 comm="sh" exe="/usr/bin/dash" key=(null)',
+    # a foreign domain: its path has a space, so the kernel hex-encodes it
+    'type=LANDLOCK_ACCESS msg=audit(1795823218.120:168): domain=1bdfa87b0 blockers=fs.write_file '
+    'path=2F746D702F6F746865722063616E6172790A dev="sda1" ino=12',
+    'type=LANDLOCK_DOMAIN msg=audit(1795823218.120:168): domain=1bdfa87b0 status=allocated mode=enforcing '
+    'pid=777 uid=0 exe="/usr/bin/python3.11" comm="python3"',
+    'type=SYSCALL msg=audit(1795823218.120:168): arch=c000003e syscall=257 success=no exit=-13 pid=777 '
+    'comm="python3" exe="/usr/bin/python3.11"',
+    # a TCP connect refused by our domain's port rule
+    'type=LANDLOCK_ACCESS msg=audit(1795823218.130:169): domain=1bdfa87af blockers=net.connect_tcp '
+    'daddr=127.0.0.1 dest=5432',
+    'type=SYSCALL msg=audit(1795823218.130:169): arch=c000003e syscall=42 success=no exit=-13 pid=19650 '
+    'comm="psql" exe="/usr/bin/psql"',
+    'type=LANDLOCK_DOMAIN msg=audit(1795823218.178:170): domain=1bdfa87af status=deallocated denials=4',
+]
+
+
+def records() -> list[an.Record]:
+    out = [an.parse_line(line) for line in LINES]
+    assert all(r is not None for r in out)
+    return [r for r in out if r is not None]
+
+
+def test_fields_quoted_hex_and_plain() -> None:
+    f = an.parse_fields('domain=1bdfa87af blockers=fs.read_file,fs.write_file path="/a b" dev="sda1" ino=5')
+    assert f == {"domain": "1bdfa87af", "blockers": "fs.read_file,fs.write_file", "path": "/a b", "dev": "sda1",
+                 "ino": "5"}
+    # untrusted strings with a space or a quote come hex-encoded, unquoted
+    assert an.parse_fields("path=2F746D702F612062") == {"path": "/tmp/a b"}
+    assert an.parse_fields('exe=2F7573722F62696E2F22') == {"exe": '/usr/bin/"'}
+    # a plain field that looks like hex stays what it is (ino, domain, arch...)
+    assert an.parse_fields("ino=1234 arch=c000003e")["arch"] == "c000003e"
+    # (null) and ? are not hex
+    assert an.parse_fields("key=(null) path=?")["path"] == "?"
+    # the first occurrence wins: a value cannot forge a later key
+    assert an.parse_fields('comm="x" comm="y"')["comm"] == "x"
+
+
+def test_record_from_netlink_payload_and_printk() -> None:
+    r = an.parse_record(1423, b"audit(1795823218.110:167): domain=1bdfa87af blockers=fs.make_reg path=\"/proc/2\"\0")
+    assert r is not None and r.type == 1423 and r.serial == 167 and abs(r.time - 1795823218.11) < 1e-6
+    assert r.fields["path"] == "/proc/2"
+    p = an.parse_line('[  12.3] audit: type=1424 audit(1795823218.110:167): domain=1bdfa87af status=allocated pid=5')
+    assert p is not None and p.type == 1424 and p.fields["pid"] == "5"
+    assert an.parse_record(1423, b"garbage") is None
+    assert an.parse_line("no record here") is None
+
+
+def test_netlink_messages_split() -> None:
+    def msg(t: int, body: bytes) -> bytes:
+        raw = struct.pack("=IHHII", 16 + len(body), t, 0, 0, 0) + body
+        return raw + b"\0" * (-len(raw) % 4)
+
+    data = msg(1423, b"audit(1.000:1): domain=1 blockers=fs.read_file") + msg(1300, b"audit(1.000:1): pid=9x")
+    got = an.split_messages(data)
+    assert [t for t, _ in got] == [1423, 1300]
+    assert got[1][1] == b"audit(1.000:1): pid=9x"
+    assert an.split_messages(b"\x03\0\0\0") == []  # a short header ends it
+
+
+def test_only_our_domain() -> None:
+    recs = records()
+    ds, ours = an.denials_of(recs, 19646)
+    assert ours == {"1bdfa87af"}
+    assert [(d.target, d.access) for d in ds] == [("/proc/2", "write"), ("/proc/2/comm", "write"),
+                                                   ("127.0.0.1:5432", "connect")]
+    comm = ds[1]
+    assert comm.blockers == ("fs.write_file",) and comm.pid == 19649 and comm.exe == "/usr/bin/dash"
+    assert comm.syscall == 257
+    assert ds[2].pid == 19650 and ds[2].exe == "/usr/bin/psql"
+    # the foreign process's records are never ours, whatever pid we ask about
+    other, _ = an.denials_of(recs, 777)
+    assert [d.target for d in other] == ["/tmp/other canary\n"]
+    assert an.denials_of(recs, 1)[0] == []
+    assert an.denials_of(recs, 0)[0] == []
+
+
+def test_targets_and_access() -> None:
+    assert an.target_of({"daddr": "::1", "dest": "80"}) == "[::1]:80"
+    assert an.target_of({"saddr": "0.0.0.0", "src": "8080"}) == "0.0.0.0:8080"
+    assert an.target_of({"name": "sock"}) == "sock"
+    assert an.target_of({"opid": "5", "ocomm": "sleep"}) == "pid 5 (sleep)"
+    assert an.access_of(("fs.read_file",)) == "read" and an.access_of(("fs.execute",)) == "exec"
+    assert an.access_of(("fs.read_file", "fs.truncate")) == "write"
+    assert an.access_of(("net.bind_tcp",)) == "bind" and an.access_of(("scope.signal",)) == "scope"
+
+
+def test_events_grouped_and_shown() -> None:
+    ds, _ = an.denials_of(records(), 19646)
+    evs = observed.landlock_events(ds + ds[1:2])
+    by = {e["target"]: e for e in evs}
+    comm = by["/proc/2/comm"]
+    assert comm["operation"] == observed.LANDLOCK_DENIAL and comm["basis"] == "kernel"
+    assert comm["result"] == "blocked" and comm["policy"] == "landlock" and comm["count"] == 2
+    assert comm["host_pids"] == [19649] and comm["exe"] == "/usr/bin/dash" and comm["blockers"] == ["fs.write_file"]
+    assert comm["reason"] == "Landlock denied fs.write_file (kernel audit record)"
+    net = by["127.0.0.1:5432"]
+    assert net["family"] == "inet" and net["access"] == "connect"
+    rows = [{**e, "run": 3} for e in evs]
+    rows.append({"operation": observed.SUMMARY, "run": 3, "landlock_audit": "on"})
+    g = observed.group(rows)
+    assert {d["target"] for d in g.denied} == {"/proc/2", "/proc/2/comm"}
+    assert [h["target"] for h in g.hosts] == ["127.0.0.1:5432"]
+    text = "\n".join(observed.format_grouped(g, summary=False))
+    assert "write /proc/2/comm  x2  denied by Landlock (kernel record): fs.write_file  (/usr/bin/dash)" in text
+    assert "Landlock's own denial records" in text
+    off = observed.group([{"operation": observed.SUMMARY, "run": 4, "landlock_audit": "not root: x"},
+                          {**evs[0], "run": 4}])
+    assert "run 4: Landlock's own denial records not read: not root: x" in observed.format_grouped(off, summary=True)
+
+
+def test_suggest_uses_kernel_denials(tmp_path: Path) -> None:
+    f = Path(__file__).resolve()  # a host file outside the sandbox's own tmpfs and /proc
+    evs = [
+        {"operation": observed.LANDLOCK_DENIAL, "target": str(f), "access": "write", "result": "blocked",
+         "policy": "landlock", "reason": "Landlock denied fs.write_file (kernel audit record)",
+         "blockers": ["fs.write_file"]},
+        {"operation": observed.LANDLOCK_DENIAL, "target": "/proc/2/comm", "access": "write", "result": "blocked",
+         "policy": "landlock", "reason": "r", "blockers": ["fs.write_file"]},
+        {"operation": observed.LANDLOCK_DENIAL, "target": "127.0.0.1:5432", "access": "connect",
+         "result": "blocked", "policy": "landlock", "reason": "r", "blockers": ["net.connect_tcp"]},
+        {"operation": observed.LANDLOCK_DENIAL, "target": "/usr/bin/true", "access": "exec", "result": "blocked",
+         "policy": "landlock", "reason": "r", "blockers": ["fs.execute"]},
+    ]
+    s = {(x.section, x.line): x for x in observed.suggest(evs, project=str(tmp_path / "proj"))}
+    rw = s[("[[paths]]", f'path = "{f}"\naccess = "rw"')]
+    assert "bypassing the change set" in rw.risk and "kernel audit record" in rw.because
+    assert ("[network]", "forward = [5432]") in s
+    assert ("[exec]", 'allow = ["/usr/bin"]') in s
+    assert not any("/proc" in line for _, line in s)
+    # the sandbox's own /tmp is no host path to grant
+    tmp = {**evs[0], "target": str(tmp_path / "x")}
+    (tmp_path / "x").write_text("")
+    assert observed.suggest([tmp], project=str(tmp_path / "proj")) == []
+
+
+def test_plan_flag_only_with_abi_7() -> None:
+    kw: dict[str, object] = {"read_only_trees": ["/usr"], "writable_trees": [], "device_files": [],
+                             "exec_allow": None, "network": "none"}
+    assert landlock_plan(7, **kw).restrict_flags == 0  # type: ignore[arg-type]
+    on = landlock_plan(7, log_denials=True, **kw)  # type: ignore[arg-type]
+    assert on.log_denials and on.restrict_flags == LL_RESTRICT_SELF_LOG_NEW_EXEC_ON == 2
+    old = landlock_plan(6, log_denials=True, **kw)  # type: ignore[arg-type]
+    assert not old.log_denials and old.restrict_flags == 0  # an older kernel refuses flags (EINVAL)
+
+
+def test_subscription_keeps_records_and_waits_for_the_domains_end() -> None:
+    """The thread, fed netlink datagrams through a socket pair: records kept (SYSCALL
+    only for a Landlock event), ``denials`` returns once our domain's end has come."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    a.setblocking(False)
+
+    def send(t: int, text: str) -> None:
+        body = text.encode()
+        b.send(struct.pack("=IHHII", 16 + len(body), t, 0, 0, 0) + body)
+
+    sub = an.Subscription(a)
+    try:
+        send(1300, "audit(1.000:1): pid=5 exe=\"/x\"")  # an unrelated event's: dropped
+        send(1423, "audit(1.000:2): domain=ab blockers=fs.read_file path=\"/etc/x\"")
+        send(1424, "audit(1.000:2): domain=ab status=allocated mode=enforcing pid=42")
+        send(1300, "audit(1.000:2): syscall=257 pid=43 exe=\"/usr/bin/cat\"")
+        late = threading.Timer(0.05, send, (1424, "audit(1.100:3): domain=ab status=deallocated denials=1"))
+        late.start()
+        t = time.monotonic()
+        ds = sub.denials(42, expect=False, wait=2.0)
+        took = time.monotonic() - t
+        late.join()
+        assert [(d.target, d.pid, d.exe) for d in ds] == [("/etc/x", 43, "/usr/bin/cat")]
+        assert took < 1.5  # returned on the deallocation record, not at the deadline
+        assert all(r.serial != 1 for r in sub.records)
+        # nothing of ours: a brief moment only
+        t = time.monotonic()
+        assert sub.denials(99, expect=False, wait=2.0) == []
+        assert time.monotonic() - t < 0.5
+    finally:
+        sub.close()
+        b.close()
+    assert sub._stop_w == -1
+    sub.close()  # twice: nothing left to close
+
+
+def test_unavailable_says_why() -> None:
+    assert "ABI 6" in (an.unavailable(6) or "")
+    if os.geteuid() != 0:
+        assert "not root" in (an.unavailable(7) or "")
