@@ -92,8 +92,11 @@ def kernel_denials(obs: dict[str, Any]) -> list[dict[str, Any]]:
     return [d for d in obs["denied"] + obs["hosts"] if d.get("operation") == "observed-landlock-denial"]
 
 
+@pytest.mark.parametrize("launcher", ["1", "0"], ids=["launcher", "cold"])
 def test_landlock_denial_comes_from_the_kernel_record(user: User, project: Path, audit_on: None,
-                                                      tmp_path: Path) -> None:
+                                                      tmp_path: Path, launcher: str) -> None:
+    """Init's host pid names our domain: a shared launcher's init (its pid as the
+    launcher reports it) and a cold start's alike."""
     from stockade.linux import audit_netlink as an
 
     foreign_target = tmp_path / "stockade-ll-foreign-canary"
@@ -103,7 +106,8 @@ def test_landlock_denial_comes_from_the_kernel_record(user: User, project: Path,
     assert not isinstance(watch, str), watch
     try:
         proc = subprocess.Popen([*user.prefix(), user.python, "-m", "stockade", "run", "--observe", "--", "sh", "-c",
-                                 CANARY + "; sleep 1"], cwd=project, env=user.env(), stdout=subprocess.PIPE,
+                                 CANARY + "; sleep 1"], cwd=project, env=user.env({"STOCKADE_LAUNCHER": launcher}),
+                                stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
         time.sleep(0.3)
         f = subprocess.run([sys.executable, "-c", FOREIGN, str(foreign_target)], capture_output=True, text=True)
