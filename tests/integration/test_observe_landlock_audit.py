@@ -212,3 +212,22 @@ def test_audit_off_says_why(user: User, project: Path) -> None:
     (summ,) = obs["summaries"]
     want = "not root" if user.name != "root" else "kernel audit is off"
     assert want in summ["landlock_audit"] and not kernel_denials(obs)
+
+
+@pytest.mark.vm
+def test_the_flag_follows_the_kernels_abi(user: User, project: Path) -> None:
+    """Below ABI 7 the kernel refuses restrict flags (EINVAL): an observed run passes
+    none and says why it reads no records; from 7 on, explain shows the flag."""
+    abi = _abi()
+    need(abi > 0, "Landlock is unavailable here")
+    watched = user.cli(["explain", "--observe", "--", "true"], cwd=project)
+    assert watched.returncode == 0, watched.stderr.decode()
+    assert (b"denials logged" in watched.stdout) is (abi >= 7)
+    r = user.cli(["run", "--observe", "--", "sh", "-c", "echo x > /proc/self/comm; echo done"], cwd=project)
+    assert r.returncode == 0 and r.stdout == b"done\n", r.stderr.decode()
+    (summ,) = observed_json(user, project, session_of(r.stderr))["summaries"]
+    if abi < 7:
+        assert summ["landlock_audit"] == f"Landlock ABI {abi}: denial records need ABI 7 (Linux 6.15+)"
+    else:
+        assert summ["landlock_audit"] in ("on", "not root: the kernel audit stream is root's (CAP_AUDIT_READ)") or \
+            "kernel audit is off" in summ["landlock_audit"]
