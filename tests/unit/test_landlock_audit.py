@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from stockade import observed
 from stockade.linux import audit_netlink as an
 from stockade.plan import LL_RESTRICT_SELF_LOG_NEW_EXEC_ON, landlock_plan
@@ -212,3 +214,21 @@ def test_unavailable_says_why() -> None:
     assert "ABI 6" in (an.unavailable(6) or "")
     if os.geteuid() != 0:
         assert "not root" in (an.unavailable(7) or "")
+
+
+def test_doctor_line_for_each_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stockade import doctor
+
+    monkeypatch.setattr(an, "unavailable", lambda abi: None)
+    line, used = doctor.landlock_audit_line(7)
+    assert used and line.startswith("Landlock denial audit: yes, used by observe mode")
+    monkeypatch.setattr(an, "unavailable", lambda abi: "kernel audit is off here, so Landlock logs nothing; "
+                        "`auditctl -e 1` turns it on, host-wide")
+    line, used = doctor.landlock_audit_line(7)
+    assert not used and "`auditctl -e 1`" in line and "never turns it on itself" in line
+    monkeypatch.setattr(an, "unavailable", lambda abi: "not root: the kernel audit stream is root's (CAP_AUDIT_READ)")
+    line, used = doctor.landlock_audit_line(7)
+    assert not used and "not root" in line and "predicts Landlock's denials from the plan" in line
+    monkeypatch.undo()
+    line, used = doctor.landlock_audit_line(6)
+    assert not used and line == "Landlock denial audit: no (Landlock ABI 6: denial records need ABI 7 (Linux 6.15+))"
