@@ -257,8 +257,12 @@ def unavailable(abi: int) -> str | None:
         return "the kernel has no audit subsystem (CONFIG_AUDIT)"
     if os.geteuid() != 0:
         return "not root: the kernel audit stream is root's (CAP_AUDIT_READ)"
-    if audit_enabled() is False:
+    on = audit_enabled()
+    if on is False:
         return "kernel audit is off here, so Landlock logs nothing; `auditctl -e 1` turns it on, host-wide"
+    if on is None:
+        return ("kernel audit's status is unreadable (AUDIT_GET refused: root of the host's initial namespaces "
+                "reads it, not root of a container)")
     return None
 
 
@@ -301,11 +305,14 @@ class Subscription:
 
     def _loop(self) -> None:
         fd = self.sock.fileno()
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        p.register(self._stop_r, select.POLLIN)
         while True:
-            r, _, _ = select.select([fd, self._stop_r], [], [])
-            if fd in r:
+            ready = {f for f, _ev in p.poll()}
+            if fd in ready:
                 self._drain()
-            if self._stop_r in r:
+            if self._stop_r in ready:
                 self._drain()
                 return
 
