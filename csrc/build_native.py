@@ -17,7 +17,8 @@ ffibuilder.set_source(
     '#include <stddef.h>\n#include "stockade_native.h"\n',
     sources=[os.path.relpath(p, ROOT) for p in sorted(HERE.glob("*.c"))],
     include_dirs=[os.path.relpath(HERE, ROOT)],
-    extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fno-strict-aliasing"],
+    extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fno-strict-aliasing", "-pthread"],
+    extra_link_args=["-pthread"],  # observe mode's thread (csrc/observe.c)
 )
 
 if __name__ == "__main__":

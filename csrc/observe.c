@@ -23,6 +23,8 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -104,6 +106,7 @@ int sk_observe_child(const struct sk_plan *p, int rep)
 
 struct obs_out {
     int fd;
+    int ready_fd; /* told (one byte, never blocking) after each flush; -1: none */
     size_t len;
     long long since_ms; /* when the oldest buffered record came */
     unsigned long long lost;
@@ -122,6 +125,10 @@ static void out_flush(struct obs_out *o)
             break;
         }
         off += (size_t)w;
+    }
+    if (off && o->ready_fd >= 0) {
+        char b = 'r';
+        (void)!write(o->ready_fd, &b, 1); /* non-blocking: a full pipe already says so */
     }
     o->len = 0;
 }
@@ -525,8 +532,8 @@ static int watched(const char *p, size_t plen, const char *const *watch, size_t 
     return 0;
 }
 
-int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_prefix, const char *const *watch,
-                    size_t n_watch, struct sk_observe_stats *st)
+int sk_observe_loop(int listener, int stop_fd, int out_fd, int ready_fd, const char *skip_prefix,
+                    const char *const *watch, size_t n_watch, struct sk_observe_stats *st)
 {
     struct seccomp_notif_sizes sizes;
     memset(st, 0, sizeof *st);
@@ -548,6 +555,7 @@ int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_pref
     if (!o)
         return -ENOMEM;
     o->fd = out_fd;
+    o->ready_fd = ready_fd;
     o->len = 0;
     o->since_ms = 0;
     o->lost = 0;
@@ -685,14 +693,113 @@ static int take_listener(int sock, int stop_fd)
     return fd >= 0 ? fd : -ENOMSG;
 }
 
-int sk_observe_serve(int sock, int stop_fd, int out_fd, const char *skip_prefix, const char *const *watch,
-                     size_t n_watch, struct sk_observe_stats *st)
+int sk_observe_serve(int sock, int stop_fd, int out_fd, int ready_fd, const char *skip_prefix,
+                     const char *const *watch, size_t n_watch, struct sk_observe_stats *st)
 {
     memset(st, 0, sizeof *st);
     int listener = take_listener(sock, stop_fd);
     if (listener < 0)
         return listener;
-    int r = sk_observe_loop(listener, stop_fd, out_fd, skip_prefix, watch, n_watch, st);
+    int r = sk_observe_loop(listener, stop_fd, out_fd, ready_fd, skip_prefix, watch, n_watch, st);
     close(listener); /* (a task left would now get ENOSYS: there is none, or it is being killed) */
     return r;
+}
+
+/* ---- the thread that serves, made here: pthread_create does not wait for it to be
+ * scheduled (a Python thread's start does, which costs a wake-up of an idle CPU on the
+ * run's path), and it never needs the GIL. */
+
+struct sk_observer {
+    pthread_t thread;
+    int sock, stop_fd, out_fd, ready_fd;
+    char *prefix;
+    char **watch;
+    size_t n_watch;
+    struct sk_observe_stats st;
+    int result;
+    volatile int done;
+};
+
+static void observer_free(struct sk_observer *h)
+{
+    for (size_t i = 0; i < h->n_watch; i++)
+        free(h->watch[i]);
+    free(h->watch);
+    free(h->prefix);
+    free(h);
+}
+
+static void *observer_main(void *arg)
+{
+    struct sk_observer *h = arg;
+    h->result = sk_observe_serve(h->sock, h->stop_fd, h->out_fd, h->ready_fd, h->prefix,
+                                 (const char *const *)h->watch, h->n_watch, &h->st);
+    __atomic_store_n(&h->done, 1, __ATOMIC_RELEASE);
+    if (h->ready_fd >= 0) { /* the end: the reader's last read */
+        char b = 'e';
+        (void)!write(h->ready_fd, &b, 1);
+    }
+    return NULL;
+}
+
+void *sk_observe_spawn(int sock, int stop_fd, int out_fd, int ready_fd, const char *skip_prefix,
+                       const char *const *watch, size_t n_watch)
+{
+    int e;
+    struct sk_observer *h = calloc(1, sizeof *h);
+    if (!h)
+        return NULL;
+    h->sock = sock, h->stop_fd = stop_fd, h->out_fd = out_fd, h->ready_fd = ready_fd;
+    h->prefix = strdup(skip_prefix ? skip_prefix : "");
+    h->watch = calloc(n_watch ? n_watch : 1, sizeof *h->watch);
+    if (!h->prefix || !h->watch)
+        goto fail;
+    for (; h->n_watch < n_watch; h->n_watch++)
+        if (!(h->watch[h->n_watch] = strdup(watch[h->n_watch])))
+            goto fail;
+    /* every signal blocked in the thread: the process's signals stay the main thread's */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    e = pthread_create(&h->thread, NULL, observer_main, h);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (e) {
+        errno = e;
+        goto fail;
+    }
+    return h;
+fail:
+    e = errno;
+    observer_free(h);
+    errno = e;
+    return NULL;
+}
+
+int sk_observe_running(void *handle)
+{
+    return !__atomic_load_n(&((struct sk_observer *)handle)->done, __ATOMIC_ACQUIRE);
+}
+
+int sk_observe_join(void *handle, int timeout_ms, struct sk_observe_stats *st, int *result)
+{
+    struct sk_observer *h = handle;
+    if (timeout_ms >= 0) {
+        struct timespec t;
+        clock_gettime(CLOCK_REALTIME, &t);
+        t.tv_sec += timeout_ms / 1000;
+        t.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        if (t.tv_nsec >= 1000000000L)
+            t.tv_sec++, t.tv_nsec -= 1000000000L;
+        int e = pthread_timedjoin_np(h->thread, NULL, &t);
+        if (e)
+            return -e;
+    } else {
+        int e = pthread_join(h->thread, NULL);
+        if (e)
+            return -e;
+    }
+    *st = h->st;
+    *result = h->result;
+    observer_free(h);
+    return 0;
 }

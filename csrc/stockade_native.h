@@ -349,11 +349,20 @@ struct sk_observe_stats {
     unsigned long long lost;        /* records out_fd could not take */
 };
 
-int sk_observe_loop(int listener, int stop_fd, int out_fd, const char *skip_prefix, const char *const *watch,
-                    size_t n_watch, struct sk_observe_stats *st);
+int sk_observe_loop(int listener, int stop_fd, int out_fd, int ready_fd, const char *skip_prefix,
+                    const char *const *watch, size_t n_watch, struct sk_observe_stats *st);
 /* Receive the listener init sends over sock, then sk_observe_loop until the sandbox is
  * gone; the listener is closed after. -ENOMSG: the sandbox ended (sock's EOF) or
  * stop_fd became readable before a listener came. One call with no GIL from start
  * to end: the thread never competes with the supervisor's Python for it. */
-int sk_observe_serve(int sock, int stop_fd, int out_fd, const char *skip_prefix, const char *const *watch,
-                     size_t n_watch, struct sk_observe_stats *st);
+int sk_observe_serve(int sock, int stop_fd, int out_fd, int ready_fd, const char *skip_prefix,
+                     const char *const *watch, size_t n_watch, struct sk_observe_stats *st);
+/* sk_observe_serve in a thread of its own (strings copied; fds borrowed until the
+ * join); ready_fd (non-blocking, -1: none) gets a byte after each flush of records and
+ * at the end. NULL and errno on failure. */
+void *sk_observe_spawn(int sock, int stop_fd, int out_fd, int ready_fd, const char *skip_prefix,
+                       const char *const *watch, size_t n_watch);
+int sk_observe_running(void *handle);
+/* Wait for the thread up to timeout_ms (-1: no limit): 0 with *st and *result (serve's
+ * return) and the handle freed, or -ETIMEDOUT with the handle kept. */
+int sk_observe_join(void *handle, int timeout_ms, struct sk_observe_stats *st, int *result);

@@ -103,6 +103,7 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
         if io.on_start is not None:
             io.on_start(sup)
         sup.disk = watch
+        sup.observe = launch.observe
         if io.forward_signals:
             with Forwarding(child.pidfd, winch_to=sup.out_r if io.pty else None, on_term=sup.terminate):
                 sup.loop()

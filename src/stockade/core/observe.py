@@ -7,8 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from ..audit import AuditLog
@@ -22,15 +20,15 @@ if TYPE_CHECKING:
 
 LIVE_REFUSED = ("observe mode is not available for living sandboxes (its filter is installed when a sandbox starts, "
                 "for one command tree): observe a command with `stockade run --observe -- CMD`")
-RECORDS = "observed.bin"
-FEED = 64  # records classified per hold of the GIL (the supervisor's thread may be waiting for it)  # a run's raw records (runs/N/), decoded into the audit log at its end
+RECORDS = "observed.bin"  # a run's raw records (runs/N/), decoded into the audit log at its end
 
 
 class RunObserve:
     """One run's observe mode: the socket init sends the listener over (its end goes to
-    the sandbox), the thread that answers the notifications (C, no GIL), the records it
-    writes, and a thread that classifies them as they arrive (``observed.Classifier``),
-    so the run's end only adds the last ones to the audit log."""
+    the sandbox), the thread that answers the notifications (C's, no GIL), the records
+    it writes, classified as they arrive (``observed.Classifier``) by the supervisor's
+    own loop (``fileno`` turns readable, ``pump`` reads: no thread of ours waits for
+    the GIL or wakes a CPU), so the run's end only adds the last ones to the audit log."""
 
     def __init__(self, run_dir: str, prep: Prepared, sess: store.Session, run_no: int) -> None:
         from ..linux.seccomp.observe import Observer, observe_bpf
@@ -50,8 +48,10 @@ class RunObserve:
         # remakes those whose count changed since): id(aggregate) -> ((count, pids), line)
         self._lines: dict[int, tuple[tuple[int, int], bytes]] = {}
         self.error: str | None = None
-        self._wake = threading.Event()
-        self._reader = threading.Thread(target=self._classify, name="stockade-observe-log", daemon=True)
+        self._fd = -1  # the records file, read from ``_off`` (whole records up to ``_buf``)
+        self._off = 0
+        self._buf = b""
+        self._ended = False
         # Landlock's own denial records (kernel audit): subscribed before the sandbox
         # exists, as the stream is never replayed; else why not
         self.ll_audit: Subscription | str = "Landlock is off for this run"
@@ -76,52 +76,53 @@ class RunObserve:
             # the pid Landlock's domain record names: the restricting task's, in the
             # initial PID namespace (a launcher's report is its own namespace's)
             self.init_pid = (host_pid(init_pidfd) if init_pidfd >= 0 else None) or (init_pid if init_pid > 0 else None)
-        try:  # here, before the sandbox starts: the reader then only classifies
+        try:  # here, before the sandbox starts: the loop then only classifies
             self.classifier = observed.Classifier(context(self.prep))
         except Exception as e:  # never lose the run to its log
             self.error = f"classify: {e}"
         self.observer.start()
-        if self.classifier is not None:
-            self._reader.start()
 
-    def _classify(self) -> None:
-        """Read the records as the loop appends them, classify each batch; a last read
-        once the loop is over."""
+    def fileno(self) -> int:
+        """Readable when the loop appended records (every 10 ms at most), and at its end."""
+        return self.observer.ready()
+
+    def pump(self) -> None:
+        """Classify the records appended since the last call (the supervisor's loop calls
+        it when ``fileno`` is readable; the run's end once more)."""
         from ..linux.seccomp import observe as kobs
 
-        with contextlib.suppress(OSError):  # the command first, on a busy machine (this thread only)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        fd = -1
-        buf = b""
-        off = 0
+        with contextlib.suppress(OSError):
+            while os.read(self.observer.ready(), 4096):
+                pass
+        if self.classifier is None or self.error is not None:
+            return
         try:
-            while True:
-                over = not self.observer.running()
-                if fd < 0:
-                    try:
-                        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-                    except FileNotFoundError:
-                        pass
-                while fd >= 0:
-                    chunk = os.pread(fd, 1 << 20, off)
-                    if not chunk:
-                        break
-                    off += len(chunk)
-                    buf += chunk
-                    recs, used = kobs.parse_records(buf)
-                    buf = buf[used:]
-                    for i in range(0, len(recs), FEED):
-                        self.classifier.feed(recs[i:i + FEED])
-                        time.sleep(0)  # the GIL for the supervisor's thread, should it wait
-                    self._prerender()
-                if over:
+            if self._fd < 0:
+                try:
+                    self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
                     return
-                self._wake.wait(0.01)  # the loop hands records over every 10 ms (OBS_FLUSH_MS)
-        except Exception as e:
+            while chunk := os.pread(self._fd, 1 << 20, self._off):
+                self._off += len(chunk)
+                self._buf += chunk
+                recs, used = kobs.parse_records(self._buf)
+                self._buf = self._buf[used:]
+                self.classifier.feed(recs)
+            self._prerender()
+        except Exception as e:  # never lose the run to its log
             self.error = f"classify: {e}"
-        finally:
-            if fd >= 0:
-                os.close(fd)
+
+    def _end(self) -> None:
+        """The sandbox is gone: the loop ends, its last records are classified."""
+        if self._ended:
+            return
+        self._ended = True
+        self.observer.stop()
+        self.pump()
+        self.observer.close_ready()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def _prerender(self) -> None:
         """Make the lines of the events changed since the last batch (at most the number
@@ -133,7 +134,6 @@ class RunObserve:
             return
         for a in touched[:observed.MAX_EVENTS]:
             self._lines[id(a)] = ((a.count, len(a.pids)), self._line(a))
-        time.sleep(0)
 
     def _line(self, a: Any) -> bytes:
         from .. import observed
@@ -147,10 +147,8 @@ class RunObserve:
         records to the session's audit log; the run's summary of them."""
         from .. import observed
 
-        st = self.observer.stop()
-        self._wake.set()
-        if self._reader.ident is not None:
-            self._reader.join(30.0)
+        self._end()
+        st = self.observer.stats
         summary: dict[str, Any] = {"notified": st.notified, "logged": st.logged, "inside_project": st.skipped,
                                    "stale": st.stale, "unreadable": st.unreadable, "lost": st.lost}
         if st.error:
@@ -159,7 +157,7 @@ class RunObserve:
             summary["error"] = "the sandbox sent no listener (it ended before its command started)"
         if self.error:
             summary["error"] = self.error
-        done = self.classifier is not None and not self._reader.is_alive()
+        done = self.classifier is not None
         kept, left = self.classifier.written() if done else ([], {})
         if done and not self.error:
             try:  # classified: its entries are in the audit log now (a long build's raw records are large)
@@ -231,10 +229,7 @@ class RunObserve:
 
     def stop(self) -> None:
         """The run is over (or failed to start): end both threads."""
-        self.observer.stop()
-        self._wake.set()
-        if self._reader.ident is not None:
-            self._reader.join(30.0)
+        self._end()
         self._landlock()  # the sandbox is gone: its last records are on their way
 
 

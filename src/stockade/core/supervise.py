@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from ..errors import UsageError
 from ..linux import native
@@ -24,6 +24,15 @@ from ..session import store
 if TYPE_CHECKING:
     from ..cgroups.base import RunCgroup
     from .diskwatch import DiskWatch
+
+
+class RecordFeed(Protocol):
+    """Records that come during the run (observe mode's): ``pump`` when ``fileno`` is readable."""
+
+    def fileno(self) -> int: ...
+
+    def pump(self) -> None: ...
+
 
 _CHUNK = 1 << 16
 
@@ -167,6 +176,8 @@ class Supervisor:
         self.disk: DiskWatch | None = None
         self.disk_hit: str | None = None
         self.disk_full: str | None = None
+        # observe mode's records, classified here as they come (core/observe.py)
+        self.observe: RecordFeed | None = None
 
     def cancel(self) -> None:
         """From another thread (``RunIO.on_start`` handed this supervisor out: `stockade
@@ -332,6 +343,8 @@ class Supervisor:
         if self.child.exit_fd >= 0:  # (a living sandbox's exec: its end is its report channel's)
             sel.register(self.child.exit_fd, _READ, "pidfd")
         sel.register(self._wake_r, _READ, "wake")
+        if self.observe is not None:
+            sel.register(self.observe.fileno(), _READ, "observe")
         if self.relay_in >= 0 and self.stdin_w >= 0:
             try:
                 sel.register(self.relay_in, _READ, "relay")
@@ -464,9 +477,13 @@ class Supervisor:
         self.init_status = self.child.reap()
         self.init_done = True
 
+    def _ready_observe(self, fd: int) -> None:
+        assert self.observe is not None
+        self.observe.pump()
+
     _HANDLERS: ClassVar[dict[str, Callable[[Supervisor, int], None]]] = {
         "relay": _ready_relay, "wake": _ready_wake, "stdin": _ready_stdin, "out": _ready_out,
-        "report": _ready_report, "pidfd": _ready_init,
+        "report": _ready_report, "pidfd": _ready_init, "observe": _ready_observe,
     }
 
     def _relay_read(self, fd: int) -> bool:

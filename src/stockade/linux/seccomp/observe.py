@@ -18,7 +18,6 @@ import ipaddress
 import os
 import socket
 import struct
-import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -208,12 +207,13 @@ MAX_WATCH = 256  # masked paths inside the project whose opens are still recorde
 
 
 class Observer:
-    """The supervisor's side of one run's observe mode: a thread that takes the listener
-    init sends over ``sock`` and answers every notification until no task of the
-    sandbox is left (the listener hangs up). Records go to ``out_path``; opens beneath
-    ``skip_prefix`` (the project) are answered but not recorded, unless beneath one of
-    ``watch`` (the project's masked secrets: a command reading .env is what a user
-    wants to see)."""
+    """The supervisor's side of one run's observe mode: a thread (C's, no GIL:
+    ``sk_observe_spawn``) that takes the listener init sends over ``sock`` and answers
+    every notification until no task of the sandbox is left (the listener hangs up).
+    Records go to ``out_path``, and a byte to ``ready()`` after each batch (every 10 ms
+    at most) and at the end; opens beneath ``skip_prefix`` (the project) are answered
+    but not recorded, unless beneath one of ``watch`` (the project's masked secrets: a
+    command reading .env is what a user wants to see)."""
 
     def __init__(self, sock: socket.socket, out_path: str, skip_prefix: str, watch: tuple[str, ...] = ()) -> None:
         self.sock = sock
@@ -222,50 +222,57 @@ class Observer:
         self.skip_prefix = skip_prefix
         self.stats = Stats()
         self.got_listener = False
-        self._started = False
+        self._handle: object | None = None
         self._stopped = False
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
-        self._thread = threading.Thread(target=self._run, name="stockade-observe", daemon=True)
+        self._ready_r, self._ready_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._out = -1
+
+    def ready(self) -> int:
+        """The fd that turns readable when records were appended, and at the end."""
+        return self._ready_r
 
     def start(self) -> None:
-        # everything the thread needs is made here: its body is one C call without the
-        # GIL (receive the listener, answer until the sandbox is gone), so a notification
-        # never waits for the supervisor's Python
         try:
             self._out = os.open(self.out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         except OSError:
             self._out = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)  # still answered: never stall the command
-        self._st = ffi.new("struct sk_observe_stats *")
-        self._keep = [ffi.new("char[]", os.fsencode(self.skip_prefix)),
-                      *(ffi.new("char[]", os.fsencode(w)) for w in self.watch)]
-        self._watch = ffi.new("char *[]", [*self._keep[1:], ffi.NULL])
-        self._thread.start()
-        self._started = True
-
-    def _run(self) -> None:
-        st = self._st
-        try:
-            r = lib.sk_observe_serve(self.sock.fileno(), self._stop_r, self._out, self._keep[0], self._watch,
-                                     len(self._keep) - 1, st)
-        finally:
+        keep = [os.fsencode(w) for w in self.watch]
+        cw = [ffi.new("char[]", w) for w in keep]
+        h = lib.sk_observe_spawn(self.sock.fileno(), self._stop_r, self._out, self._ready_w,
+                                 os.fsencode(self.skip_prefix), ffi.new("char *[]", [*cw, ffi.NULL]), len(cw))
+        if h == ffi.NULL:
+            e = ffi.errno
             os.close(self._out)
-        self.got_listener = r != -errno.ENOMSG
-        if not self.got_listener:
-            return
-        self.stats = Stats(st.notified, st.logged, st.skipped, st.stale, st.unreadable, st.lost, -r if r < 0 else 0)
+            self._out = -1
+            raise OSError(e, f"observe mode: its thread: {os.strerror(e)}")
+        self._handle = h
 
     def running(self) -> bool:
         """The loop may still append records."""
-        return self._started and self._thread.is_alive()
+        return self._handle is not None and bool(lib.sk_observe_running(self._handle))
+
+    def _join(self, timeout: float) -> bool:
+        if self._handle is None:
+            return True
+        st = ffi.new("struct sk_observe_stats *")
+        res = ffi.new("int *")
+        if lib.sk_observe_join(self._handle, int(timeout * 1000), st, res) != 0:
+            return False
+        self._handle = None
+        r = res[0]
+        self.got_listener = r != -errno.ENOMSG
+        if self.got_listener:
+            self.stats = Stats(st.notified, st.logged, st.skipped, st.stale, st.unreadable, st.lost,
+                               -r if r < 0 else 0)
+        return True
 
     def stop(self, timeout: float = 5.0) -> Stats:
         """Wait for the loop (it ends by itself once the sandbox is gone), then end it."""
         if self._stopped:
             return self.stats
         self._stopped = True
-        if self._started:
-            self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._join(timeout):
             try:
                 os.write(self._stop_w, b"x")
             except OSError:
@@ -274,11 +281,21 @@ class Observer:
                 self.sock.shutdown(socket.SHUT_RDWR)  # a recv still waiting for the listener
             except OSError:
                 pass
-            self._thread.join(timeout)
+            if not self._join(timeout):
+                # (never seen: the thread keeps the fds it borrowed; they stay open)
+                return self.stats
         self.sock.close()
-        for fd in (self._stop_r, self._stop_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        for fd in (self._stop_r, self._stop_w, self._ready_w, self._out):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
         return self.stats
+
+    def close_ready(self) -> None:
+        """The reader is done with ``ready()`` (after ``stop``)."""
+        try:
+            os.close(self._ready_r)
+        except OSError:
+            pass
