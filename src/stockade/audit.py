@@ -202,18 +202,9 @@ class AuditLog:
                 data = json.dumps(rec, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         return data + b"\n"
 
-    def event(
-        self,
-        operation: str,
-        target: str,
-        result: str,
-        *,
-        run: int | None = None,
-        policy: str | None = None,
-        reason: str | None = None,
-        **extra: Any,
-    ) -> None:
-        self.add(self.render(operation, target, result, run=run, policy=policy, reason=reason, **extra))
+    def event(self, operation: str, target: str, result: str, **fields: Any) -> None:
+        """Append one event (``render``'s arguments: run=, policy=, reason= and extras)."""
+        self.add(self.render(operation, target, result, **fields))
 
     def add(self, line: bytes) -> None:
         """Append a line ``render`` made."""

@@ -13,7 +13,6 @@ on themselves (root) for their duration and restore what they found.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 
 from ..conftest import User, need
+from .test_observe import observed_json, session_of
 
 pytestmark = pytest.mark.cli_paths
 
@@ -73,19 +73,6 @@ def audit_on() -> Iterator[None]:
     finally:
         an.set_audit_enabled(False)
         assert an.audit_enabled() is False
-
-
-def session_of(stderr: bytes) -> str:
-    for line in stderr.decode().splitlines():
-        if line.startswith("stockade: session "):
-            return line.split()[-1]
-    raise AssertionError(f"no session named in: {stderr.decode()!r}")
-
-
-def observed_json(user: User, project: Path, sess: str) -> dict[str, Any]:
-    r = user.cli(["log", "--observed", "--json", sess], cwd=project)
-    assert r.returncode == 0, r.stderr.decode()
-    return dict(json.loads(r.stdout))
 
 
 def kernel_denials(obs: dict[str, Any]) -> list[dict[str, Any]]:
