@@ -336,9 +336,9 @@ class Classifier:
         return [event_of(a) for a in self._ordered()]
 
     def written(self, limit: int = MAX_EVENTS) -> tuple[list[_Agg], dict[str, int]]:
-        """The aggregates ``capped(self.events(), limit)`` keeps (``event_of`` makes each
+        """The first ``limit`` aggregates of ``events()``'s order (``event_of`` makes each
         an event), without making the events left out (a ``find /`` has tens of
-        thousands), and the counts of those."""
+        thousands), and the counts of those by operation and result."""
         ordered = self._ordered()
         left: dict[str, int] = {}
         for a in ordered[limit:]:
@@ -395,16 +395,6 @@ def classify(records: Iterable[RecordLike], ctx: Context) -> list[dict[str, Any]
     c = Classifier(ctx)
     c.feed(records)
     return c.events()
-
-
-def capped(events: Sequence[dict[str, Any]], limit: int = MAX_EVENTS) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """The events a run writes (blocked ones first) and the counts of those left out."""
-    kept = list(events[:limit])
-    left: dict[str, int] = {}
-    for e in events[limit:]:
-        k = f"{e['operation']} {e['result']}"
-        left[k] = left.get(k, 0) + 1
-    return kept, left
 
 
 # --------------------------------------------------------------------------- reading back

@@ -176,9 +176,11 @@ def test_host_network_allows(tmp_path: Path) -> None:
     assert (e["result"], e["access"]) == ("allowed", "send")
 
 
-def test_cap_counts_what_is_left_out() -> None:
-    ev = [{"operation": "observed-open", "result": "allowed", "target": str(i)} for i in range(5)]
-    kept, left = observed.capped(ev, 2)
+def test_cap_counts_what_is_left_out(tmp_path: Path) -> None:
+    recs, _ = kobs.parse_records(b"".join(rec(kobs.KIND_OPEN, f"/usr/lib/x{i}".encode()) for i in range(5)))
+    c = observed.Classifier(ctx(tmp_path))
+    c.feed(recs)
+    kept, left = c.written(2)
     assert len(kept) == 2 and left == {"observed-open allowed": 3}
 
 

@@ -67,15 +67,16 @@ class RunObserve:
 
     def start(self, init_pidfd: int = -1, init_pid: int = -1) -> None:
         """The sandbox started (its init: ``init_pidfd``, ``init_pid`` as its starter
-        names it): the threads start."""
+        names it): the thread that answers starts."""
         from .. import observed
 
         if not isinstance(self.ll_audit, str):
-            from ..linux.audit_netlink import host_pid
+            from ..linux.native import pidfd_pid
 
             # the pid Landlock's domain record names: the restricting task's, in the
             # initial PID namespace (a launcher's report is its own namespace's)
-            self.init_pid = (host_pid(init_pidfd) if init_pidfd >= 0 else None) or (init_pid if init_pid > 0 else None)
+            pid = pidfd_pid(init_pidfd) if init_pidfd >= 0 else -1
+            self.init_pid = pid if pid > 0 else (init_pid if init_pid > 0 else None)
         try:  # here, before the sandbox starts: the loop then only classifies
             self.classifier = observed.Classifier(context(self.prep))
         except Exception as e:  # never lose the run to its log
@@ -138,12 +139,10 @@ class RunObserve:
     def _line(self, a: Any) -> bytes:
         from .. import observed
 
-        e = observed.event_of(a)
-        return self._render(e.pop("operation"), e.pop("target"), e.pop("result"), run=self.run_no,
-                            policy=e.pop("policy"), reason=e.pop("reason"), **e)
+        return self._render(run=self.run_no, **observed.event_of(a))
 
     def finish(self, sess: store.Session, run_no: int) -> dict[str, Any]:
-        """Wait for the threads (the loop ends with the sandbox), write the classified
+        """Wait for the loop (it ends with the sandbox), write the classified
         records to the session's audit log; the run's summary of them."""
         from .. import observed
 
@@ -178,9 +177,7 @@ class RunObserve:
         log = AuditLog(sess, batch=True)
         try:
             for e in kernel:
-                e = dict(e)
-                log.event(e.pop("operation"), e.pop("target"), e.pop("result"), run=run_no, policy=e.pop("policy"),
-                          reason=e.pop("reason"), **e)
+                log.event(run=run_no, **e)
             for a in kept:
                 made = self._lines.get(id(a))
                 log.add(made[1] if made is not None and made[0] == (a.count, len(a.pids)) else self._line(a))

@@ -379,15 +379,3 @@ class Subscription:
             self._stop_w = self._stop_r = -1
             self.sock.close()
 
-
-def host_pid(pidfd: int) -> int | None:
-    """The pid a pidfd refers to, in this process's PID namespace (fdinfo's Pid:)."""
-    try:
-        with open(f"/proc/self/fdinfo/{pidfd}", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Pid:"):
-                    n = int(line.split()[1])
-                    return n if n > 0 else None
-    except (OSError, ValueError):
-        pass
-    return None
