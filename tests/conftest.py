@@ -169,6 +169,51 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("cli_path", ["inproc", "served"], indirect=True)
 
 
+# Under the second kernel (make test-vm: emulated, about 20x slower) a test whose
+# parameters only choose among equivalent ways in (who calls, CLI in-process or served,
+# a server or a shared launcher) runs each way once rather than every combination: the
+# host suite checks that the ways agree; the second kernel checks what its kernel
+# changes (cgroup v2, Landlock ABI 2), and every way still runs there. Each such
+# parameter is a bit; a combination runs when its bits all agree (all 0 under
+# ``@pytest.mark.vm(once=True)``).
+_WAY_BITS: dict[str, dict[object, int]] = {
+    "user": {"root": 0, "unpriv": 1},
+    "cli_path": {"inproc": 0, "served": 1},
+    "server": {"0": 0, "1": 1},
+    "launcher": {"0": 0, "1": 1},
+    "start": {"cold": 0, "launcher": 1},
+}
+
+
+def _a_way_again(item: pytest.Item) -> bool:
+    """A combination of ways whose bits disagree; under ``vm(once=True)`` (what the
+    test checks of the kernel does not depend on the way in) any but the first."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    bits = {_WAY_BITS[k].get(v) for k, v in params.items() if k in _WAY_BITS}
+    bits.discard(None)
+    marker = item.get_closest_marker("vm")
+    if marker is not None and marker.kwargs.get("once"):
+        return bool(bits - {0})
+    return len(bits) > 1
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("VMTEST_GUEST") != "1":
+        return
+    keep = items
+    if os.environ.get("STOCKADE_VM_ALL_WAYS") != "1":
+        keep = [item for item in keep if not _a_way_again(item)]
+    # scripts/test-vm.sh splits the tests over guests run side by side: "i/n"
+    shard = os.environ.get("STOCKADE_VM_SHARD", "")
+    if shard:
+        i, n = (int(x) for x in shard.split("/"))
+        keep = [item for k, item in enumerate(keep) if k % n == i]
+    if len(keep) < len(items):
+        kept = set(map(id, keep))
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+        items[:] = keep
+
+
 @pytest.fixture
 def cli_path(request: pytest.FixtureRequest) -> str | None:
     """"inproc" or "served" in a module marked ``cli_paths``; else None (the default path)."""
@@ -196,7 +241,7 @@ def end_servers(state: Path, wait: float = 5) -> None:
             pass
     deadline = time.monotonic() + wait
     while pids and time.monotonic() < deadline:
-        pids = [p for p in pids if Path(f"/proc/{p}").exists()]
+        pids = [p for p in pids if _alive(p)]
         time.sleep(0.02)
 
 
@@ -231,12 +276,10 @@ def end_living(state: Path, wait: float = 10) -> None:
 
 
 def _alive(pid: int) -> bool:
-    """The process exists and is no zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    """The process exists and is no zombie (this host's init reaps orphans late)."""
+    from stockade.linux.procs import pid_alive
+
+    return pid_alive(pid)
 
 
 def umount_when_free(at: Path, state: Path) -> None:
@@ -272,7 +315,7 @@ def sweep_cgroups(state: Path, uid: int) -> None:
         while True:
             sweep_stale(manager, tag=tag)
             alive = [pid for parent in run_parents(manager) for name in os.listdir(parent)
-                     if (pid := _is_run_dir(name, tag)) is not None and os.path.exists(f"/proc/{pid}")]
+                     if (pid := _is_run_dir(name, tag)) is not None and _alive(pid)]
             if not alive or time.monotonic() > deadline:
                 break
             time.sleep(0.1)

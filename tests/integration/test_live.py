@@ -535,7 +535,7 @@ while True:
 """
 
 
-@pytest.mark.vm
+@pytest.mark.vm(once=True)
 def test_a_server_started_by_one_exec_answers_the_next_inside_the_sandbox_only(user: User, project: Path) -> None:
     need_python3()
     token = os.urandom(8).hex()
@@ -845,7 +845,7 @@ def record_id_of_init(user: User, init: int) -> str:
 # --------------------------------------------------------------------------- 6. faults
 
 
-@pytest.mark.vm
+@pytest.mark.vm(once=True)
 def test_sigkill_of_an_exec_client_ends_its_command_only(user: User, project: Path) -> None:
     with living(user, project) as lv:
         r = ex(user, lv.id, "sh", "-c", "sleep 313 </dev/null >/dev/null 2>&1 &")

@@ -167,7 +167,7 @@ def test_behaviour_is_unchanged(user: User, project: Path) -> None:
     assert a.returncode == b.returncode == 7 and a.stdout == b.stdout == b"out\n"
 
 
-@pytest.mark.vm
+@pytest.mark.vm(once=True)
 def test_a_racing_command_cannot_crash_or_hang_the_observer(user: User, project: Path) -> None:
     (project / "race.py").write_text(RACE)
     user.own(project)

@@ -201,7 +201,7 @@ def test_audit_off_says_why(user: User, project: Path) -> None:
     assert want in summ["landlock_audit"] and not kernel_denials(obs)
 
 
-@pytest.mark.vm
+@pytest.mark.vm(once=True)
 def test_the_flag_follows_the_kernels_abi(user: User, project: Path) -> None:
     """Below ABI 7 the kernel refuses restrict flags (EINVAL): an observed run passes
     none and says why it reads no records; from 7 on, explain shows the flag."""

@@ -88,7 +88,6 @@ def test_working_directory_is_preserved(user: User, project: Path) -> None:
         (["sh", "-c", "kill -KILL $$"], 128 + signal.SIGKILL),
     ],
 )
-@pytest.mark.vm
 def test_exit_status_and_signals(user: User, project: Path, cmd: list[str], status: int) -> None:
     r = user.cli(["run", "--", *cmd], cwd=project)
     assert r.returncode == status, r.stderr.decode()

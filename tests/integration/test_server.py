@@ -196,7 +196,7 @@ def test_concurrent_clients_are_served(user: User, project: Path) -> None:
         assert (p.returncode, out) == (i, f"{i}\n".encode()), err.decode()
 
 
-@pytest.mark.vm  # cgroup v2 (runs placed by CLONE_INTO_CGROUP under the client's cgroup)
+@pytest.mark.vm(once=True)  # cgroup v2 (runs placed by CLONE_INTO_CGROUP under the client's cgroup)
 def test_the_server_idles_out_and_leaves_nothing(user: User, project: Path) -> None:
     env = {**SRV, "STOCKADE_SERVER_IDLE": "5"}  # long enough to see it live after the CLI returned
     for _ in range(2):  # the first run makes the state dir, the second starts a server in it

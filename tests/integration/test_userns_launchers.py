@@ -30,6 +30,7 @@ import pytest
 from tests.conftest import (
     NOBODY,
     User,
+    _alive,
     end_servers,
     need,
     sweep_cgroups,
@@ -277,7 +278,7 @@ def test_a_host_run_refuses_a_launcher_made_in_a_nested_namespace(nobody: tuple[
     assert made_from == caller != host
     [nested] = [s for s in launchers.glob("*.sock") if s != hosts]
     deadline = time.monotonic() + 20
-    while os.path.exists(f"/proc/{pid}"):
+    while _alive(pid):
         assert time.monotonic() < deadline, "the host's launcher did not end on SIGTERM"
         time.sleep(0.05)
     os.rename(nested, hosts)
@@ -324,7 +325,7 @@ def test_a_host_run_sends_nothing_to_a_fake_launcher_of_a_sibling_namespace(nobo
     pid = _listener(hosts)
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 20
-    while os.path.exists(f"/proc/{pid}"):
+    while _alive(pid):
         assert time.monotonic() < deadline, "the host's launcher did not end on SIGTERM"
         time.sleep(0.05)
     fake = subprocess.Popen([*u.prefix(), "unshare", "-U", "--map-current-user", u.python, "-c", FAKE_LAUNCHER, str(hosts)],

@@ -440,6 +440,7 @@ def test_seccomp_profile_is_in_force(user: User, project: Path) -> None:
     assert f"CapEff:\t{held}" in out and f"CapBnd:\t{held}" in out, out
 
 
+@pytest.mark.vm(once=True)  # the profile is refused before any kernel call
 def test_bad_profile_exits_2_and_runs_nothing(user: User, project: Path, tmp_path: Path) -> None:
     bad = Path(project.parent) / "bad.json"
     bad.write_text(

@@ -11,7 +11,8 @@ import pytest
 from tests.conftest import User, make_wheel, need
 from tests.security.helpers import sandbox
 
-pytestmark = pytest.mark.vm
+# under the second kernel too (make test-vm), but for the slow pip case: the others
+# cover what the kernel changes for a tool
 
 
 def _have(tool: str) -> str:
@@ -29,6 +30,7 @@ def _ok(r: object) -> str:
     return str(r.stdout.decode())
 
 
+@pytest.mark.vm
 def test_git(user: User, project: Path) -> None:
     _have("git")
     script = (
@@ -41,6 +43,7 @@ def test_git(user: User, project: Path) -> None:
     assert not (project / ".git").exists()  # it all went to the session's upper layer
 
 
+@pytest.mark.vm
 def test_gcc_make(user: User, project: Path) -> None:
     _have("gcc")
     _have("make")
@@ -71,6 +74,7 @@ def test_python_venv_pip_localmake_wheel(user: User, project: Path) -> None:
     assert out.strip().splitlines()[-1] == "45"
 
 
+@pytest.mark.vm
 def test_node(user: User, project: Path) -> None:
     if shutil.which("node") is None:
         pytest.skip("node not installed")  # optional, even under STOCKADE_MUST_WORK
@@ -83,6 +87,7 @@ def test_node(user: User, project: Path) -> None:
     assert out.strip() == "ok"
 
 
+@pytest.mark.vm
 @pytest.mark.parametrize("profile", ["strict", "permissive"])
 def test_other_profiles_run_a_build(user: User, project: Path, profile: str) -> None:
     _have("gcc")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from stockade.linux.procs import pid_alive
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from stockade.cgroups.base import Manager
@@ -69,7 +71,7 @@ def sweep_stale(manager: Manager, fs: CgroupFS | None = None, tag: str | None = 
             continue
         for name in names:
             pid = _is_run_dir(name, tag)
-            if pid is None or os.path.exists(f"/proc/{pid}"):
+            if pid is None or pid_alive(pid):
                 continue
             path = os.path.join(parent, name)
             try:

@@ -49,6 +49,7 @@ from typing import Any
 
 from .. import paths
 from ..errors import ProjectGone, SessionBusy, SessionNotFound, StockadeError
+from ..linux.procs import pid_alive
 from ..session import store
 from ..session.age import DURATION_FORMS, parse_age
 from ..session.store import Session
@@ -480,7 +481,7 @@ def _sweep_trash() -> None:
     names = [n for n in listing if n.startswith(".clean-")]
     for n in names:
         pid = n.rsplit("-", 2)[-2] if n.count("-") >= 3 else ""
-        if pid.isdigit() and pid != str(os.getpid()) and store.pid_alive(int(pid)):
+        if pid.isdigit() and pid != str(os.getpid()) and pid_alive(int(pid)):
             continue
         from ..session import idrange
 

@@ -76,7 +76,7 @@ def remove(path: Path) -> None:
 
 def sweep(d: Path) -> list[Path]:
     """Remove the redirect files whose server process is gone; those removed."""
-    from ..session.store import pid_alive
+    from ..linux.procs import pid_alive
 
     gone: list[Path] = []
     for f in d.glob("review-*-*.html"):

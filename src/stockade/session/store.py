@@ -34,6 +34,7 @@ from typing import Any
 
 from .. import paths
 from ..errors import SandboxError, SessionBusy, SessionNotFound, UsageError
+from ..linux.procs import pid_alive
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -510,18 +511,6 @@ def _sweep_new_dirs(root: Path) -> None:
         pid = n.split("-")[1] if n.count("-") >= 2 else ""
         if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(root / n, ignore_errors=True)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (another user's counts): the owner of a state dir
-    entry named after its pid (``.new-*`` here, retention's ``.clean-*``) is gone or not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, another user's
-    return True
 
 
 def _take_ahead(root: Path) -> Path | None:
