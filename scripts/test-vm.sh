@@ -44,6 +44,7 @@ phase() {  # phase MARKER SHARD_COUNT [vmtest env...]
         [ "$rc" = 0 ] || [ "$rc" = 5 ] || fail=$rc
     done
     rm -rf "$dir"
+    trap - INT TERM
     return "$fail"
 }
 
