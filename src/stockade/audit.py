@@ -20,6 +20,7 @@ import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from json.encoder import encode_basestring as _json_str  # (C's when built: the encoder's own)
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -134,6 +135,46 @@ def _cap_str(s: str) -> str:
     return v
 
 
+# JSON of a capped string, by its raw value (operations, policies, reasons recur)
+_STR_JSON: dict[str, str] = {}
+
+
+def _str_json(s: str) -> str:
+    hit = _STR_JSON.get(s)
+    if hit is None:
+        hit = _json_str(_cap_str(s))
+        if len(s) <= 160:
+            if len(_STR_JSON) >= 4096:
+                _STR_JSON.clear()
+            _STR_JSON[s] = hit
+    return hit
+
+
+def _plain_json(v: object) -> str | None:
+    """The JSON of ``cap(v)`` for the plain values most events hold (a str, int, bool,
+    None, a short list of ints): what ``_encode`` would make of it, without building
+    the capped value; None for anything else (the general path)."""
+    t = type(v)
+    if t is str:
+        return _str_json(v)  # type: ignore[arg-type]
+    if t is int:
+        return int.__repr__(v)  # type: ignore[arg-type]
+    if v is None:
+        return "null"
+    if t is bool:
+        return "true" if v else "false"
+    if (t is list or t is tuple) and len(v) <= MAX_ITEMS:  # type: ignore[arg-type]
+        for x in v:  # type: ignore[attr-defined]
+            if type(x) is not int:
+                return None
+        return "[" + ",".join(map(int.__repr__, v)) + "]"  # type: ignore[call-overload]
+    return None
+
+
+_STANDARD = frozenset({"schema_version", "timestamp", "session", "run", "operation", "target", "result", "policy",
+                       "reason"})
+_KEY_JSON: dict[str, str] = {}
+
 _second: tuple[int, str] = (-1, "")
 
 
@@ -155,6 +196,8 @@ class AuditLog:
     def __init__(self, session: _SessionLike, *, batch: bool = False) -> None:
         self.session_id = session.id
         self.path = session.events_path
+        self._head = '{"schema_version":%d,"timestamp":"' % SCHEMA_VERSION
+        self._session_json = '","session":' + _json_str(self.session_id) + ',"run":'
         # batch: events are kept until flush(), which appends them with one write
         self._batch: list[bytes] | None = [] if batch else None
 
@@ -170,6 +213,54 @@ class AuditLog:
         **extra: Any,
     ) -> bytes:
         """One event's line (newline included), as ``event`` appends it."""
+        line = self._render_plain(operation, target, result, run, policy, reason, extra)
+        if line is not None:
+            return line
+        return self._render_general(operation, target, result, run=run, policy=policy, reason=reason, **extra)
+
+    def _render_plain(self, operation: str, target: str, result: str, run: int | None, policy: str | None,
+                      reason: str | None, extra: Mapping[str, object]) -> bytes | None:
+        """``_render_general``'s very line, made directly when every field is a plain
+        value (an observed run writes thousands of events); None: the general path."""
+        parts = [self._head, _now(), self._session_json]
+        if run is None:
+            parts.append("null")
+        elif type(run) is int:
+            parts.append(int.__repr__(run))
+        else:
+            return None
+        std = (_plain_json(operation), _plain_json(target), _plain_json(result), _plain_json(policy),
+               _plain_json(reason))
+        if None in std:
+            return None
+        parts.append(',"operation":%s,"target":%s,"result":%s,"policy":%s,"reason":%s' % std)
+        for k, v in extra.items():
+            if k in _STANDARD or k == "argv" or k == "env":
+                return None  # (a collision raises there; argv and env are redacted there)
+            kj = _KEY_JSON.get(k)
+            if kj is None:
+                kj = "," + _json_str(k) + ":"
+                if len(_KEY_JSON) < 1024:
+                    _KEY_JSON[k] = kj
+            j = _plain_json(v)
+            if j is None:
+                return None
+            parts.append(kj + j)
+        parts.append("}\n")
+        data = "".join(parts).encode("utf-8")
+        return data if len(data) <= MAX_LINE else None
+
+    def _render_general(
+        self,
+        operation: str,
+        target: str,
+        result: str,
+        *,
+        run: int | None = None,
+        policy: str | None = None,
+        reason: str | None = None,
+        **extra: Any,
+    ) -> bytes:
         rec: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "timestamp": _now(),

@@ -220,3 +220,47 @@ def test_terminal_safe_escapes_controls_and_undecodable_bytes() -> None:
             continue
         out = terminal_safe(c)
         assert all(ord(x) >= 0x20 and not 0x7f <= ord(x) <= 0x9f for x in out), repr(c)
+
+
+_plain_values = st.one_of(
+    st.text(max_size=40), st.text(min_size=2040, max_size=2100), st.integers(), st.booleans(), st.none(),
+    st.lists(st.integers(), max_size=5), st.tuples(st.integers(), st.integers()),
+    st.sampled_from(["ghp_" + "a" * 36, "token=hunter2hunter2", "\x1b[31mred\x00", "caf\u00e9 \ud83d\ude00"]),
+)
+_other_values = st.one_of(st.floats(allow_nan=False), st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
+                          st.lists(st.text(max_size=5), max_size=3), st.just(Path("/a/b")))
+
+
+@given(fields=st.dictionaries(st.sampled_from(["operation", "target", "result", "policy", "reason"]),
+                              st.one_of(st.text(max_size=30), st.none(), st.integers()), max_size=5),
+       extra=st.dictionaries(st.text(min_size=1, max_size=12).filter(lambda k: k not in audit._STANDARD),
+                             st.one_of(_plain_values, _other_values), max_size=6),
+       run=st.one_of(st.none(), st.integers(0, 10**6)))
+@settings(max_examples=300, deadline=None)
+def test_plain_lines_are_the_general_path_lines(tmp_path_factory: pytest.TempPathFactory,
+                                                fields: dict[str, object], extra: dict[str, object],
+                                                run: int | None) -> None:
+    """The direct renderer of plain events writes, byte for byte, what the general path
+    (capped and redacted values, json's encoder) writes, or leaves the event to it."""
+    log = audit.AuditLog(FakeSession("0101-abcdef", tmp_path_factory.getbasetemp()))
+    args = {"operation": "observed-open", "target": "/usr/lib/x", "result": "allowed", **fields}
+    now = audit._now
+    try:
+        audit._now = lambda: "2026-01-01T00:00:00.000Z"  # one timestamp for both
+        general = log._render_general(args["operation"], args["target"], args["result"], run=run,  # type: ignore[arg-type]
+                                      policy=args.get("policy"), reason=args.get("reason"), **extra)  # type: ignore[arg-type]
+        plain = log._render_plain(args["operation"], args["target"], args["result"], run,  # type: ignore[arg-type]
+                                  args.get("policy"), args.get("reason"), extra)  # type: ignore[arg-type]
+    finally:
+        audit._now = now
+    assert plain is None or plain == general
+    if all(audit._plain_json(v) is not None for v in (*args.values(), *extra.values())) and len(general) < 60000:
+        assert plain == general  # a plain event takes the direct path
+
+
+def test_observed_event_takes_the_direct_path(log: audit.AuditLog) -> None:
+    ev = {"access": "read", "syscall": "openat", "count": 3, "host_pids": [10, 11], "basis": "predicted"}
+    assert log._render_plain("observed-open", "/usr/lib/x", "allowed", 2, "view", "system directory", ev) is not None
+    (rec,) = [json.loads(log.render("observed-open", "/usr/lib/x", "allowed", run=2, policy="view",
+                                    reason="ghp_" + "a" * 36, **ev))]
+    assert rec["host_pids"] == [10, 11] and "ghp_" not in json.dumps(rec)

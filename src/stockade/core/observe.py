@@ -84,7 +84,7 @@ class RunObserve:
         self.observer.start()
 
     def fileno(self) -> int:
-        """Readable when the loop appended records (every 10 ms at most), and at its end."""
+        """Readable when the loop appended a batch of records, and at its end."""
         return self.observer.ready()
 
     def pump(self) -> None:

@@ -210,8 +210,8 @@ class Observer:
     """The supervisor's side of one run's observe mode: a thread (C's, no GIL:
     ``sk_observe_spawn``) that takes the listener init sends over ``sock`` and answers
     every notification until no task of the sandbox is left (the listener hangs up).
-    Records go to ``out_path``, and a byte to ``ready()`` after each batch (every 10 ms
-    at most) and at the end; opens beneath ``skip_prefix`` (the project) are answered
+    Records go to ``out_path``, and a byte to ``ready()`` after each batch (of 10 ms
+    at least: csrc/observe.c's OBS_FLUSH_MS) and at the end; opens beneath ``skip_prefix`` (the project) are answered
     but not recorded, unless beneath one of ``watch`` (the project's masked secrets: a
     command reading .env is what a user wants to see)."""
 
