@@ -196,7 +196,7 @@ class AuditLog:
     def __init__(self, session: _SessionLike, *, batch: bool = False) -> None:
         self.session_id = session.id
         self.path = session.events_path
-        self._head = '{"schema_version":%d,"timestamp":"' % SCHEMA_VERSION
+        self._head = '{"schema_version":' + str(SCHEMA_VERSION) + ',"timestamp":"'
         self._session_json = '","session":' + _json_str(self.session_id) + ',"run":'
         # batch: events are kept until flush(), which appends them with one write
         self._batch: list[bytes] | None = [] if batch else None
@@ -233,7 +233,7 @@ class AuditLog:
                _plain_json(reason))
         if None in std:
             return None
-        parts.append(',"operation":%s,"target":%s,"result":%s,"policy":%s,"reason":%s' % std)
+        parts.append(',"operation":{},"target":{},"result":{},"policy":{},"reason":{}'.format(*std))
         for k, v in extra.items():
             if k in _STANDARD or k == "argv" or k == "env":
                 return None  # (a collision raises there; argv and env are redacted there)
