@@ -275,54 +275,94 @@ class Classifier:
         self.kinds = {v: k for k, v in ctx.kinds.items()}
         self.resolver = _Resolver(ctx)
         self.aggs: dict[tuple[str, str, str], _Agg] = {}
-        self.memo: dict[tuple[str, str], tuple[str, str, str]] = {}
+        # a recorded directory -> its uniform decision, when it resolves to itself; else None
+        self.dir_memo: dict[str, DecisionLike | None] = {}
         self.touched: dict[tuple[str, str, str], _Agg] = {}  # changed since ``take_touched``
 
     def feed(self, records: Iterable[RecordLike]) -> None:
-        ctx, aggs, memo = self.ctx, self.aggs, self.memo
+        ctx, aggs, touched = self.ctx, self.aggs, self.touched
+        kinds, unreadable, relative = self.kinds, ctx.unreadable_flag, ctx.relative_flag
         for r in records:
-            kind = self.kinds.get(r.kind, "")
-            extra: dict[str, Any] = {}
-            if r.flags & ctx.unreadable_flag:
-                op = {"exec": "observed-exec", "open": "observed-open"}.get(kind, "observed-connect")
-                target = f"(unreadable: errno {r.err})"
-                res: tuple[str, str, str] = ("info", "observe", "the argument could not be read from the process "
-                                             "(it changed or unmapped it, or ptrace access was refused)")
-                access = "exec" if kind == "exec" else "read" if kind == "open" else "connect"
-            elif kind in ("exec", "open"):
-                op = "observed-" + kind
+            kind = kinds.get(r.kind, "")
+            if kind in ("exec", "open") and not r.flags & (unreadable | relative):
+                # the bulk of every run: a path seen before is one lookup; a new one in a
+                # system directory, one lstat (``_quick``)
                 target = os.fsdecode(r.data)
                 access = "exec" if kind == "exec" else access_of(r.arg)
-                if r.flags & ctx.relative_flag:
-                    res = ("info", "observe", "a relative path whose directory could not be resolved")
-                else:
-                    key = (target, access)
-                    hit = memo.get(key)
-                    if hit is None:
-                        hit = memo[key] = _path_result(ctx, target, access, self.resolver)
-                    res = hit
+                k = ("observed-" + kind, target, access)
+                a = aggs.get(k)
+                if a is None:
+                    res = self._quick(target, access) or _path_result(ctx, target, access, self.resolver)
+                    extra: dict[str, Any] = {}
                     if res[0] == "blocked" and " resolves to " in res[2]:
                         extra = {"resolved": res[2].split(" resolves to ", 1)[1].split(" on the host:", 1)[0]}
+                    a = aggs[k] = _Agg(k[0], target, res[0], res[1], res[2], access, r.syscall, extra=extra)
             else:
-                op = "observed-connect"
-                assert ctx.sockaddr is not None
-                fam, addr, port = ctx.sockaddr(r.data)
-                if fam in ("inet", "inet6"):
-                    target = f"[{addr}]:{port}" if fam == "inet6" else f"{addr}:{port}"
-                else:
-                    target = f"{fam}:{addr}" if addr else fam
-                access = "connect" if kind == "connect" else "send"
-                sock_type = r.arg if kind == "connect" else 2
-                res = _net_result(ctx, fam, addr, port, sock_type)
-                extra = {"family": fam}
-            k = (op, target, access)
-            a = aggs.get(k)
-            if a is None:
-                a = aggs[k] = _Agg(op, target, res[0], res[1], res[2], access, r.syscall, extra=extra)
+                k, a = self._other(r, kind)
             a.count += 1
             if len(a.pids) < MAX_PIDS and r.pid not in a.pids:
                 a.pids.append(r.pid)
-            self.touched[k] = a
+            touched[k] = a
+
+    def _quick(self, path: str, access: str) -> tuple[str, str, str] | None:
+        """``_path_result`` for a path (absolute, normalized: csrc/observe.c) that is no
+        symlink, in a directory that resolves to itself and is uniform (one decision for
+        all beneath it), with none of ``_path_result``'s special cases; else None."""
+        res = self.resolver
+        if path.startswith(res.special):
+            return None
+        i = path.rfind("/")
+        d = path[:i] or "/"
+        hit = self.dir_memo.get(d)
+        if hit is None:
+            rd = res.realpath(d)
+            hit = self.dir_memo[d] = res.uniform_dir(rd) if rd == d else None
+        if hit is None:
+            return None
+        try:
+            if stat.S_ISLNK(os.lstat(path).st_mode):
+                return None
+        except OSError:
+            pass  # (as realpath: a path that is not there resolves to itself)
+        key = (id(hit), access)
+        out = res.results.get(key)
+        if out is None:
+            out = res.results[key] = _decided(self.ctx, hit, path, access)
+        return out
+
+    def _other(self, r: RecordLike, kind: str) -> tuple[tuple[str, str, str], _Agg]:
+        """The aggregate of a connect or send, or of an exec or open whose argument could
+        not be read or resolved."""
+        ctx = self.ctx
+        extra: dict[str, Any] = {}
+        if r.flags & ctx.unreadable_flag:
+            op = {"exec": "observed-exec", "open": "observed-open"}.get(kind, "observed-connect")
+            target = f"(unreadable: errno {r.err})"
+            res: tuple[str, str, str] = ("info", "observe", "the argument could not be read from the process "
+                                         "(it changed or unmapped it, or ptrace access was refused)")
+            access = "exec" if kind == "exec" else "read" if kind == "open" else "connect"
+        elif kind in ("exec", "open"):  # (a relative path whose directory could not be resolved)
+            op = "observed-" + kind
+            target = os.fsdecode(r.data)
+            access = "exec" if kind == "exec" else access_of(r.arg)
+            res = ("info", "observe", "a relative path whose directory could not be resolved")
+        else:
+            op = "observed-connect"
+            assert ctx.sockaddr is not None
+            fam, addr, port = ctx.sockaddr(r.data)
+            if fam in ("inet", "inet6"):
+                target = f"[{addr}]:{port}" if fam == "inet6" else f"{addr}:{port}"
+            else:
+                target = f"{fam}:{addr}" if addr else fam
+            access = "connect" if kind == "connect" else "send"
+            sock_type = r.arg if kind == "connect" else 2
+            res = _net_result(ctx, fam, addr, port, sock_type)
+            extra = {"family": fam}
+        k = (op, target, access)
+        a = self.aggs.get(k)
+        if a is None:
+            a = self.aggs[k] = _Agg(op, target, res[0], res[1], res[2], access, r.syscall, extra=extra)
+        return k, a
 
     def take_touched(self) -> list[_Agg]:
         """The aggregates changed since the last call."""

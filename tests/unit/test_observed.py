@@ -5,8 +5,11 @@ records' decoding, the classification of what a command tried, the grouping for
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import struct
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,6 +185,64 @@ def test_cap_counts_what_is_left_out(tmp_path: Path) -> None:
     c.feed(recs)
     kept, left = c.written(2)
     assert len(kept) == 2 and left == {"observed-open allowed": 3}
+
+
+@pytest.fixture()
+def var_tmp() -> Iterator[Path]:
+    """A directory outside /tmp (a path under /tmp is the sandbox's own tmpfs: decided apart)."""
+    d = Path(tempfile.mkdtemp(prefix="stockade-test-", dir="/var/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d)
+
+
+def test_the_quick_path_decides_as_the_general_one(var_tmp: Path) -> None:
+    """A new path in a uniform system directory is decided by one lstat (``_quick``):
+    the events are those the general path (``_path_result`` for every record) makes,
+    symlinks, directories that resolve elsewhere and missing files included."""
+    tmp_path = var_tmp
+    sysd = tmp_path / "sys"
+    (sysd / "lib" / "sub").mkdir(parents=True)
+    (sysd / "lib" / "a.so").write_text("x")
+    (sysd / "lib" / "sub" / "b.py").write_text("x")
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / ".env").write_text("x")
+    (sysd / "lib" / "alias").symlink_to(tmp_path / "secret" / ".env")  # a file link out of the system dir
+    (sysd / "lib" / "inner").symlink_to(sysd / "lib" / "a.so")  # a link within it
+    (sysd / "linked").symlink_to(sysd / "lib")  # a directory that resolves elsewhere
+    base = ctx(tmp_path)
+
+    def why(p: str) -> D:
+        if p.startswith(str(sysd) + "/") or p == str(sysd):
+            return D(p, True, "ro", f"visible read-only: system directory {sysd}")
+        return base.why(p)  # type: ignore[return-value]
+
+    c = observed.Context(**{**base.__dict__, "why": why,
+                            "uniform": lambda d: d == str(sysd) or d.startswith(str(sysd) + "/")})
+    paths = [f"{sysd}/lib/a.so", f"{sysd}/lib/a.so", f"{sysd}/lib/sub/b.py", f"{sysd}/lib/missing",
+             f"{sysd}/lib/alias", f"{sysd}/lib/inner", f"{sysd}/linked/a.so", f"{sysd}/linked/sub/b.py",
+             f"{tmp_path}/secret/.env", "/tmp/x", f"{c.project}/src/main.py", f"{sysd}"]
+    data = b"".join(rec(kobs.KIND_OPEN, p.encode(), arg=flags) for p in paths for flags in (os.O_RDONLY, os.O_WRONLY))
+    data += rec(kobs.KIND_EXEC, f"{sysd}/lib/a.so".encode(), nr=NRS["execve"])
+    recs, _ = kobs.parse_records(data)
+    cl = observed.Classifier(c)
+    cl.feed(recs)
+    got = {(a.operation, a.target, a.access): (a.result, a.policy, a.reason, a.count, a.extra)
+           for a in cl.aggs.values()}
+    assert cl.dir_memo  # the quick path was taken
+    want: dict[tuple[str, str, str], tuple[str, str, str, int, dict[str, str]]] = {}
+    for r in recs:
+        kind = "exec" if r.kind == kobs.KIND_EXEC else "open"
+        access = "exec" if kind == "exec" else observed.access_of(r.arg)
+        k = ("observed-" + kind, r.path, access)
+        res = observed._path_result(c, r.path, access)  # a fresh resolver each time: no memo at all
+        extra = ({"resolved": res[2].split(" resolves to ", 1)[1].split(" on the host:", 1)[0]}
+                 if res[0] == "blocked" and " resolves to " in res[2] else {})
+        n = want[k][3] + 1 if k in want else 1
+        want[k] = (res[0], res[1], res[2], n, extra)
+    assert got == want
+    assert got[("observed-open", f"{sysd}/lib/alias", "read")][0] == "blocked"  # the link out is seen
 
 
 # ---- reading back -------------------------------------------------------------------------
