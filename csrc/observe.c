@@ -8,11 +8,11 @@
  * call the filter lets through unnotified (its fd argument: SK_OBSERVE_SOCK_K,
  * replaced here by the socket's number); init makes no other observed call.
  *
- * Supervisor side (sk_observe_loop, called from a supervisor thread through cffi,
- * which releases the GIL): receive each notification, read its argument from the
- * target's memory (process_vm_readv), answer CONTINUE (the kernel accepts the answer
- * only while the notification is still valid: then what was read was the target's),
- * append a record. The kernel runs the call itself after CONTINUE, rereading the
+ * Supervisor side (observe_loop, in a thread of the supervisor made here: it never
+ * needs the GIL): receive each notification, read its argument from the target's
+ * memory (process_vm_readv), answer CONTINUE (the kernel accepts the answer only
+ * while the notification is still valid: then what was read was the target's),
+ * append a record to a batch that the supervisor takes from memory (sk_observe_take). The kernel runs the call itself after CONTINUE, rereading the
  * arguments: what we read is for the log only (seccomp_unotify(2), TOCTOU), never a
  * decision. The loop never blocks on the target: each read is one syscall that fails
  * at once on a bad address.
@@ -107,10 +107,21 @@ int sk_observe_child(const struct sk_plan *p, int rep)
  * been quiet this long (one that waits in the receive cannot see the time). */
 #define OBS_FLUSH_MS 10
 
+/* What the loop has handed over and the supervisor has not taken yet (sk_observe_take):
+ * memory, not a file, so a batch costs the loop no syscall but the reader's wake-up. */
+struct obs_shared {
+    pthread_mutex_t mu;
+    unsigned char *data;
+    size_t len, cap;
+};
+/* Records the supervisor leaves untaken beyond this are dropped (and counted): its loop
+ * takes them every batch, so only a supervisor stuck elsewhere gets here. */
+#define OBS_PENDING_MAX ((size_t)64 << 20)
+
 struct obs_out {
-    int fd;
-    int ready_fd; /* told (one byte, never blocking) after each flush; -1: none */
-    size_t len;
+    struct obs_shared *sh;
+    int ready_fd; /* told (one byte, never blocking) when a batch lands in an empty sh; -1: none */
+    size_t len, nrec;
     long long since_ms; /* when the oldest buffered record came */
     unsigned long long lost;
     unsigned char buf[OBS_BUF];
@@ -118,22 +129,37 @@ struct obs_out {
 
 static void out_flush(struct obs_out *o)
 {
-    size_t off = 0;
-    while (off < o->len) {
-        ssize_t w = write(o->fd, o->buf + off, o->len - off);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0) {
-            o->lost++; /* a full disk: the rest of this buffer is lost, counted once */
-            break;
-        }
-        off += (size_t)w;
+    if (o->len == 0)
+        return;
+    struct obs_shared *sh = o->sh;
+    int kept = 1, first = 0;
+    pthread_mutex_lock(&sh->mu);
+    if (sh->len + o->len > sh->cap) {
+        size_t cap = sh->cap ? sh->cap : (size_t)OBS_BUF * 4;
+        while (cap < sh->len + o->len)
+            cap *= 2;
+        unsigned char *d = cap <= OBS_PENDING_MAX ? realloc(sh->data, cap) : NULL;
+        if (d)
+            sh->data = d, sh->cap = cap;
+        else
+            kept = 0;
     }
-    if (off && o->ready_fd >= 0) {
+    if (kept) {
+        first = sh->len == 0;
+        memcpy(sh->data + sh->len, o->buf, o->len);
+        sh->len += o->len;
+    }
+    pthread_mutex_unlock(&sh->mu);
+    if (!kept)
+        o->lost += o->nrec;
+    /* The reader drains the pipe before it takes: a batch added to a non-empty sh is
+     * taken with the one already told of. */
+    if (first && o->ready_fd >= 0) {
         char b = 'r';
         (void)!write(o->ready_fd, &b, 1); /* non-blocking: a full pipe already says so */
     }
     o->len = 0;
+    o->nrec = 0;
 }
 
 static long long now_ms(void)
@@ -155,6 +181,7 @@ static void out_rec(struct obs_out *o, struct sk_obs_rec *r, const void *data, s
     memcpy(o->buf + o->len, r, sizeof *r);
     memcpy(o->buf + o->len + sizeof *r, data, n);
     o->len += r->len;
+    o->nrec++;
     if (t - o->since_ms >= OBS_FLUSH_MS)
         out_flush(o);
 }
@@ -535,8 +562,10 @@ static int watched(const char *p, size_t plen, const char *const *watch, size_t 
     return 0;
 }
 
-int sk_observe_loop(int listener, int stop_fd, int out_fd, int ready_fd, const char *skip_prefix,
-                    const char *const *watch, size_t n_watch, struct sk_observe_stats *st)
+/* Answer every notification of listener until no task is left in its filter (or stop_fd
+ * is readable), handing the records over through sh. 0 or -errno. */
+static int observe_loop(int listener, int stop_fd, struct obs_shared *sh, int ready_fd, const char *skip_prefix,
+                        const char *const *watch, size_t n_watch, struct sk_observe_stats *st)
 {
     struct seccomp_notif_sizes sizes;
     memset(st, 0, sizeof *st);
@@ -557,9 +586,10 @@ int sk_observe_loop(int listener, int stop_fd, int out_fd, int ready_fd, const c
     struct obs_out *o = malloc(sizeof *o); /* 64 KiB: off the thread's stack */
     if (!o)
         return -ENOMEM;
-    o->fd = out_fd;
+    o->sh = sh;
     o->ready_fd = ready_fd;
     o->len = 0;
+    o->nrec = 0;
     o->since_ms = 0;
     o->lost = 0;
     size_t plen = skip_prefix ? strlen(skip_prefix) : 0;
@@ -715,14 +745,17 @@ static int take_listener(int sock, int stop_fd)
     return fd >= 0 ? fd : -ENOMSG;
 }
 
-int sk_observe_serve(int sock, int stop_fd, int out_fd, int ready_fd, const char *skip_prefix,
-                     const char *const *watch, size_t n_watch, struct sk_observe_stats *st)
+/* Receive the listener init sends over sock, then observe_loop until the sandbox is
+ * gone; the listener is closed after. -ENOMSG: the sandbox ended (sock's EOF) or stop_fd
+ * became readable before a listener came. */
+static int observe_serve(int sock, int stop_fd, struct obs_shared *sh, int ready_fd, const char *skip_prefix,
+                         const char *const *watch, size_t n_watch, struct sk_observe_stats *st)
 {
     memset(st, 0, sizeof *st);
     int listener = take_listener(sock, stop_fd);
     if (listener < 0)
         return listener;
-    int r = sk_observe_loop(listener, stop_fd, out_fd, ready_fd, skip_prefix, watch, n_watch, st);
+    int r = observe_loop(listener, stop_fd, sh, ready_fd, skip_prefix, watch, n_watch, st);
     close(listener); /* (a task left would now get ENOSYS: there is none, or it is being killed) */
     return r;
 }
@@ -733,12 +766,14 @@ int sk_observe_serve(int sock, int stop_fd, int out_fd, int ready_fd, const char
 
 struct sk_observer {
     pthread_t thread;
-    int sock, stop_fd, out_fd, ready_fd;
+    int sock, stop_fd, ready_fd;
     char *prefix;
     char **watch;
     size_t n_watch;
+    struct obs_shared sh;
     struct sk_observe_stats st;
     int result;
+    int joined;
     volatile int done;
 };
 
@@ -748,30 +783,33 @@ static void observer_free(struct sk_observer *h)
         free(h->watch[i]);
     free(h->watch);
     free(h->prefix);
+    free(h->sh.data);
+    pthread_mutex_destroy(&h->sh.mu);
     free(h);
 }
 
 static void *observer_main(void *arg)
 {
     struct sk_observer *h = arg;
-    h->result = sk_observe_serve(h->sock, h->stop_fd, h->out_fd, h->ready_fd, h->prefix,
-                                 (const char *const *)h->watch, h->n_watch, &h->st);
+    h->result = observe_serve(h->sock, h->stop_fd, &h->sh, h->ready_fd, h->prefix,
+                              (const char *const *)h->watch, h->n_watch, &h->st);
     __atomic_store_n(&h->done, 1, __ATOMIC_RELEASE);
-    if (h->ready_fd >= 0) { /* the end: the reader's last read */
+    if (h->ready_fd >= 0) { /* the end: the reader's last take */
         char b = 'e';
         (void)!write(h->ready_fd, &b, 1);
     }
     return NULL;
 }
 
-void *sk_observe_spawn(int sock, int stop_fd, int out_fd, int ready_fd, const char *skip_prefix,
-                       const char *const *watch, size_t n_watch)
+void *sk_observe_spawn(int sock, int stop_fd, int ready_fd, const char *skip_prefix, const char *const *watch,
+                       size_t n_watch)
 {
     int e;
     struct sk_observer *h = calloc(1, sizeof *h);
     if (!h)
         return NULL;
-    h->sock = sock, h->stop_fd = stop_fd, h->out_fd = out_fd, h->ready_fd = ready_fd;
+    pthread_mutex_init(&h->sh.mu, NULL);
+    h->sock = sock, h->stop_fd = stop_fd, h->ready_fd = ready_fd;
     h->prefix = strdup(skip_prefix ? skip_prefix : "");
     h->watch = calloc(n_watch ? n_watch : 1, sizeof *h->watch);
     if (!h->prefix || !h->watch)
@@ -802,26 +840,49 @@ int sk_observe_running(void *handle)
     return !__atomic_load_n(&((struct sk_observer *)handle)->done, __ATOMIC_ACQUIRE);
 }
 
+size_t sk_observe_take(void *handle, unsigned char **data)
+{
+    struct sk_observer *h = handle;
+    pthread_mutex_lock(&h->sh.mu);
+    size_t n = h->sh.len;
+    *data = n ? h->sh.data : NULL;
+    if (n) /* (an empty buffer stays for the next batch) */
+        h->sh.data = NULL, h->sh.len = h->sh.cap = 0;
+    pthread_mutex_unlock(&h->sh.mu);
+    return n;
+}
+
+void sk_observe_free(void *data)
+{
+    free(data);
+}
+
 int sk_observe_join(void *handle, int timeout_ms, struct sk_observe_stats *st, int *result)
 {
     struct sk_observer *h = handle;
-    if (timeout_ms >= 0) {
-        struct timespec t;
-        clock_gettime(CLOCK_REALTIME, &t);
-        t.tv_sec += timeout_ms / 1000;
-        t.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-        if (t.tv_nsec >= 1000000000L)
-            t.tv_sec++, t.tv_nsec -= 1000000000L;
-        int e = pthread_timedjoin_np(h->thread, NULL, &t);
+    if (!h->joined) {
+        int e;
+        if (timeout_ms >= 0) {
+            struct timespec t;
+            clock_gettime(CLOCK_REALTIME, &t);
+            t.tv_sec += timeout_ms / 1000;
+            t.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+            if (t.tv_nsec >= 1000000000L)
+                t.tv_sec++, t.tv_nsec -= 1000000000L;
+            e = pthread_timedjoin_np(h->thread, NULL, &t);
+        } else {
+            e = pthread_join(h->thread, NULL);
+        }
         if (e)
             return -e;
-    } else {
-        int e = pthread_join(h->thread, NULL);
-        if (e)
-            return -e;
+        h->joined = 1;
     }
     *st = h->st;
     *result = h->result;
-    observer_free(h);
     return 0;
+}
+
+void sk_observe_release(void *handle)
+{
+    observer_free(handle); /* (joined: nothing of the thread is left to use it) */
 }

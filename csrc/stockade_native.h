@@ -313,12 +313,12 @@ int sk_probe(int what);
 
 /* Observe mode (observe.c): the supervisor's side of the seccomp user notification
  * listener. One record per notified syscall (struct sk_obs_rec, then data_len bytes:
- * the path, or the sockaddr) is appended to out_fd; every notification is answered
- * with SECCOMP_USER_NOTIF_FLAG_CONTINUE, so the command's behaviour is unchanged.
- * Opens resolved beneath skip_prefix (the project) are answered but not recorded,
- * unless beneath one of the n_watch paths (the project's masked secrets).
- * Runs until the listener hangs up (no task left in the filter) or stop_fd is
- * readable. Returns 0 or -errno. */
+ * the path, or the sockaddr) is handed over in memory (sk_observe_take); every
+ * notification is answered with SECCOMP_USER_NOTIF_FLAG_CONTINUE, so the command's
+ * behaviour is unchanged. Opens resolved beneath skip_prefix (the project) are
+ * answered but not recorded, unless beneath one of the n_watch paths (the project's
+ * masked secrets). The thread runs until the listener hangs up (no task left in the
+ * filter) or stop_fd is readable. */
 #define SK_OBSERVE_SOCK_K 1935831925   /* 0x7362736f: placeholder k in the observe BPF */
 #define SK_OBS_EXEC 1
 #define SK_OBS_OPEN 2
@@ -346,23 +346,22 @@ struct sk_observe_stats {
     unsigned long long skipped;     /* inside skip_prefix */
     unsigned long long stale;       /* the target died or the call was interrupted first */
     unsigned long long unreadable;
-    unsigned long long lost;        /* records out_fd could not take */
+    unsigned long long lost;        /* records dropped: the supervisor left 64 MiB untaken */
 };
 
-int sk_observe_loop(int listener, int stop_fd, int out_fd, int ready_fd, const char *skip_prefix,
-                    const char *const *watch, size_t n_watch, struct sk_observe_stats *st);
-/* Receive the listener init sends over sock, then sk_observe_loop until the sandbox is
- * gone; the listener is closed after. -ENOMSG: the sandbox ended (sock's EOF) or
- * stop_fd became readable before a listener came. One call with no GIL from start
- * to end: the thread never competes with the supervisor's Python for it. */
-int sk_observe_serve(int sock, int stop_fd, int out_fd, int ready_fd, const char *skip_prefix,
-                     const char *const *watch, size_t n_watch, struct sk_observe_stats *st);
-/* sk_observe_serve in a thread of its own (strings copied; fds borrowed until the
- * join); ready_fd (non-blocking, -1: none) gets a byte after each flush of records and
- * at the end. NULL and errno on failure. */
-void *sk_observe_spawn(int sock, int stop_fd, int out_fd, int ready_fd, const char *skip_prefix,
-                       const char *const *watch, size_t n_watch);
+/* Take the listener init sends over sock, then answer every notification, in a thread
+ * of its own (strings copied; fds borrowed until the join) that never needs the GIL;
+ * ready_fd (non-blocking, -1: none) gets a byte when records wait to be taken, and at
+ * the end. NULL and errno on failure. */
+void *sk_observe_spawn(int sock, int stop_fd, int ready_fd, const char *skip_prefix, const char *const *watch,
+                       size_t n_watch);
 int sk_observe_running(void *handle);
-/* Wait for the thread up to timeout_ms (-1: no limit): 0 with *st and *result (serve's
- * return) and the handle freed, or -ETIMEDOUT with the handle kept. */
+/* The records handed over since the last take: their length, and *data (NULL when
+ * none; the caller frees it with sk_observe_free). Whole records only. */
+size_t sk_observe_take(void *handle, unsigned char **data);
+void sk_observe_free(void *data);
+/* Wait for the thread up to timeout_ms (-1: no limit): 0 with *st and *result (0,
+ * -errno, or -ENOMSG when no listener came), or -ETIMEDOUT. */
 int sk_observe_join(void *handle, int timeout_ms, struct sk_observe_stats *st, int *result);
+/* Free a joined handle (its untaken records with it). */
+void sk_observe_release(void *handle);

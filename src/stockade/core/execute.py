@@ -98,7 +98,7 @@ def _run(sess: store.Session, prep: Prepared, io: RunIO, hold_fd: int, *, raise_
     reaped = False  # init reaped: with its own PID namespace, nothing of the sandbox is left
     try:
         watch = disk_watch(sess, prep)  # (before the start: what the filesystem held before it)
-        child = launch.start(sess, record.run_no, prep, hold_fd, session_ahead, run_dir=record.run_dir)
+        child = launch.start(sess, record.run_no, prep, hold_fd, session_ahead)
         sup = launch.supervisor(record.run_dir, prep.timeout)
         if io.on_start is not None:
             io.on_start(sup)

@@ -119,7 +119,7 @@ class Launch:
         self.to_close.extend([self.out_w] + ([self.err_w] if self.err_w != self.out_w else []))
 
     def start(self, sess: store.Session, run_no: int, prep: Prepared, hold_fd: int, session_ahead: bool,
-              serve_fd: int = -1, run_dir: str | None = None) -> RunChild:
+              serve_fd: int = -1) -> RunChild:
         """Make the run's cgroups, start the sandbox and release it. ``hold_fd``: the
         session's overlay lock (``Session.lock``). ``serve_fd``: a living sandbox's
         channel to its init (``stockade.live``): init serves execs instead of a command."""
@@ -143,7 +143,7 @@ class Launch:
                 raise UsageError(LIVE_REFUSED)
             from .observe import RunObserve
 
-            obs = self.observe = RunObserve(run_dir or str(sess.dir), prep, sess, run_no)
+            obs = self.observe = RunObserve(prep, sess, run_no)
             self.to_close.append(obs.child_fd)
         child = self.child = launch.start(plan, (self.stdin_fd, self.out_w, self.err_w), place.clone_fd if place else None,
                                           pty=self.io.pty, console_sock=self.console[1], hold_before_exec=hold,

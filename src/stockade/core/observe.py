@@ -20,27 +20,25 @@ if TYPE_CHECKING:
 
 LIVE_REFUSED = ("observe mode is not available for living sandboxes (its filter is installed when a sandbox starts, "
                 "for one command tree): observe a command with `stockade run --observe -- CMD`")
-RECORDS = "observed.bin"  # a run's raw records (runs/N/), decoded into the audit log at its end
 
 
 class RunObserve:
     """One run's observe mode: the socket init sends the listener over (its end goes to
     the sandbox), the thread that answers the notifications (C's, no GIL), the records
-    it writes, classified as they arrive (``observed.Classifier``) by the supervisor's
-    own loop (``fileno`` turns readable, ``pump`` reads: no thread of ours waits for
-    the GIL or wakes a CPU), so the run's end only adds the last ones to the audit log."""
+    hands over in memory, classified as they arrive (``observed.Classifier``) by the
+    supervisor's own loop (``fileno`` turns readable, ``pump`` takes them: no thread of
+    ours waits for the GIL), so the run's end only adds the last ones to the audit log."""
 
-    def __init__(self, run_dir: str, prep: Prepared, sess: store.Session, run_no: int) -> None:
+    def __init__(self, prep: Prepared, sess: store.Session, run_no: int) -> None:
         from ..linux.seccomp.observe import Observer, observe_bpf
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.child_fd = theirs.detach()  # closed once the sandbox has it (Launch.handed_over)
         self.bpf = observe_bpf()
-        self.path = os.path.join(run_dir, RECORDS)
         self.prep = prep
         project = prep.plan.project
         masked = tuple(str(m.path) for m in prep.audit.masked if observed_under(str(m.path), project))
-        self.observer: Observer = Observer(ours, self.path, project, masked)
+        self.observer: Observer = Observer(ours, project, masked)
         self.classifier: Any = None
         self.run_no = run_no
         self._render = AuditLog(sess).render
@@ -48,9 +46,6 @@ class RunObserve:
         # remakes those whose count changed since): id(aggregate) -> ((count, pids), line)
         self._lines: dict[int, tuple[tuple[int, int], bytes]] = {}
         self.error: str | None = None
-        self._fd = -1  # the records file, read from ``_off`` (whole records up to ``_buf``)
-        self._off = 0
-        self._buf = b""
         self._ended = False
         # Landlock's own denial records (kernel audit): subscribed before the sandbox
         # exists, as the stream is never replayed; else why not
@@ -88,27 +83,18 @@ class RunObserve:
         return self.observer.ready()
 
     def pump(self) -> None:
-        """Classify the records appended since the last call (the supervisor's loop calls
-        it when ``fileno`` is readable; the run's end once more)."""
+        """Classify the records handed over since the last call (the supervisor's loop
+        calls it when ``fileno`` is readable; the run's end once more)."""
         from ..linux.seccomp import observe as kobs
 
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # (drained before the take: see Observer.take)
             while os.read(self.observer.ready(), 4096):
                 pass
-        if self.classifier is None or self.error is not None:
+        data = self.observer.take()
+        if self.classifier is None or self.error is not None or not data:
             return
         try:
-            if self._fd < 0:
-                try:
-                    self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    return
-            while chunk := os.pread(self._fd, 1 << 20, self._off):
-                self._off += len(chunk)
-                self._buf += chunk
-                recs, used = kobs.parse_records(self._buf)
-                self._buf = self._buf[used:]
-                self.classifier.feed(recs)
+            self.classifier.feed(kobs.parse_records(data)[0])
             self._prerender()
         except Exception as e:  # never lose the run to its log
             self.error = f"classify: {e}"
@@ -120,10 +106,7 @@ class RunObserve:
         self._ended = True
         self.observer.stop()
         self.pump()
-        self.observer.close_ready()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self.observer.close()
 
     def _prerender(self) -> None:
         """Make the lines of the events changed since the last batch (at most the number
@@ -158,11 +141,6 @@ class RunObserve:
             summary["error"] = self.error
         done = self.classifier is not None
         kept, left = self.classifier.written() if done else ([], {})
-        if done and not self.error:
-            try:  # classified: its entries are in the audit log now (a long build's raw records are large)
-                os.unlink(self.path)
-            except OSError:
-                pass
         kernel, summary["landlock_audit"] = self._landlock()
         if len(kernel) > observed.MAX_EVENTS:  # (the kernel's records: a cap of their own)
             left[f"{observed.LANDLOCK_DENIAL} blocked"] = len(kernel) - observed.MAX_EVENTS

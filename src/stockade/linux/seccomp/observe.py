@@ -5,10 +5,10 @@ The filter (``observe_bpf``) returns ``SECCOMP_RET_USER_NOTIF`` for the observed
 sendmsg) and ALLOW for everything else; the sandbox's init installs it after the
 policy filter (csrc/observe.c), so a call the policy denies is never notified (the
 kernel takes the most restrictive answer of all filters). ``Observer`` takes the
-listener init sends and runs the C loop (``sk_observe_loop``) in a thread of the
-supervisor: every notification is answered ``SECCOMP_USER_NOTIF_FLAG_CONTINUE``, so
-the command behaves exactly as unobserved, and one binary record per observed call
-lands in a file; ``read_records`` decodes it.
+listener init sends and runs the C loop in a thread of the supervisor: every
+notification is answered ``SECCOMP_USER_NOTIF_FLAG_CONTINUE``, so the command behaves
+exactly as unobserved, and one binary record per observed call waits in memory for
+``Observer.take``; ``parse_records`` decodes them.
 """
 
 from __future__ import annotations
@@ -147,17 +147,6 @@ class Record(NamedTuple):
         return os.fsdecode(self.data)
 
 
-def read_records(path: str) -> list[Record]:
-    """The records of an observe file; a torn last record (the loop was stopped mid
-    write) is left out."""
-    try:
-        with open(path, "rb") as f:
-            buf = f.read()
-    except FileNotFoundError:
-        return []
-    return parse_records(buf)[0]
-
-
 def parse_records(buf: bytes) -> tuple[list[Record], int]:
     """The whole records at the start of ``buf``, and how many bytes they take."""
     out: list[Record] = []
@@ -210,56 +199,64 @@ class Observer:
     """The supervisor's side of one run's observe mode: a thread (C's, no GIL:
     ``sk_observe_spawn``) that takes the listener init sends over ``sock`` and answers
     every notification until no task of the sandbox is left (the listener hangs up).
-    Records go to ``out_path``, and a byte to ``ready()`` after each batch (of 10 ms
-    at least: csrc/observe.c's OBS_FLUSH_MS) and at the end; opens beneath ``skip_prefix`` (the project) are answered
-    but not recorded, unless beneath one of ``watch`` (the project's masked secrets: a
-    command reading .env is what a user wants to see)."""
+    Its records wait in memory for ``take``, and a byte comes to ``ready()`` when some
+    wait (a batch of 10 ms at least: csrc/observe.c's OBS_FLUSH_MS) and at the end;
+    opens beneath ``skip_prefix`` (the project) are answered but not recorded, unless
+    beneath one of ``watch`` (the project's masked secrets: a command reading .env is
+    what a user wants to see)."""
 
-    def __init__(self, sock: socket.socket, out_path: str, skip_prefix: str, watch: tuple[str, ...] = ()) -> None:
+    def __init__(self, sock: socket.socket, skip_prefix: str, watch: tuple[str, ...] = ()) -> None:
         self.sock = sock
         self.watch = watch[:MAX_WATCH]
-        self.out_path = out_path
         self.skip_prefix = skip_prefix
         self.stats = Stats()
         self.got_listener = False
         self._handle: object | None = None
+        self._joined = False
         self._stopped = False
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
         self._ready_r, self._ready_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._out = -1
 
     def ready(self) -> int:
-        """The fd that turns readable when records were appended, and at the end."""
+        """The fd that turns readable when records wait to be taken, and at the end."""
         return self._ready_r
 
     def start(self) -> None:
-        try:
-            self._out = os.open(self.out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        except OSError:
-            self._out = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)  # still answered: never stall the command
         keep = [os.fsencode(w) for w in self.watch]
         cw = [ffi.new("char[]", w) for w in keep]
-        h = lib.sk_observe_spawn(self.sock.fileno(), self._stop_r, self._out, self._ready_w,
-                                 os.fsencode(self.skip_prefix), ffi.new("char *[]", [*cw, ffi.NULL]), len(cw))
+        h = lib.sk_observe_spawn(self.sock.fileno(), self._stop_r, self._ready_w, os.fsencode(self.skip_prefix),
+                                 ffi.new("char *[]", [*cw, ffi.NULL]), len(cw))
         if h == ffi.NULL:
             e = ffi.errno
-            os.close(self._out)
-            self._out = -1
             raise OSError(e, f"observe mode: its thread: {os.strerror(e)}")
         self._handle = h
 
     def running(self) -> bool:
-        """The loop may still append records."""
-        return self._handle is not None and bool(lib.sk_observe_running(self._handle))
+        """The loop may still hand over records."""
+        return self._handle is not None and not self._joined and bool(lib.sk_observe_running(self._handle))
+
+    def take(self) -> bytes:
+        """The records handed over since the last call (whole records: ``parse_records``).
+        Drain ``ready()`` first: records that come after are told of again."""
+        if self._handle is None:
+            return b""
+        p = ffi.new("unsigned char **")
+        n = lib.sk_observe_take(self._handle, p)
+        if p[0] == ffi.NULL:
+            return b""
+        try:
+            return bytes(ffi.buffer(p[0], n))
+        finally:
+            lib.sk_observe_free(p[0])
 
     def _join(self, timeout: float) -> bool:
-        if self._handle is None:
+        if self._handle is None or self._joined:
             return True
         st = ffi.new("struct sk_observe_stats *")
         res = ffi.new("int *")
         if lib.sk_observe_join(self._handle, int(timeout * 1000), st, res) != 0:
             return False
-        self._handle = None
+        self._joined = True
         r = res[0]
         self.got_listener = r != -errno.ENOMSG
         if self.got_listener:
@@ -268,7 +265,8 @@ class Observer:
         return True
 
     def stop(self, timeout: float = 5.0) -> Stats:
-        """Wait for the loop (it ends by itself once the sandbox is gone), then end it."""
+        """Wait for the loop (it ends by itself once the sandbox is gone), then end it.
+        The records not taken yet stay for ``take`` until ``close``."""
         if self._stopped:
             return self.stats
         self._stopped = True
@@ -282,20 +280,24 @@ class Observer:
             except OSError:
                 pass
             if not self._join(timeout):
-                # (never seen: the thread keeps the fds it borrowed; they stay open)
+                # (never seen: a loop waiting in the receive ends only with the filter's
+                # last task; the thread keeps the fds it borrowed, and its handle)
                 return self.stats
         self.sock.close()
-        for fd in (self._stop_r, self._stop_w, self._ready_w, self._out):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        for fd in (self._stop_r, self._stop_w, self._ready_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         return self.stats
 
-    def close_ready(self) -> None:
-        """The reader is done with ``ready()`` (after ``stop``)."""
+    def close(self) -> None:
+        """The reader is done (after ``stop``): ``ready()`` closes, the records not taken
+        are freed."""
         try:
             os.close(self._ready_r)
         except OSError:
             pass
+        if self._handle is not None and self._joined:
+            lib.sk_observe_release(self._handle)
+            self._handle = None
