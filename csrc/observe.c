@@ -26,12 +26,14 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <sys/utsname.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -562,6 +564,16 @@ static int watched(const char *p, size_t plen, const char *const *watch, size_t 
     return 0;
 }
 
+/* The running kernel is major.minor or later (its release as uname says it). */
+static int kernel_at_least(int major, int minor)
+{
+    struct utsname u;
+    int ma = 0, mi = 0;
+    if (uname(&u) != 0 || sscanf(u.release, "%d.%d", &ma, &mi) != 2)
+        return 0;
+    return ma > major || (ma == major && mi >= minor);
+}
+
 /* Answer every notification of listener until no task is left in its filter (or stop_fd
  * is readable), handing the records over through sh. 0 or -errno. */
 static int observe_loop(int listener, int stop_fd, struct obs_shared *sh, int ready_fd, const char *skip_prefix,
@@ -594,12 +606,14 @@ static int observe_loop(int listener, int stop_fd, struct obs_shared *sh, int re
     o->lost = 0;
     size_t plen = skip_prefix ? strlen(skip_prefix) : 0;
     /* Linux 6.6+: the target and this thread hand over on one CPU (each notification
-     * is a synchronous round trip), and the receive itself waits, waking when the
-     * filter's last task is gone (the same kernel change: recv_wait_event). The loop
-     * then makes no poll before each receive: a poll per notification costs the python
-     * imports workload some 3 % here (`make bench`). Older kernels refuse the flag:
-     * poll, then receive, and a flush when the command is quiet. */
-    int direct = ioctl(listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, (__u64)SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP) == 0;
+     * is a synchronous round trip); older kernels refuse the flag, and wake as usual.
+     * Linux 6.11+ also ends a waiting receive when the filter's last task is gone
+     * ("seccomp: interrupt SECCOMP_IOCTL_NOTIF_RECV when all users have exited"): the
+     * loop then waits in the receive itself, with no poll before each notification
+     * (a poll per call costs a workload of many opens some 3 % more here). Before
+     * 6.11 a waiting receive would outlive the sandbox: poll, then receive. */
+    int sync_wake = ioctl(listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, (__u64)SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP) == 0;
+    int direct = sync_wake && kernel_at_least(6, 11);
     char data[OBS_PATH_MAX + 1];
     struct proc_cache pc;
     for (int i = 0; i < OBS_PROC_CACHE; i++)
