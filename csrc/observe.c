@@ -576,8 +576,9 @@ static int kernel_at_least(int major, int minor)
 
 /* Answer every notification of listener until no task is left in its filter (or stop_fd
  * is readable), handing the records over through sh. 0 or -errno. */
-static int observe_loop(int listener, int stop_fd, struct obs_shared *sh, int ready_fd, const char *skip_prefix,
-                        const char *const *watch, size_t n_watch, struct sk_observe_stats *st)
+static int observe_loop(int listener, int stop_fd, struct obs_shared *sh, int ready_fd, int poll_first,
+                        const char *skip_prefix, const char *const *watch, size_t n_watch,
+                        struct sk_observe_stats *st)
 {
     struct seccomp_notif_sizes sizes;
     memset(st, 0, sizeof *st);
@@ -613,7 +614,7 @@ static int observe_loop(int listener, int stop_fd, struct obs_shared *sh, int re
      * (a poll per call costs a workload of many opens some 3 % more here). Before
      * 6.11 a waiting receive would outlive the sandbox: poll, then receive. */
     int sync_wake = ioctl(listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, (__u64)SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP) == 0;
-    int direct = sync_wake && kernel_at_least(6, 11);
+    int direct = sync_wake && !poll_first && kernel_at_least(6, 11);
     char data[OBS_PATH_MAX + 1];
     struct proc_cache pc;
     for (int i = 0; i < OBS_PROC_CACHE; i++)
@@ -762,14 +763,15 @@ static int take_listener(int sock, int stop_fd)
 /* Receive the listener init sends over sock, then observe_loop until the sandbox is
  * gone; the listener is closed after. -ENOMSG: the sandbox ended (sock's EOF) or stop_fd
  * became readable before a listener came. */
-static int observe_serve(int sock, int stop_fd, struct obs_shared *sh, int ready_fd, const char *skip_prefix,
-                         const char *const *watch, size_t n_watch, struct sk_observe_stats *st)
+static int observe_serve(int sock, int stop_fd, struct obs_shared *sh, int ready_fd, int poll_first,
+                         const char *skip_prefix, const char *const *watch, size_t n_watch,
+                         struct sk_observe_stats *st)
 {
     memset(st, 0, sizeof *st);
     int listener = take_listener(sock, stop_fd);
     if (listener < 0)
         return listener;
-    int r = observe_loop(listener, stop_fd, sh, ready_fd, skip_prefix, watch, n_watch, st);
+    int r = observe_loop(listener, stop_fd, sh, ready_fd, poll_first, skip_prefix, watch, n_watch, st);
     close(listener); /* (a task left would now get ENOSYS: there is none, or it is being killed) */
     return r;
 }
@@ -780,7 +782,7 @@ static int observe_serve(int sock, int stop_fd, struct obs_shared *sh, int ready
 
 struct sk_observer {
     pthread_t thread;
-    int sock, stop_fd, ready_fd;
+    int sock, stop_fd, ready_fd, poll_first;
     char *prefix;
     char **watch;
     size_t n_watch;
@@ -805,7 +807,7 @@ static void observer_free(struct sk_observer *h)
 static void *observer_main(void *arg)
 {
     struct sk_observer *h = arg;
-    h->result = observe_serve(h->sock, h->stop_fd, &h->sh, h->ready_fd, h->prefix,
+    h->result = observe_serve(h->sock, h->stop_fd, &h->sh, h->ready_fd, h->poll_first, h->prefix,
                               (const char *const *)h->watch, h->n_watch, &h->st);
     __atomic_store_n(&h->done, 1, __ATOMIC_RELEASE);
     if (h->ready_fd >= 0) { /* the end: the reader's last take */
@@ -815,15 +817,15 @@ static void *observer_main(void *arg)
     return NULL;
 }
 
-void *sk_observe_spawn(int sock, int stop_fd, int ready_fd, const char *skip_prefix, const char *const *watch,
-                       size_t n_watch)
+void *sk_observe_spawn(int sock, int stop_fd, int ready_fd, int poll_first, const char *skip_prefix,
+                       const char *const *watch, size_t n_watch)
 {
     int e;
     struct sk_observer *h = calloc(1, sizeof *h);
     if (!h)
         return NULL;
     pthread_mutex_init(&h->sh.mu, NULL);
-    h->sock = sock, h->stop_fd = stop_fd, h->ready_fd = ready_fd;
+    h->sock = sock, h->stop_fd = stop_fd, h->ready_fd = ready_fd, h->poll_first = poll_first;
     h->prefix = strdup(skip_prefix ? skip_prefix : "");
     h->watch = calloc(n_watch ? n_watch : 1, sizeof *h->watch);
     if (!h->prefix || !h->watch)

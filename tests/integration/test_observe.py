@@ -115,11 +115,14 @@ def observed_json(user: User, project: Path, sess: str) -> dict[str, Any]:
     return dict(json.loads(r.stdout))
 
 
-def test_observe_names_what_the_command_tried(user: User, project: Path) -> None:
+@pytest.mark.parametrize("poll", ["0", "1"])
+def test_observe_names_what_the_command_tried(user: User, project: Path, poll: str) -> None:
+    """Both loops alike: waiting in the receive (Linux 6.11+), and polling first
+    (older kernels; STOCKADE_OBSERVE_POLL=1 here)."""
     setup_project(user, project)
     port = free_port()
     argv = ["run", "--observe", "--", PY3, "probe.py", str(port)]
-    r = user.cli(argv, cwd=project)
+    r = user.cli(argv, cwd=project, env={"STOCKADE_OBSERVE_POLL": poll})
     assert r.returncode == 0, r.stderr.decode()
     got = json.loads(r.stdout)
     assert got["true"] == 0 and got["hosts"] == 0
@@ -151,6 +154,64 @@ def test_observe_names_what_the_command_tried(user: User, project: Path) -> None
     assert text.returncode == 0
     for part in ("programs run", "paths denied", "/etc/shadow", "hosts tried", "10.255.255.1:80"):
         assert part in text.stdout.decode(), part
+
+
+OPENER = """
+import os, sys, time
+paths = open("paths.txt").read().split("\\n")
+for i, p in enumerate(paths):
+    os.close(os.open(p, os.O_RDONLY))
+    if i % 200 == 199:
+        time.sleep(0.03)  # quiet spells: a batch goes, then the loop waits again
+print(len(paths))
+"""
+
+
+@pytest.mark.parametrize("poll", ["0", "1"])
+def test_every_open_crosses_the_handoff(user: User, project: Path, poll: str) -> None:
+    """Thousands of opens outside the project, in bursts with quiet spells between, more
+    than one batch buffer's worth: each one is in the log (the host names the files)."""
+    files = sorted(str(p) for p in Path("/usr/lib/python3").glob("**/*.py") if not p.is_symlink())[:1500] or sorted(
+        str(p) for p in Path("/usr/lib").glob("python3*/**/*.py") if not p.is_symlink())[:1500]
+    assert len(files) >= 1000
+    (project / "paths.txt").write_text("\n".join(files))
+    (project / "opener.py").write_text(OPENER)
+    user.own(project)
+    r = user.cli(["run", "--observe", "--", PY3, "opener.py"], cwd=project, env={"STOCKADE_OBSERVE_POLL": poll})
+    assert r.returncode == 0 and r.stdout.decode().strip() == str(len(files)), r.stderr.decode()
+    obs = observed_json(user, project, session_of(r.stderr))
+    missing = [f for f in files if f not in obs["opened"]]
+    assert not missing, missing[:5]
+    (summ,) = obs["summaries"]
+    assert summ["logged"] >= len(files) and summ["lost"] == 0 and summ["stale"] == 0, summ
+
+
+def test_records_wait_for_a_slow_reader(api_project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches that come while the supervisor is busy elsewhere pile up in memory and
+    are all taken later (a reader that takes every 50 ms, far behind the loop)."""
+    import stockade
+    from stockade import audit
+    from stockade.core import observe as core_observe
+
+    files = sorted(str(p) for p in Path("/usr/lib").glob("python3*/**/*.py") if not p.is_symlink())[:1500]
+    (api_project / "paths.txt").write_text("\n".join(files))
+    (api_project / "opener.py").write_text(OPENER)
+    pump = core_observe.RunObserve.pump
+    takes: list[int] = []
+
+    def slow_pump(self: core_observe.RunObserve) -> None:
+        time.sleep(0.05)
+        takes.append(1)
+        pump(self)
+
+    monkeypatch.setattr(core_observe.RunObserve, "pump", slow_pump)
+    with stockade.Sandbox(api_project, observe=True) as sb:
+        r = sb.run([PY3, "opener.py"], capture_output=True)
+        assert r.returncode == 0, r.stderr
+        opened = {str(e["target"]) for e in audit.read_events(sb.session.events_path)
+                  if e.get("operation") == "observed-open"}
+    assert not [f for f in files if f not in opened]
+    assert len(takes) >= 2
 
 
 @pytest.mark.vm

@@ -224,8 +224,10 @@ class Observer:
     def start(self) -> None:
         keep = [os.fsencode(w) for w in self.watch]
         cw = [ffi.new("char[]", w) for w in keep]
-        h = lib.sk_observe_spawn(self.sock.fileno(), self._stop_r, self._ready_w, os.fsencode(self.skip_prefix),
-                                 ffi.new("char *[]", [*cw, ffi.NULL]), len(cw))
+        # STOCKADE_OBSERVE_POLL=1: the loop polls before each receive, as before Linux 6.11
+        poll_first = int(os.environ.get("STOCKADE_OBSERVE_POLL", "") == "1")
+        h = lib.sk_observe_spawn(self.sock.fileno(), self._stop_r, self._ready_w, poll_first,
+                                 os.fsencode(self.skip_prefix), ffi.new("char *[]", [*cw, ffi.NULL]), len(cw))
         if h == ffi.NULL:
             e = ffi.errno
             raise OSError(e, f"observe mode: its thread: {os.strerror(e)}")
