@@ -140,6 +140,7 @@ _STR_JSON: dict[str, str] = {}
 
 
 def _str_json(s: str) -> str:
+    """The JSON of a string as a line holds it (capped, redacted)."""
     hit = _STR_JSON.get(s)
     if hit is None:
         hit = _json_str(_cap_str(s))
@@ -174,6 +175,27 @@ def _plain_json(v: object) -> str | None:
 _STANDARD = frozenset({"schema_version", "timestamp", "session", "run", "operation", "target", "result", "policy",
                        "reason"})
 _KEY_JSON: dict[str, str] = {}
+
+
+def _plain_fields(items: Iterable[tuple[str, object]], *, extra: bool = True) -> str | None:
+    """``,"key":value`` for each field, as a line holds it, when every value is plain
+    (``_plain_json``); None when one is not, or (``extra``) when a key is a standard
+    field's or ``argv``/``env`` (the general path refuses or redacts those)."""
+    out = []
+    for k, v in items:
+        if extra and (k in _STANDARD or k == "argv" or k == "env"):
+            return None
+        kj = _KEY_JSON.get(k)
+        if kj is None:
+            kj = "," + _json_str(k) + ":"
+            if len(_KEY_JSON) < 1024:
+                _KEY_JSON[k] = kj
+        j = _plain_json(v)
+        if j is None:
+            return None
+        out.append(kj + j)
+    return "".join(out)
+
 
 _second: tuple[int, str] = (-1, "")
 
@@ -218,36 +240,28 @@ class AuditLog:
             return line
         return self._render_general(operation, target, result, run=run, policy=policy, reason=reason, **extra)
 
+    def _line_start(self, run: int | None) -> str | None:
+        """A line's start up to its run number (``_plain_fields`` go after it, then
+        ``"}\n"``), stamped now; None for a run number that is not a plain int."""
+        if run is None:
+            r = "null"
+        elif type(run) is int:
+            r = int.__repr__(run)
+        else:
+            return None
+        return self._head + _now() + self._session_json + r
+
     def _render_plain(self, operation: str, target: str, result: str, run: int | None, policy: str | None,
                       reason: str | None, extra: Mapping[str, object]) -> bytes | None:
         """``_render_general``'s very line, made directly when every field is a plain
         value (an observed run writes thousands of events); None: the general path."""
-        parts = [self._head, _now(), self._session_json]
-        if run is None:
-            parts.append("null")
-        elif type(run) is int:
-            parts.append(int.__repr__(run))
-        else:
+        start = self._line_start(run)
+        std = _plain_fields((("operation", operation), ("target", target), ("result", result), ("policy", policy),
+                            ("reason", reason)), extra=False)
+        more = _plain_fields(extra.items())
+        if start is None or std is None or more is None:
             return None
-        std = (_plain_json(operation), _plain_json(target), _plain_json(result), _plain_json(policy),
-               _plain_json(reason))
-        if None in std:
-            return None
-        parts.append(',"operation":{},"target":{},"result":{},"policy":{},"reason":{}'.format(*std))
-        for k, v in extra.items():
-            if k in _STANDARD or k == "argv" or k == "env":
-                return None  # (a collision raises there; argv and env are redacted there)
-            kj = _KEY_JSON.get(k)
-            if kj is None:
-                kj = "," + _json_str(k) + ":"
-                if len(_KEY_JSON) < 1024:
-                    _KEY_JSON[k] = kj
-            j = _plain_json(v)
-            if j is None:
-                return None
-            parts.append(kj + j)
-        parts.append("}\n")
-        data = "".join(parts).encode("utf-8")
+        data = (start + std + more + "}\n").encode("utf-8")
         return data if len(data) <= MAX_LINE else None
 
     def _render_general(
