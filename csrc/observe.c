@@ -122,7 +122,6 @@ struct obs_shared {
 
 struct obs_out {
     struct obs_shared *sh;
-    int ready_fd; /* told (one byte, never blocking) when a batch lands in an empty sh; -1: none */
     size_t len, nrec;
     long long since_ms; /* when the oldest buffered record came */
     unsigned long long lost;
@@ -134,7 +133,7 @@ static void out_flush(struct obs_out *o)
     if (o->len == 0)
         return;
     struct obs_shared *sh = o->sh;
-    int kept = 1, first = 0;
+    int kept = 1;
     pthread_mutex_lock(&sh->mu);
     if (sh->len + o->len > sh->cap) {
         size_t cap = sh->cap ? sh->cap : (size_t)OBS_BUF * 4;
@@ -147,19 +146,12 @@ static void out_flush(struct obs_out *o)
             kept = 0;
     }
     if (kept) {
-        first = sh->len == 0;
         memcpy(sh->data + sh->len, o->buf, o->len);
         sh->len += o->len;
     }
     pthread_mutex_unlock(&sh->mu);
     if (!kept)
         o->lost += o->nrec;
-    /* The reader drains the pipe before it takes: a batch added to a non-empty sh is
-     * taken with the one already told of. */
-    if (first && o->ready_fd >= 0) {
-        char b = 'r';
-        (void)!write(o->ready_fd, &b, 1); /* non-blocking: a full pipe already says so */
-    }
     o->len = 0;
     o->nrec = 0;
 }
@@ -576,7 +568,7 @@ static int kernel_at_least(int major, int minor)
 
 /* Answer every notification of listener until no task is left in its filter (or stop_fd
  * is readable), handing the records over through sh. 0 or -errno. */
-static int observe_loop(int listener, int stop_fd, struct obs_shared *sh, int ready_fd, int poll_first,
+static int observe_loop(int listener, int stop_fd, struct obs_shared *sh, int poll_first,
                         const char *skip_prefix, const char *const *watch, size_t n_watch,
                         struct sk_observe_stats *st)
 {
@@ -600,7 +592,6 @@ static int observe_loop(int listener, int stop_fd, struct obs_shared *sh, int re
     if (!o)
         return -ENOMEM;
     o->sh = sh;
-    o->ready_fd = ready_fd;
     o->len = 0;
     o->nrec = 0;
     o->since_ms = 0;
@@ -763,7 +754,7 @@ static int take_listener(int sock, int stop_fd)
 /* Receive the listener init sends over sock, then observe_loop until the sandbox is
  * gone; the listener is closed after. -ENOMSG: the sandbox ended (sock's EOF) or stop_fd
  * became readable before a listener came. */
-static int observe_serve(int sock, int stop_fd, struct obs_shared *sh, int ready_fd, int poll_first,
+static int observe_serve(int sock, int stop_fd, struct obs_shared *sh, int poll_first,
                          const char *skip_prefix, const char *const *watch, size_t n_watch,
                          struct sk_observe_stats *st)
 {
@@ -771,7 +762,7 @@ static int observe_serve(int sock, int stop_fd, struct obs_shared *sh, int ready
     int listener = take_listener(sock, stop_fd);
     if (listener < 0)
         return listener;
-    int r = observe_loop(listener, stop_fd, sh, ready_fd, poll_first, skip_prefix, watch, n_watch, st);
+    int r = observe_loop(listener, stop_fd, sh, poll_first, skip_prefix, watch, n_watch, st);
     close(listener); /* (a task left would now get ENOSYS: there is none, or it is being killed) */
     return r;
 }
@@ -782,7 +773,7 @@ static int observe_serve(int sock, int stop_fd, struct obs_shared *sh, int ready
 
 struct sk_observer {
     pthread_t thread;
-    int sock, stop_fd, ready_fd, poll_first;
+    int sock, stop_fd, poll_first;
     char *prefix;
     char **watch;
     size_t n_watch;
@@ -807,25 +798,21 @@ static void observer_free(struct sk_observer *h)
 static void *observer_main(void *arg)
 {
     struct sk_observer *h = arg;
-    h->result = observe_serve(h->sock, h->stop_fd, &h->sh, h->ready_fd, h->poll_first, h->prefix,
+    h->result = observe_serve(h->sock, h->stop_fd, &h->sh, h->poll_first, h->prefix,
                               (const char *const *)h->watch, h->n_watch, &h->st);
     __atomic_store_n(&h->done, 1, __ATOMIC_RELEASE);
-    if (h->ready_fd >= 0) { /* the end: the reader's last take */
-        char b = 'e';
-        (void)!write(h->ready_fd, &b, 1);
-    }
     return NULL;
 }
 
-void *sk_observe_spawn(int sock, int stop_fd, int ready_fd, int poll_first, const char *skip_prefix,
-                       const char *const *watch, size_t n_watch)
+void *sk_observe_spawn(int sock, int stop_fd, int poll_first, const char *skip_prefix, const char *const *watch,
+                       size_t n_watch)
 {
     int e;
     struct sk_observer *h = calloc(1, sizeof *h);
     if (!h)
         return NULL;
     pthread_mutex_init(&h->sh.mu, NULL);
-    h->sock = sock, h->stop_fd = stop_fd, h->ready_fd = ready_fd, h->poll_first = poll_first;
+    h->sock = sock, h->stop_fd = stop_fd, h->poll_first = poll_first;
     h->prefix = strdup(skip_prefix ? skip_prefix : "");
     h->watch = calloc(n_watch ? n_watch : 1, sizeof *h->watch);
     if (!h->prefix || !h->watch)

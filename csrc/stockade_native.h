@@ -350,12 +350,12 @@ struct sk_observe_stats {
 };
 
 /* Take the listener init sends over sock, then answer every notification, in a thread
- * of its own (strings copied; fds borrowed until the join) that never needs the GIL;
- * ready_fd (non-blocking, -1: none) gets a byte when records wait to be taken, and at
- * the end. poll_first: poll before each receive even where the receive alone would do
- * (Linux 6.11+). NULL and errno on failure. */
-void *sk_observe_spawn(int sock, int stop_fd, int ready_fd, int poll_first, const char *skip_prefix,
-                       const char *const *watch, size_t n_watch);
+ * of its own (strings copied; fds borrowed until the join) that never needs the GIL and
+ * wakes nobody: the supervisor takes the records on its own time. poll_first: poll
+ * before each receive even where the receive alone would do (Linux 6.11+). NULL and
+ * errno on failure. */
+void *sk_observe_spawn(int sock, int stop_fd, int poll_first, const char *skip_prefix, const char *const *watch,
+                       size_t n_watch);
 int sk_observe_running(void *handle);
 /* The records handed over since the last take: their length, and *data (NULL when
  * none; the caller frees it with sk_observe_free). Whole records only. */

@@ -199,10 +199,10 @@ def test_records_wait_for_a_slow_reader(api_project: Path, monkeypatch: pytest.M
     pump = core_observe.RunObserve.pump
     takes: list[int] = []
 
-    def slow_pump(self: core_observe.RunObserve) -> None:
+    def slow_pump(self: core_observe.RunObserve) -> bool:
         time.sleep(0.05)
         takes.append(1)
-        pump(self)
+        return pump(self)
 
     monkeypatch.setattr(core_observe.RunObserve, "pump", slow_pump)
     with stockade.Sandbox(api_project, observe=True) as sb:

@@ -26,8 +26,9 @@ class RunObserve:
     """One run's observe mode: the socket init sends the listener over (its end goes to
     the sandbox), the thread that answers the notifications (C's, no GIL), the records
     hands over in memory, classified as they arrive (``observed.Classifier``) by the
-    supervisor's own loop (``fileno`` turns readable, ``pump`` takes them: no thread of
-    ours waits for the GIL), so the run's end only adds the last ones to the audit log."""
+    supervisor's own loop (``pump``, on its timer: no thread of ours waits for the GIL,
+    and the records' thread wakes nobody), so the run's end only adds the last ones to
+    the audit log."""
 
     def __init__(self, prep: Prepared, sess: store.Session, run_no: int) -> None:
         from ..linux.seccomp.observe import Observer, observe_bpf
@@ -78,26 +79,21 @@ class RunObserve:
             self.error = f"classify: {e}"
         self.observer.start()
 
-    def fileno(self) -> int:
-        """Readable when the loop appended a batch of records, and at its end."""
-        return self.observer.ready()
-
-    def pump(self) -> None:
+    def pump(self) -> bool:
         """Classify the records handed over since the last call (the supervisor's loop
-        calls it when ``fileno`` is readable; the run's end once more)."""
+        calls it on its timer, ``supervise.PUMP_EVERY``; the run's end once more).
+        Whether there were any."""
         from ..linux.seccomp import observe as kobs
 
-        with contextlib.suppress(OSError):  # (drained before the take: see Observer.take)
-            while os.read(self.observer.ready(), 4096):
-                pass
         data = self.observer.take()
         if self.classifier is None or self.error is not None or not data:
-            return
+            return bool(data)
         try:
             self.classifier.feed(kobs.parse_records(data)[0])
             self._prerender()
         except Exception as e:  # never lose the run to its log
             self.error = f"classify: {e}"
+        return True
 
     def _end(self) -> None:
         """The sandbox is gone: the loop ends, its last records are classified."""

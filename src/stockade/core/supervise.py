@@ -27,11 +27,19 @@ if TYPE_CHECKING:
 
 
 class RecordFeed(Protocol):
-    """Records that come during the run (observe mode's): ``pump`` when ``fileno`` is readable."""
+    """Records that come during the run (observe mode's): ``pump`` takes and classifies
+    them (and says whether there were any), on the supervisor's timer while the sandbox
+    lives."""
 
-    def fileno(self) -> int: ...
+    def pump(self) -> bool: ...
 
-    def pump(self) -> None: ...
+
+# On a timer of the supervisor's own rather than woken by the records' thread: a wake-up
+# from that thread comes on the command's CPU, right after an answer the command waits
+# to run on. Every PUMP_EVERY seconds while records come; a quiet command's timer slows
+# down to PUMP_IDLE (a build waiting on the network wakes its supervisor seldom).
+PUMP_EVERY = 0.02
+PUMP_IDLE = 1.0
 
 
 _CHUNK = 1 << 16
@@ -178,6 +186,8 @@ class Supervisor:
         self.disk_full: str | None = None
         # observe mode's records, classified here as they come (core/observe.py)
         self.observe: RecordFeed | None = None
+        self._pump_at: float | None = None
+        self._pump_every = PUMP_EVERY
 
     def cancel(self) -> None:
         """From another thread (``RunIO.on_start`` handed this supervisor out: `stockade
@@ -308,7 +318,9 @@ class Supervisor:
                     self._send_eof()
                     eof_at = None
                 disk_at = self.disk.next_at if self.disk is not None and self.disk_hit is None and not self.init_done else None
-                times = (None if self.timed_out else self.deadline, self._kill_at, self.drain_until, eof_at, disk_at)
+                pump_at = self._pump_due(now)
+                times = (None if self.timed_out else self.deadline, self._kill_at, self.drain_until, eof_at, disk_at,
+                         pump_at)
                 waits = [t - now for t in times if t is not None]
                 for fd, what in self.sel.select(max(0.0, min(waits)) if waits else None):
                     self._HANDLERS[what](self, fd)
@@ -343,8 +355,6 @@ class Supervisor:
         if self.child.exit_fd >= 0:  # (a living sandbox's exec: its end is its report channel's)
             sel.register(self.child.exit_fd, _READ, "pidfd")
         sel.register(self._wake_r, _READ, "wake")
-        if self.observe is not None:
-            sel.register(self.observe.fileno(), _READ, "observe")
         if self.relay_in >= 0 and self.stdin_w >= 0:
             try:
                 sel.register(self.relay_in, _READ, "relay")
@@ -477,13 +487,21 @@ class Supervisor:
         self.init_status = self.child.reap()
         self.init_done = True
 
-    def _ready_observe(self, fd: int) -> None:
-        assert self.observe is not None
-        self.observe.pump()
+    def _pump_due(self, now: float) -> float | None:
+        """Observe mode's records classified when their time comes; the next time."""
+        if self.observe is None or self.init_done:
+            return None  # (the run's end takes the rest: RunObserve.finish)
+        if self._pump_at is None:
+            self._pump_at = now + PUMP_EVERY
+        elif now >= self._pump_at:
+            took = self.observe.pump()
+            self._pump_every = PUMP_EVERY if took else min(PUMP_IDLE, self._pump_every * 2)
+            self._pump_at = now + self._pump_every
+        return self._pump_at
 
     _HANDLERS: ClassVar[dict[str, Callable[[Supervisor, int], None]]] = {
         "relay": _ready_relay, "wake": _ready_wake, "stdin": _ready_stdin, "out": _ready_out,
-        "report": _ready_report, "pidfd": _ready_init, "observe": _ready_observe,
+        "report": _ready_report, "pidfd": _ready_init,
     }
 
     def _relay_read(self, fd: int) -> bool:

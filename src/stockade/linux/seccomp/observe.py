@@ -199,11 +199,10 @@ class Observer:
     """The supervisor's side of one run's observe mode: a thread (C's, no GIL:
     ``sk_observe_spawn``) that takes the listener init sends over ``sock`` and answers
     every notification until no task of the sandbox is left (the listener hangs up).
-    Its records wait in memory for ``take``, and a byte comes to ``ready()`` when some
-    wait (a batch of 10 ms at least: csrc/observe.c's OBS_FLUSH_MS) and at the end;
-    opens beneath ``skip_prefix`` (the project) are answered but not recorded, unless
-    beneath one of ``watch`` (the project's masked secrets: a command reading .env is
-    what a user wants to see)."""
+    Its records wait in memory for ``take`` (handed over in batches of 10 ms at least:
+    csrc/observe.c's OBS_FLUSH_MS, and at the end); opens beneath ``skip_prefix`` (the
+    project) are answered but not recorded, unless beneath one of ``watch`` (the
+    project's masked secrets: a command reading .env is what a user wants to see)."""
 
     def __init__(self, sock: socket.socket, skip_prefix: str, watch: tuple[str, ...] = ()) -> None:
         self.sock = sock
@@ -215,19 +214,14 @@ class Observer:
         self._joined = False
         self._stopped = False
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
-        self._ready_r, self._ready_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-
-    def ready(self) -> int:
-        """The fd that turns readable when records wait to be taken, and at the end."""
-        return self._ready_r
 
     def start(self) -> None:
         keep = [os.fsencode(w) for w in self.watch]
         cw = [ffi.new("char[]", w) for w in keep]
         # STOCKADE_OBSERVE_POLL=1: the loop polls before each receive, as before Linux 6.11
         poll_first = int(os.environ.get("STOCKADE_OBSERVE_POLL", "") == "1")
-        h = lib.sk_observe_spawn(self.sock.fileno(), self._stop_r, self._ready_w, poll_first,
-                                 os.fsencode(self.skip_prefix), ffi.new("char *[]", [*cw, ffi.NULL]), len(cw))
+        h = lib.sk_observe_spawn(self.sock.fileno(), self._stop_r, poll_first, os.fsencode(self.skip_prefix),
+                                 ffi.new("char *[]", [*cw, ffi.NULL]), len(cw))
         if h == ffi.NULL:
             e = ffi.errno
             raise OSError(e, f"observe mode: its thread: {os.strerror(e)}")
@@ -238,8 +232,7 @@ class Observer:
         return self._handle is not None and not self._joined and bool(lib.sk_observe_running(self._handle))
 
     def take(self) -> bytes:
-        """The records handed over since the last call (whole records: ``parse_records``).
-        Drain ``ready()`` first: records that come after are told of again."""
+        """The records handed over since the last call (whole records: ``parse_records``)."""
         if self._handle is None:
             return b""
         p = ffi.new("unsigned char **")
@@ -286,7 +279,7 @@ class Observer:
                 # last task; the thread keeps the fds it borrowed, and its handle)
                 return self.stats
         self.sock.close()
-        for fd in (self._stop_r, self._stop_w, self._ready_w):
+        for fd in (self._stop_r, self._stop_w):
             try:
                 os.close(fd)
             except OSError:
@@ -294,12 +287,7 @@ class Observer:
         return self.stats
 
     def close(self) -> None:
-        """The reader is done (after ``stop``): ``ready()`` closes, the records not taken
-        are freed."""
-        try:
-            os.close(self._ready_r)
-        except OSError:
-            pass
+        """The reader is done (after ``stop``): the records not taken are freed."""
         if self._handle is not None and self._joined:
             lib.sk_observe_release(self._handle)
             self._handle = None
