@@ -177,7 +177,7 @@ _STANDARD = frozenset({"schema_version", "timestamp", "session", "run", "operati
 _KEY_JSON: dict[str, str] = {}
 
 
-def _plain_fields(items: Iterable[tuple[str, object]], *, extra: bool = True) -> str | None:
+def plain_fields(items: Iterable[tuple[str, object]], *, extra: bool = True) -> str | None:
     """``,"key":value`` for each field, as a line holds it, when every value is plain
     (``_plain_json``); None when one is not, or (``extra``) when a key is a standard
     field's or ``argv``/``env`` (the general path refuses or redacts those)."""
@@ -240,8 +240,8 @@ class AuditLog:
             return line
         return self._render_general(operation, target, result, run=run, policy=policy, reason=reason, **extra)
 
-    def _line_start(self, run: int | None) -> str | None:
-        """A line's start up to its run number (``_plain_fields`` go after it, then
+    def line_start(self, run: int | None) -> str | None:
+        """A line's start up to its run number (``plain_fields`` go after it, then
         ``"}\n"``), stamped now; None for a run number that is not a plain int."""
         if run is None:
             r = "null"
@@ -255,10 +255,10 @@ class AuditLog:
                       reason: str | None, extra: Mapping[str, object]) -> bytes | None:
         """``_render_general``'s very line, made directly when every field is a plain
         value (an observed run writes thousands of events); None: the general path."""
-        start = self._line_start(run)
-        std = _plain_fields((("operation", operation), ("target", target), ("result", result), ("policy", policy),
+        start = self.line_start(run)
+        std = plain_fields((("operation", operation), ("target", target), ("result", result), ("policy", policy),
                             ("reason", reason)), extra=False)
-        more = _plain_fields(extra.items())
+        more = plain_fields(extra.items())
         if start is None or std is None or more is None:
             return None
         data = (start + std + more + "}\n").encode("utf-8")

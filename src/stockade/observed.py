@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import stat
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -142,6 +143,7 @@ class _Resolver:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.real: dict[str, str] = {"/": "/"}
+        self.stamp: dict[str, tuple[int, int, int]] = {}  # resolved path -> (dev, ino, mtime_ns), this run's lstat
         self.dirs: dict[str, DecisionLike | None] = {}
         self.results: dict[tuple[int, str], tuple[str, str, str]] = {}  # (uniform decision, access) -> result
         # a path starting with none of these needs none of _path_result's special cases
@@ -159,6 +161,8 @@ class _Resolver:
             st = os.lstat(child)
             if stat.S_ISLNK(st.st_mode):
                 child = os.path.realpath(child)
+            elif len(self.stamp) < 200_000:
+                self.stamp[child] = (st.st_dev, st.st_ino, st.st_mtime_ns)
         except OSError:
             pass
         if len(self.real) < 200_000:
@@ -184,6 +188,27 @@ class _Resolver:
         if d is not None:
             return rp, d, True
         return rp, self.ctx.why(rp), False
+
+
+# Names known to be no symlink, by directory, as of the directory's (dev, ino, mtime_ns):
+# kept across runs (a process runs many commands that open the same files), so a later
+# run's opens in an unchanged directory need no lstat. Replacing a file by a symlink
+# changes its directory's mtime; a directory changed within the last seconds is not
+# remembered (two changes within one tick of the clock share an mtime: "racy git").
+_NOT_LINKS: dict[str, tuple[tuple[int, int, int], set[str]]] = {}
+_NOT_LINKS_MAX = 20_000  # directories
+_RACY_NS = 2_000_000_000
+
+
+def _not_a_link(d: str, stamp: tuple[int, int, int] | None, name: str) -> None:
+    if stamp is None or time.time_ns() - stamp[2] < _RACY_NS:
+        return
+    known = _NOT_LINKS.get(d)
+    if known is None or known[0] != stamp:
+        if len(_NOT_LINKS) >= _NOT_LINKS_MAX:
+            _NOT_LINKS.clear()
+        known = _NOT_LINKS[d] = (stamp, set())
+    known[1].add(name)
 
 
 def _path_result(ctx: Context, path: str, access: str, res: _Resolver | None = None) -> tuple[str, str, str]:
@@ -263,6 +288,9 @@ class _Agg:
     count: int = 0
     pids: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    # its line's fields before and after count and host_pids (``line_of``), once made;
+    # ("", "") when they are not all plain (the general path then)
+    json: tuple[str, str] | None = field(default=None, repr=False, compare=False)
 
 
 class Classifier:
@@ -319,11 +347,17 @@ class Classifier:
             hit = self.dir_memo[d] = res.uniform_dir(rd) if rd == d else None
         if hit is None:
             return None
-        try:
-            if stat.S_ISLNK(os.lstat(path).st_mode):
-                return None
-        except OSError:
-            pass  # (as realpath: a path that is not there resolves to itself)
+        stamp = res.stamp.get(d)
+        known = _NOT_LINKS.get(d) if stamp is not None else None
+        name = path[i + 1:]
+        if known is None or known[0] != stamp or name not in known[1]:
+            try:
+                if stat.S_ISLNK(os.lstat(path).st_mode):
+                    return None
+            except OSError:
+                pass  # (as realpath: a path that is not there resolves to itself)
+            else:
+                _not_a_link(d, stamp, name)
         key = (id(hit), access)
         out = res.results.get(key)
         if out is None:
@@ -397,6 +431,53 @@ def event_of(a: _Agg) -> dict[str, Any]:
     return {"operation": a.operation, "target": a.target, "result": a.result, "policy": a.policy,
             "reason": a.reason, "access": a.access, "syscall": a.syscall, "count": a.count, "host_pids": a.pids,
             "basis": "predicted", **a.extra}
+
+
+class LineMaker(Protocol):
+    """``audit.AuditLog``: what ``line_of`` needs of it."""
+
+    def line_start(self, run: int | None) -> str | None: ...
+
+    def render(self, operation: str, target: str, result: str, **fields: Any) -> bytes: ...
+
+
+# An event's fields before and after its count and pids, as its line holds them, by the
+# fields: kept across runs (a process runs many commands that open the same files)
+_LINE_PARTS: dict[tuple[object, ...], tuple[str, str]] = {}
+_LINE_PARTS_MAX = 50_000
+
+
+def line_of(a: _Agg, log: LineMaker, run: int) -> bytes:
+    """``log.render(run=run, **event_of(a))``, byte for byte (a test compares them),
+    from the aggregate's other fields rendered once."""
+    from .audit import MAX_LINE, plain_fields
+
+    j = a.json
+    if j is None:
+        key: tuple[object, ...] = (a.operation, a.target, a.result, a.policy, a.reason, a.access, a.syscall,
+                                   *a.extra.items())
+        try:
+            j = _LINE_PARTS.get(key)
+        except TypeError:  # (an unhashable extra)
+            key = ()
+        if j is None:
+            head = plain_fields((("operation", a.operation), ("target", a.target), ("result", a.result),
+                                 ("policy", a.policy), ("reason", a.reason)), extra=False)
+            mid = plain_fields((("access", a.access), ("syscall", a.syscall)))
+            tail = plain_fields((("basis", "predicted"), *a.extra.items()))
+            j = (head + mid, tail) if head is not None and mid is not None and tail is not None else ("", "")
+            if key:
+                if len(_LINE_PARTS) >= _LINE_PARTS_MAX:
+                    _LINE_PARTS.clear()
+                _LINE_PARTS[key] = j
+        a.json = j
+    start = log.line_start(run)
+    if j[0] and start is not None and len(a.pids) <= MAX_PIDS and all(type(p) is int for p in a.pids):
+        line = (start + j[0] + ',"count":' + int.__repr__(a.count) + ',"host_pids":['
+                + ",".join(map(int.__repr__, a.pids)) + "]" + j[1] + "}\n").encode("utf-8")
+        if len(line) <= MAX_LINE:
+            return line
+    return log.render(run=run, **event_of(a))
 
 
 def landlock_events(denials: Iterable[DenialLike]) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ import shutil
 import socket
 import struct
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -435,3 +436,81 @@ def test_doctor_says_what_this_host_gives() -> None:
     first, second = p.detail.split("\n")
     assert first.startswith("observe via seccomp: ") and second.startswith("Landlock denial audit: ")
     assert p.data["seccomp"] is (p.status == "ok")
+
+
+def test_an_events_line_is_the_audit_logs_line(tmp_path: Path) -> None:
+    """``line_of`` (an aggregate's other fields rendered once, and kept for later runs)
+    writes, byte for byte, what ``AuditLog.render`` writes for its event."""
+    from stockade import audit
+
+    @dataclass(frozen=True)
+    class Sess:
+        id: str
+        events_path: Path
+
+    log = audit.AuditLog(Sess("0101-abcdef", tmp_path / "events.jsonl"))
+
+    def aggs() -> list[observed._Agg]:
+        return [
+            observed._Agg("observed-open", "/usr/lib/x.so", "allowed", "view", "system directory /usr", "read",
+                          "openat"),
+            observed._Agg("observed-open", "/p/caf\u00e9\n\"x\"", "blocked", "mount-view", "r" * 3000, "write",
+                          "openat", extra={"resolved": "/etc/x"}),
+            observed._Agg("observed-connect", "10.0.0.1:443", "blocked", "net-none",
+                          "no route out (token=hunter2hunter2)", "connect", "connect", extra={"family": "inet"}),
+            observed._Agg("observed-exec", "/bin/x", "allowed", "view", "ok", "exec", "execve", extra={"odd": 1.5}),
+            observed._Agg("observed-exec", "/bin/y", "allowed", "view", "ok", "exec", "execve", extra={"l": [1]}),
+        ]
+
+    now = audit._now
+    try:
+        audit._now = lambda: "2026-01-01T00:00:00.000Z"
+        for run in (3, 4):  # the second run's aggregates take their parts from the first's
+            for a in aggs():
+                for count, pids in ((1, [10]), (2, [10, 11]), (9, list(range(8)))):
+                    a.count, a.pids = count, pids
+                    assert observed.line_of(a, log, run) == log._render_general(run=run, **observed.event_of(a))
+    finally:
+        audit._now = now
+    a = aggs()[0]
+    observed.line_of(a, log, 1)
+    assert a.json and a.json[0]  # made directly
+    b = aggs()[3]
+    observed.line_of(b, log, 1)
+    assert b.json == ("", "")  # a float: the general path
+
+
+def test_a_file_known_to_be_no_link_is_checked_again_when_its_directory_changes(var_tmp: Path) -> None:
+    """Across runs, a name known to be no symlink needs no lstat while its directory is
+    unchanged; replacing it by a symlink changes the directory, and the next run sees it."""
+    sysd = var_tmp / "sys"
+    (sysd / "lib").mkdir(parents=True)
+    (sysd / "lib" / "a.so").write_text("x")
+    (var_tmp / "secret").mkdir()
+    (var_tmp / "secret" / ".env").write_text("x")
+    old = time.time() - 60  # an old directory: not "racy"
+    os.utime(sysd / "lib", (old, old))
+    base = ctx(var_tmp)
+
+    def why(p: str) -> D:
+        if p == str(sysd) or p.startswith(str(sysd) + "/"):
+            return D(p, True, "ro", "visible read-only: system directory")
+        return base.why(p)  # type: ignore[return-value]
+
+    c = observed.Context(**{**base.__dict__, "why": why,
+                            "uniform": lambda d: d == str(sysd) or d.startswith(str(sysd) + "/")})
+    path = f"{sysd}/lib/a.so"
+    recs, _ = kobs.parse_records(rec(kobs.KIND_OPEN, path.encode()))
+
+    def result() -> str:
+        cl = observed.Classifier(c)
+        cl.feed(recs)
+        (a,) = cl.aggs.values()
+        return a.result
+
+    assert result() == "allowed"
+    assert "a.so" in observed._NOT_LINKS[f"{sysd}/lib"][1]  # remembered for the next run
+    assert result() == "allowed"
+    (sysd / "lib" / "a.so").unlink()
+    (sysd / "lib" / "a.so").symlink_to(var_tmp / "secret" / ".env")
+    assert result() == "blocked"  # the directory changed: looked at again

@@ -42,7 +42,7 @@ class RunObserve:
         self.observer: Observer = Observer(ours, project, masked)
         self.classifier: Any = None
         self.run_no = run_no
-        self._render = AuditLog(sess).render
+        self._log = AuditLog(sess)
         # each event's audit line, made while the command runs (the run's end only
         # remakes those whose count changed since): id(aggregate) -> ((count, pids), line)
         self._lines: dict[int, tuple[tuple[int, int], bytes]] = {}
@@ -116,9 +116,8 @@ class RunObserve:
             self._lines[id(a)] = ((a.count, len(a.pids)), self._line(a))
 
     def _line(self, a: Any) -> bytes:
-        from .. import observed
-
-        return self._render(run=self.run_no, **observed.event_of(a))
+        line: bytes = _observed().line_of(a, self._log, self.run_no)
+        return line
 
     def finish(self, sess: store.Session, run_no: int) -> dict[str, Any]:
         """Wait for the loop (it ends with the sandbox), write the classified
@@ -202,6 +201,19 @@ class RunObserve:
         """The run is over (or failed to start): end both threads."""
         self._end()
         self._landlock()  # the sandbox is gone: its last records are on their way
+
+
+_OBSERVED: Any = None
+
+
+def _observed() -> Any:
+    """``stockade.observed``, imported with the first observed run (not with every CLI call)."""
+    global _OBSERVED
+    if _OBSERVED is None:
+        from .. import observed
+
+        _OBSERVED = observed
+    return _OBSERVED
 
 
 def observed_under(path: str, root: str) -> bool:
