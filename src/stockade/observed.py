@@ -196,19 +196,24 @@ class _Resolver:
 # changes its directory's mtime; a directory changed within the last seconds is not
 # remembered (two changes within one tick of the clock share an mtime: "racy git").
 _NOT_LINKS: dict[str, tuple[tuple[int, int, int], set[str]]] = {}
-_NOT_LINKS_MAX = 20_000  # directories
+_NOT_LINKS_MAX = 200_000  # names in all (a `find /` starts it over)
 _RACY_NS = 2_000_000_000
+_not_links_names = 0
 
 
 def _not_a_link(d: str, stamp: tuple[int, int, int] | None, name: str) -> None:
+    global _not_links_names
     if stamp is None or time.time_ns() - stamp[2] < _RACY_NS:
         return
     known = _NOT_LINKS.get(d)
     if known is None or known[0] != stamp:
-        if len(_NOT_LINKS) >= _NOT_LINKS_MAX:
-            _NOT_LINKS.clear()
+        known = _NOT_LINKS[d] = (stamp, set())
+    if _not_links_names >= _NOT_LINKS_MAX:
+        _NOT_LINKS.clear()
+        _not_links_names = 0
         known = _NOT_LINKS[d] = (stamp, set())
     known[1].add(name)
+    _not_links_names += 1
 
 
 def _path_result(ctx: Context, path: str, access: str, res: _Resolver | None = None) -> tuple[str, str, str]:
