@@ -234,47 +234,12 @@ class AuditLog:
         reason: str | None = None,
         **extra: Any,
     ) -> bytes:
-        """One event's line (newline included), as ``event`` appends it."""
+        """One event's line (newline included), as ``event`` appends it: made directly
+        when every field is plain (``_render_plain``), else capped, redacted and encoded
+        here (the same bytes either way)."""
         line = self._render_plain(operation, target, result, run, policy, reason, extra)
         if line is not None:
             return line
-        return self._render_general(operation, target, result, run=run, policy=policy, reason=reason, **extra)
-
-    def line_start(self, run: int | None) -> str | None:
-        """A line's start up to its run number (``plain_fields`` go after it, then
-        ``"}\n"``), stamped now; None for a run number that is not a plain int."""
-        if run is None:
-            r = "null"
-        elif type(run) is int:
-            r = int.__repr__(run)
-        else:
-            return None
-        return self._head + _now() + self._session_json + r
-
-    def _render_plain(self, operation: str, target: str, result: str, run: int | None, policy: str | None,
-                      reason: str | None, extra: Mapping[str, object]) -> bytes | None:
-        """``_render_general``'s very line, made directly when every field is a plain
-        value (an observed run writes thousands of events); None: the general path."""
-        start = self.line_start(run)
-        std = plain_fields((("operation", operation), ("target", target), ("result", result), ("policy", policy),
-                            ("reason", reason)), extra=False)
-        more = plain_fields(extra.items())
-        if start is None or std is None or more is None:
-            return None
-        data = (start + std + more + "}\n").encode("utf-8")
-        return data if len(data) <= MAX_LINE else None
-
-    def _render_general(
-        self,
-        operation: str,
-        target: str,
-        result: str,
-        *,
-        run: int | None = None,
-        policy: str | None = None,
-        reason: str | None = None,
-        **extra: Any,
-    ) -> bytes:
         rec: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "timestamp": _now(),
@@ -306,6 +271,30 @@ class AuditLog:
                 rec["reason"] = str(rec["reason"] or "")[:256]
                 data = json.dumps(rec, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         return data + b"\n"
+
+    def line_start(self, run: int | None) -> str | None:
+        """A line's start up to its run number (``plain_fields`` go after it, then
+        ``"}\n"``), stamped now; None for a run number that is not a plain int."""
+        if run is None:
+            r = "null"
+        elif type(run) is int:
+            r = int.__repr__(run)
+        else:
+            return None
+        return self._head + _now() + self._session_json + r
+
+    def _render_plain(self, operation: str, target: str, result: str, run: int | None, policy: str | None,
+                      reason: str | None, extra: Mapping[str, object]) -> bytes | None:
+        """``render``'s very line, made directly when every field is a plain value (an
+        observed run writes thousands of events); None: the general path."""
+        start = self.line_start(run)
+        std = plain_fields((("operation", operation), ("target", target), ("result", result), ("policy", policy),
+                            ("reason", reason)), extra=False)
+        more = plain_fields(extra.items())
+        if start is None or std is None or more is None:
+            return None
+        data = (start + std + more + "}\n").encode("utf-8")
+        return data if len(data) <= MAX_LINE else None
 
     def event(self, operation: str, target: str, result: str, **fields: Any) -> None:
         """Append one event (``render``'s arguments: run=, policy=, reason= and extras)."""

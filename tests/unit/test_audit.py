@@ -222,6 +222,16 @@ def test_terminal_safe_escapes_controls_and_undecodable_bytes() -> None:
         assert all(ord(x) >= 0x20 and not 0x7f <= ord(x) <= 0x9f for x in out), repr(c)
 
 
+def render_general(log: audit.AuditLog, *args: object, **kwargs: object) -> bytes:
+    """``render``'s line made by its general path (the plain one turned off)."""
+    plain = audit.AuditLog._render_plain
+    try:
+        audit.AuditLog._render_plain = lambda *a: None  # type: ignore[method-assign,assignment,misc]
+        return log.render(*args, **kwargs)  # type: ignore[arg-type]
+    finally:
+        audit.AuditLog._render_plain = plain  # type: ignore[method-assign]
+
+
 _plain_values = st.one_of(
     st.text(max_size=40), st.text(min_size=2040, max_size=2100), st.integers(), st.booleans(), st.none(),
     st.lists(st.integers(), max_size=5), st.tuples(st.integers(), st.integers()),
@@ -247,8 +257,8 @@ def test_plain_lines_are_the_general_path_lines(tmp_path_factory: pytest.TempPat
     now = audit._now
     try:
         audit._now = lambda: "2026-01-01T00:00:00.000Z"  # one timestamp for both
-        general = log._render_general(args["operation"], args["target"], args["result"], run=run,  # type: ignore[arg-type]
-                                      policy=args.get("policy"), reason=args.get("reason"), **extra)  # type: ignore[arg-type]
+        general = render_general(log, args["operation"], args["target"], args["result"], run=run,
+                                 policy=args.get("policy"), reason=args.get("reason"), **extra)
         plain = log._render_plain(args["operation"], args["target"], args["result"], run,  # type: ignore[arg-type]
                                   args.get("policy"), args.get("reason"), extra)  # type: ignore[arg-type]
     finally:

@@ -442,6 +442,7 @@ def test_an_events_line_is_the_audit_logs_line(tmp_path: Path) -> None:
     """``line_of`` (an aggregate's other fields rendered once, and kept for later runs)
     writes, byte for byte, what ``AuditLog.render`` writes for its event."""
     from stockade import audit
+    from tests.unit.test_audit import render_general
 
     @dataclass(frozen=True)
     class Sess:
@@ -469,7 +470,7 @@ def test_an_events_line_is_the_audit_logs_line(tmp_path: Path) -> None:
             for a in aggs():
                 for count, pids in ((1, [10]), (2, [10, 11]), (9, list(range(8)))):
                     a.count, a.pids = count, pids
-                    assert observed.line_of(a, log, run) == log._render_general(run=run, **observed.event_of(a))
+                    assert observed.line_of(a, log, run) == render_general(log, run=run, **observed.event_of(a))
     finally:
         audit._now = now
     a = aggs()[0]
