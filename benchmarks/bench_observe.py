@@ -6,7 +6,9 @@ Budget (issue 19): observed <= 2x the unobserved run for `find /usr` (tens of
 thousands of openat, each a round trip to the supervisor's notify loop), <= +10 %
 for the other two. The observed run's time includes decoding its records into the
 audit log at its end (what a user waits for), and the count of notifications is
-printed beside it.
+printed beside it. Last, the floor under it on this host: the import workload bare and
+under a minimal notifier with no sandbox at all (notify_floor.c, built with the host's
+C compiler), what seccomp user notification itself costs.
 
 The overhead is the median of the rounds' ratios (observed / unobserved, the two run
 back to back in each round), printed with the middle half of those ratios (their
@@ -116,6 +118,35 @@ def main() -> None:
         print(f"  one observed call (open outside the project), wall: {per * 1e6:+.1f} us "
               f"(a loop of {opens} opens, observed minus unobserved)")
         sys.stdout.flush()
+        _floor(base, WORKLOADS[2][1])
+
+
+def _floor(base: Path, argv: list[str]) -> None:
+    """The floor under observe mode's overhead on this host: the import workload run bare
+    and under a minimal notifier with no sandbox (notify_floor.c), both loops."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        print("  the mechanism alone: skipped (no C compiler)")
+        return
+    exe = base / "notify_floor"
+    src = Path(__file__).with_name("notify_floor.c")
+    r = subprocess.run([cc, "-O2", "-pthread", "-o", str(exe), str(src)], capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"  the mechanism alone: skipped (notify_floor.c did not build: {r.stderr.strip()[:200]})")
+        return
+    rel = tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit())
+    modes = ["recv", "poll"] if rel >= (6, 11) else ["poll"]  # (a waiting receive ends with its task on 6.11+)
+    for mode in modes:
+        out = subprocess.run([str(exe), str(N), mode, *argv], capture_output=True, text=True)
+        if out.returncode != 0:
+            print(f"  the mechanism alone ({mode}): failed: {out.stderr.strip()[:200]}")
+            continue
+        _n, bare, noti, over, q1, q3, per_run = out.stdout.split()
+        how = "waiting in the receive" if mode == "recv" else "polling before each receive"
+        print(f"  the mechanism alone, {how} (notify_floor.c: python3 imports bare vs a minimal notifier, "
+              f"no sandbox, no argument read): {bare} vs {noti} ms, {float(over):+.1f}% "
+              f"(middle half {float(q1):+.0f}..{float(q3):+.0f}%; {per_run} notifications)")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
