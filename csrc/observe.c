@@ -602,7 +602,7 @@ static int observe_loop(int listener, int stop_fd, struct obs_shared *sh, int po
      * Linux 6.11+ also ends a waiting receive when the filter's last task is gone
      * ("seccomp: interrupt SECCOMP_IOCTL_NOTIF_RECV when all users have exited"): the
      * loop then waits in the receive itself, with no poll before each notification
-     * (a poll per call costs a workload of many opens some 3 % more here). Before
+     * (a poll per call is a syscall and a wake-up more on the command's path). Before
      * 6.11 a waiting receive would outlive the sandbox: poll, then receive. */
     int sync_wake = ioctl(listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, (__u64)SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP) == 0;
     int direct = sync_wake && !poll_first && kernel_at_least(6, 11);
