@@ -31,13 +31,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#ifndef SECCOMP_IOCTL_NOTIF_SET_FLAGS
-#define SECCOMP_IOCTL_NOTIF_SET_FLAGS SECCOMP_IOW(4, __u64)
-#endif
-#ifndef SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP
-#define SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (1UL << 0)
-#endif
-
 static int poll_first;
 static long notified;
 
@@ -54,7 +47,9 @@ static void *answer(void *arg)
     struct seccomp_notif req;
     struct seccomp_notif_resp resp;
     struct pollfd pf = {.fd = l, .events = POLLIN};
+#ifdef SECCOMP_IOCTL_NOTIF_SET_FLAGS /* (headers older than 6.6: the usual wake-up) */
     ioctl(l, SECCOMP_IOCTL_NOTIF_SET_FLAGS, (__u64)SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP);
+#endif
     for (;;) {
         if (poll_first) {
             if (poll(&pf, 1, -1) < 0)
