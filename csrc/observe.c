@@ -781,7 +781,6 @@ struct sk_observer {
     struct sk_observe_stats st;
     int result;
     int joined;
-    volatile int done;
 };
 
 static void observer_free(struct sk_observer *h)
@@ -800,7 +799,6 @@ static void *observer_main(void *arg)
     struct sk_observer *h = arg;
     h->result = observe_serve(h->sock, h->stop_fd, &h->sh, h->poll_first, h->prefix,
                               (const char *const *)h->watch, h->n_watch, &h->st);
-    __atomic_store_n(&h->done, 1, __ATOMIC_RELEASE);
     return NULL;
 }
 
@@ -836,11 +834,6 @@ fail:
     observer_free(h);
     errno = e;
     return NULL;
-}
-
-int sk_observe_running(void *handle)
-{
-    return !__atomic_load_n(&((struct sk_observer *)handle)->done, __ATOMIC_ACQUIRE);
 }
 
 size_t sk_observe_take(void *handle, unsigned char **data)

@@ -356,7 +356,6 @@ struct sk_observe_stats {
  * errno on failure. */
 void *sk_observe_spawn(int sock, int stop_fd, int poll_first, const char *skip_prefix, const char *const *watch,
                        size_t n_watch);
-int sk_observe_running(void *handle);
 /* The records handed over since the last take: their length, and *data (NULL when
  * none; the caller frees it with sk_observe_free). Whole records only. */
 size_t sk_observe_take(void *handle, unsigned char **data);

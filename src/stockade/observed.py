@@ -143,7 +143,7 @@ class _Resolver:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.real: dict[str, str] = {"/": "/"}
-        self.stamp: dict[str, tuple[int, int, int]] = {}  # resolved path -> (dev, ino, mtime_ns), this run's lstat
+        self.stamp: dict[str, tuple[int, int, int]] = {}  # resolved dir -> (dev, ino, mtime_ns), this run's lstat
         self.dirs: dict[str, DecisionLike | None] = {}
         self.results: dict[tuple[int, str], tuple[str, str, str]] = {}  # (uniform decision, access) -> result
         # a path starting with none of these needs none of _path_result's special cases
@@ -161,7 +161,7 @@ class _Resolver:
             st = os.lstat(child)
             if stat.S_ISLNK(st.st_mode):
                 child = os.path.realpath(child)
-            elif len(self.stamp) < 200_000:
+            elif stat.S_ISDIR(st.st_mode) and len(self.stamp) < 200_000:
                 self.stamp[child] = (st.st_dev, st.st_ino, st.st_mtime_ns)
         except OSError:
             pass

@@ -227,10 +227,6 @@ class Observer:
             raise OSError(e, f"observe mode: its thread: {os.strerror(e)}")
         self._handle = h
 
-    def running(self) -> bool:
-        """The loop may still hand over records."""
-        return self._handle is not None and not self._joined and bool(lib.sk_observe_running(self._handle))
-
     def take(self) -> bytes:
         """The records handed over since the last call (whole records: ``parse_records``)."""
         if self._handle is None:
