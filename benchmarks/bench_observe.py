@@ -135,17 +135,20 @@ def _floor(base: Path, argv: list[str]) -> None:
         print(f"  the mechanism alone: skipped (notify_floor.c did not build: {r.stderr.strip()[:200]})")
         return
     rel = tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit())
-    modes = ["recv", "poll"] if rel >= (6, 11) else ["poll"]  # (a waiting receive ends with its task on 6.11+)
+    # (a waiting receive ends with its task on 6.11+; the hand-over on one CPU is 6.6+)
+    modes = ["recv", "poll", "usual"] if rel >= (6, 11) else ["poll"]
+    how = {"recv": "waiting in the receive", "poll": "polling before each receive",
+           "usual": "waiting in the receive, without the hand-over on one CPU (the usual wake-up)"}
     for mode in modes:
         out = subprocess.run([str(exe), str(N), mode, *argv], capture_output=True, text=True)
         if out.returncode != 0:
             print(f"  the mechanism alone ({mode}): failed: {out.stderr.strip()[:200]}")
             continue
-        _n, bare, noti, over, q1, q3, per_run = out.stdout.split()
-        how = "waiting in the receive" if mode == "recv" else "polling before each receive"
-        print(f"  the mechanism alone, {how} (notify_floor.c: python3 imports bare vs a minimal notifier, "
+        _n, bare, noti, over, q1, q3, per_run, sync = out.stdout.split()
+        note = "" if mode == "usual" or sync == "1" else "; the kernel refused the hand-over on one CPU"
+        print(f"  the mechanism alone, {how[mode]} (notify_floor.c: python3 imports bare vs a minimal notifier, "
               f"no sandbox, no argument read): {bare} vs {noti} ms, {float(over):+.1f}% "
-              f"(middle half {float(q1):+.0f}..{float(q3):+.0f}%; {per_run} notifications)")
+              f"(middle half {float(q1):+.0f}..{float(q3):+.0f}%; {per_run} notifications{note})")
     sys.stdout.flush()
 
 

@@ -606,6 +606,7 @@ static int observe_loop(int listener, int stop_fd, struct obs_shared *sh, int po
      * 6.11 a waiting receive would outlive the sandbox: poll, then receive. */
     int sync_wake = ioctl(listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, (__u64)SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP) == 0;
     int direct = sync_wake && !poll_first && kernel_at_least(6, 11);
+    st->handover = (sync_wake ? SK_OBS_SAME_CPU : 0) | (direct ? SK_OBS_IN_RECEIVE : 0);
     char data[OBS_PATH_MAX + 1];
     struct proc_cache pc;
     for (int i = 0; i < OBS_PROC_CACHE; i++)

@@ -347,7 +347,10 @@ struct sk_observe_stats {
     unsigned long long stale;       /* the target died or the call was interrupted first */
     unsigned long long unreadable;
     unsigned long long lost;        /* records dropped: the supervisor left 64 MiB untaken */
+    unsigned int handover;          /* SK_OBS_SAME_CPU | SK_OBS_IN_RECEIVE: how the loop ran */
 };
+#define SK_OBS_SAME_CPU 1   /* the kernel's synchronous hand-over (Linux 6.6+) */
+#define SK_OBS_IN_RECEIVE 2 /* waited in the receive, no poll per call (Linux 6.11+) */
 
 /* Take the listener init sends over sock, then answer every notification, in a thread
  * of its own (strings copied; fds borrowed until the join) that never needs the GIL and

@@ -584,6 +584,16 @@ def probe_observe() -> Probe:
     else:
         mode = libc.prctl(PR_GET_SECCOMP, 0, 0, 0, 0)
         seccomp_line, ok = "observe via seccomp: yes (user notification, answered CONTINUE)", True
+        # what each observed call costs here (the run's observed-summary says what it got)
+        if rel >= (6, 11):
+            seccomp_line += ("; each call is handed over on one CPU and the loop waits in the receive "
+                             "(Linux 6.11+: the cheapest round trip)")
+        elif rel >= (6, 6):
+            seccomp_line += "; each call is handed over on one CPU (Linux 6.6+), the loop polls before each receive"
+        else:
+            seccomp_line += (f"; Linux {os.uname().release} has no synchronous hand-over (6.6+): each call wakes "
+                             "the supervisor on another CPU and back, several times the cost per call")
+        data["observe_wakeup"] = "same-cpu" if rel >= (6, 6) else "usual"
         scope = _read(Path("/proc/sys/kernel/yama/ptrace_scope"))
         if scope is not None and scope.strip() in ("2", "3") and os.geteuid() != 0:
             seccomp_line += (f"; but Yama's ptrace_scope={scope.strip()} keeps an unprivileged supervisor from "
@@ -1052,8 +1062,11 @@ def _cache_key(state: Path) -> dict[str, Any]:
     sc = sysctls()
     from .linux import remedies
 
-    # the environment decides every fix: a nested namespace or a filter is another machine
-    return {"version": CACHE_VERSION, "boot_id": sc.get("kernel/random/boot_id"),
+    # the environment decides every fix: a nested namespace or a filter is another machine;
+    # the probes' own code, what they say (an upgrade of stockade is not a reboot)
+    here = os.stat(__file__)
+    return {"version": CACHE_VERSION, "code": [here.st_mtime_ns, here.st_size, here.st_ino],
+            "boot_id": sc.get("kernel/random/boot_id"),
             "release": os.uname().release, "uid": os.getuid(), "state": str(state),
             "env": remedies.detect().to_json(),
             "sysctls": {k: v for k, v in sc.items() if k != "kernel/random/boot_id"}}

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .audit import MAX_LINE, plain_fields
 from .redact import printable, terminal_safe
 
 LANDLOCK_DENIAL = "observed-landlock-denial"  # Landlock's own record of a denial (kernel audit)
@@ -170,14 +171,20 @@ class _Resolver:
         return child
 
     def uniform_dir(self, d: str) -> DecisionLike | None:
-        """The one decision for everything beneath ``d`` (resolved), or None."""
+        """The one decision for everything beneath ``d`` (resolved), or None.
+
+        A uniform directory's subdirectories are uniform, with its decision: the parent
+        is asked first, so a run decides the few directories at the top of a uniform
+        tree (``/usr``), not each of the hundreds its command opens files in."""
         if d in self.dirs:
             return self.dirs[d]
-        up = os.path.dirname(d)
-        hit = self.dirs.get(up) if up != d else None
-        if hit is None:  # (a uniform directory's subdirectories are uniform, with its decision)
-            u = self.ctx.uniform
-            hit = self.ctx.why(d) if u is not None and u(d) else None
+        u = self.ctx.uniform
+        hit = None
+        if u is not None:
+            up = os.path.dirname(d)
+            hit = self.uniform_dir(up) if up != d else None
+            if hit is None and u(d):
+                hit = self.ctx.why(d)
         self.dirs[d] = hit
         return hit
 
@@ -281,7 +288,7 @@ def _net_result(ctx: Context, family: str, addr: str, port: int | None, sock_typ
     return "blocked", "net-none", "no route out: --net none has only loopback (ENETUNREACH)"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Agg:
     operation: str
     target: str
@@ -452,11 +459,10 @@ _LINE_PARTS: dict[tuple[object, ...], tuple[str, str]] = {}
 _LINE_PARTS_MAX = 50_000
 
 
-def line_of(a: _Agg, log: LineMaker, run: int) -> bytes:
+def line_of(a: _Agg, log: LineMaker, run: int, start: str | None = None) -> bytes:
     """``log.render(run=run, **event_of(a))``, byte for byte (a test compares them),
-    from the aggregate's other fields rendered once."""
-    from .audit import MAX_LINE, plain_fields
-
+    from the aggregate's other fields rendered once. ``start``: ``log.line_start(run)``
+    made once for a batch of lines (their timestamp)."""
     j = a.json
     if j is None:
         key: tuple[object, ...] = (a.operation, a.target, a.result, a.policy, a.reason, a.access, a.syscall,
@@ -476,7 +482,8 @@ def line_of(a: _Agg, log: LineMaker, run: int) -> bytes:
                     _LINE_PARTS.clear()
                 _LINE_PARTS[key] = j
         a.json = j
-    start = log.line_start(run)
+    if start is None:
+        start = log.line_start(run)
     if j[0] and start is not None and len(a.pids) <= MAX_PIDS and all(type(p) is int for p in a.pids):
         line = (start + j[0] + ',"count":' + int.__repr__(a.count) + ',"host_pids":['
                 + ",".join(map(int.__repr__, a.pids)) + "]" + j[1] + "}\n").encode("utf-8")

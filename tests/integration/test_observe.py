@@ -149,6 +149,11 @@ def test_observe_names_what_the_command_tried(user: User, project: Path, poll: s
     # the run's record says what the observer saw
     (summ,) = obs["summaries"]
     assert summ["notified"] >= summ["logged"] > 0 and summ["stale"] == 0 and not summ.get("error")
+    # how the loop ran, as this kernel allows: the synchronous hand-over on 6.6+, the wait
+    # in the receive on 6.11+ unless the poll is asked for
+    rel = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    assert summ["wakeup"] == ("same-cpu" if rel >= (6, 6) else "usual"), summ
+    assert summ["loop"] == ("receive" if rel >= (6, 11) and poll == "0" else "poll"), summ
 
     text = user.cli(["log", "--observed", "--summary", sess], cwd=project)
     assert text.returncode == 0

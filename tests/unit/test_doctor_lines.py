@@ -237,3 +237,17 @@ def test_root_without_setfcap_in_a_nested_namespace(tmp_path: Path) -> None:
     p = doctor.analyze_userns({}, {"ok": False, "errno": errno.EPERM, "step": "write /proc/self/uid_map",
                                    "error": "Operation not permitted"}, 0, env)
     assert p.cause == remedies.map_root(env).cause and p.fix == remedies.map_root(env).fix
+
+
+def test_cached_probes_are_made_again_when_stockade_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """doctor.json holds across runs of one boot, but not across an upgrade of stockade
+    (new probes, new wording): the probes' code is part of its key."""
+    from stockade import doctor
+
+    code = tmp_path / "doctor.py"
+    code.write_text("# v1\n")
+    monkeypatch.setattr(doctor, "__file__", str(code))
+    before = doctor._cache_key(tmp_path)
+    assert doctor._cache_key(tmp_path) == before
+    code.write_text("# v2, a longer file\n")
+    assert doctor._cache_key(tmp_path) != before

@@ -246,6 +246,40 @@ def test_the_quick_path_decides_as_the_general_one(var_tmp: Path) -> None:
     assert got[("observed-open", f"{sysd}/lib/alias", "read")][0] == "blocked"  # the link out is seen
 
 
+def test_a_uniform_tree_is_decided_at_its_top(var_tmp: Path) -> None:
+    """Files in forty directories of a uniform tree cost one policy decision (its top's:
+    a subdirectory of a uniform directory is uniform, with its decision), while a deny
+    below makes the directories above it non-uniform: decided one by one, and right."""
+    sysd = var_tmp / "sys"
+    dirs = [sysd / "lib" / f"m{i}" / "__pycache__" for i in range(40)]
+    for d in dirs:
+        d.mkdir(parents=True)
+        (d / "x.pyc").write_text("x")
+    deny = sysd / "lib" / "m7"
+    asked: list[str] = []
+
+    def why(p: str) -> D:
+        asked.append(p)
+        if observed.is_under(p, str(deny)):
+            return D(p, False, "denied", f"denied by path rule {deny}")
+        return D(p, True, "ro", f"visible read-only: system directory {sysd}")
+
+    def uniform(d: str) -> bool:  # beneath sysd, the deny neither at, below nor above it
+        return observed.is_under(d, str(sysd)) and not observed.is_under(str(deny), d) and not observed.is_under(d, str(deny))
+
+    base = ctx(var_tmp)
+    for with_deny in (False, True):
+        asked.clear()
+        u = uniform if with_deny else (lambda d: observed.is_under(d, str(sysd)))
+        c = observed.Context(**{**base.__dict__, "why": why, "uniform": u})
+        cl = observed.Classifier(c)
+        cl.feed(kobs.parse_records(b"".join(rec(kobs.KIND_OPEN, str(d / "x.pyc").encode()) for d in dirs))[0])
+        results = {a.target: a.result for a in cl.aggs.values()}
+        assert results == {str(d / "x.pyc"): "blocked" if with_deny and d.parent == deny else "allowed" for d in dirs}
+        # without the deny: sysd itself; with it: sysd/lib's 39 other children, m7's file
+        assert len(asked) == (1 if not with_deny else 40), asked
+
+
 # ---- reading back -------------------------------------------------------------------------
 
 EVENTS = [
@@ -436,6 +470,11 @@ def test_doctor_says_what_this_host_gives() -> None:
     first, second = p.detail.split("\n")
     assert first.startswith("observe via seccomp: ") and second.startswith("Landlock denial audit: ")
     assert p.data["seccomp"] is (p.status == "ok")
+    if p.data["seccomp"]:  # and what an observed call costs here, by the kernel's release
+        rel = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+        same = rel >= (6, 6)
+        assert p.data["observe_wakeup"] == ("same-cpu" if same else "usual")
+        assert ("handed over on one CPU" in first) is same and ("no synchronous hand-over" in first) is not same
 
 
 def test_an_events_line_is_the_audit_logs_line(tmp_path: Path) -> None:

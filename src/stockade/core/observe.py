@@ -112,11 +112,12 @@ class RunObserve:
         touched = self.classifier.take_touched()
         if len(self._lines) >= observed.MAX_EVENTS:
             return
+        start = self._log.line_start(self.run_no)  # (one timestamp for the batch)
         for a in touched[:observed.MAX_EVENTS]:
-            self._lines[id(a)] = ((a.count, len(a.pids)), self._line(a))
+            self._lines[id(a)] = ((a.count, len(a.pids)), self._line(a, start))
 
-    def _line(self, a: Any) -> bytes:
-        line: bytes = _observed().line_of(a, self._log, self.run_no)
+    def _line(self, a: Any, start: str | None = None) -> bytes:
+        line: bytes = _observed().line_of(a, self._log, self.run_no, start)
         return line
 
     def finish(self, sess: store.Session, run_no: int) -> dict[str, Any]:
@@ -128,6 +129,8 @@ class RunObserve:
         st = self.observer.stats
         summary: dict[str, Any] = {"notified": st.notified, "logged": st.logged, "inside_project": st.skipped,
                                    "stale": st.stale, "unreadable": st.unreadable, "lost": st.lost}
+        if st.notified:
+            summary.update(wakeup=st.wakeup(), loop=st.loop())
         if st.error:
             summary["error"] = os.strerror(st.error)
         if not self.observer.got_listener:
@@ -151,9 +154,10 @@ class RunObserve:
         try:
             for e in kernel:
                 log.event(run=run_no, **e)
+            start = log.line_start(run_no)
             for a in kept:
                 made = self._lines.get(id(a))
-                log.add(made[1] if made is not None and made[0] == (a.count, len(a.pids)) else self._line(a))
+                log.add(made[1] if made is not None and made[0] == (a.count, len(a.pids)) else self._line(a, start))
             if left:
                 log.event(observed.SUPPRESSED, f"run {run_no}", "info", run=run_no, policy="observe",
                           reason=f"more than {observed.MAX_EVENTS} distinct observed entries: the rest counted",

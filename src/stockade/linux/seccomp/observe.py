@@ -57,6 +57,8 @@ KIND_SENDMSG = lib.SK_OBS_SENDMSG
 F_UNREADABLE = lib.SK_OBS_F_UNREADABLE
 F_TRUNCATED = lib.SK_OBS_F_TRUNCATED
 F_RELATIVE = lib.SK_OBS_F_RELATIVE
+SAME_CPU = lib.SK_OBS_SAME_CPU
+IN_RECEIVE = lib.SK_OBS_IN_RECEIVE
 
 REC = struct.Struct("=IHHiiiIQ")
 assert REC.size == ffi.sizeof("struct sk_obs_rec")
@@ -190,6 +192,17 @@ class Stats:
     unreadable: int = 0
     lost: int = 0
     error: int = 0  # the loop's -errno, or 0
+    handover: int = 0  # SAME_CPU | IN_RECEIVE: how the loop ran
+
+    def wakeup(self) -> str:
+        """How each call reached the loop and back: "same-cpu" (the kernel's synchronous
+        hand-over, Linux 6.6+) or "usual" (a wake-up on another CPU each way: several
+        times the cost per call)."""
+        return "same-cpu" if self.handover & SAME_CPU else "usual"
+
+    def loop(self) -> str:
+        """"receive" (waits in the receive, Linux 6.11+) or "poll" (polls before each)."""
+        return "receive" if self.handover & IN_RECEIVE else "poll"
 
 
 MAX_WATCH = 256  # masked paths inside the project whose opens are still recorded
@@ -252,7 +265,7 @@ class Observer:
         self.got_listener = r != -errno.ENOMSG
         if self.got_listener:
             self.stats = Stats(st.notified, st.logged, st.skipped, st.stale, st.unreadable, st.lost,
-                               -r if r < 0 else 0)
+                               -r if r < 0 else 0, st.handover)
         return True
 
     def stop(self, timeout: float = 5.0) -> Stats:
