@@ -15,7 +15,12 @@
  * Usage: notify_floor ROUNDS poll|recv|usual ARGV...
  * Prints one line: rounds, the median bare and notified wall times (ms), the median of
  * the rounds' ratios minus one (%), its quartiles (%), notifications per run, and
- * whether the synchronous hand-over was on (1/0). */
+ * whether the synchronous hand-over was on (1/0).
+ *
+ *    or: notify_floor once poll|recv|usual on|off ARGV...
+ * runs ARGV once, notified (on) or not (off), the same fork either way, and exits 0 when
+ * it succeeded: timed from outside (bench_observe runs it inside the sandbox, beside
+ * the observed runs: the floor under the same conditions). */
 #define _GNU_SOURCE
 #include <linux/filter.h>
 #include <linux/seccomp.h>
@@ -175,6 +180,11 @@ static int cmp(const void *a, const void *b)
 
 int main(int argc, char **argv)
 {
+    if (argc >= 5 && strcmp(argv[1], "once") == 0) { /* one run, for a benchmark that times it from outside */
+        poll_first = strcmp(argv[2], "poll") == 0;
+        want_sync = strcmp(argv[2], "usual") != 0;
+        return run(argv + 4, strcmp(argv[3], "on") == 0) < 0 ? 1 : 0;
+    }
     if (argc < 4 || (strcmp(argv[2], "poll") && strcmp(argv[2], "recv") && strcmp(argv[2], "usual"))) {
         fprintf(stderr, "usage: notify_floor ROUNDS poll|recv|usual ARGV...\n");
         return 2;

@@ -71,11 +71,23 @@ def supported() -> str | None:
 
 
 def observe_bpf(machine: str | None = None) -> bytes:
+    """``_observe_bpf``, made once per machine (every observed run installs it)."""
+    m = machine or os.uname().machine
+    prog = _PROGS.get(m)
+    if prog is None:
+        prog = _PROGS[m] = _observe_bpf(m)
+    return prog
+
+
+_PROGS: dict[str, bytes] = {}
+
+
+def _observe_bpf(machine: str) -> bytes:
     """The observe filter for this machine (``struct sock_filter[]``). sendto without an
     address (a connected socket's send) is not notified; init's own sendmsg of the
     listener (its socket's fd, ``SK_OBSERVE_SOCK_K``, filled in by csrc/observe.c) is
     the one sendmsg let through unnotified."""
-    arch, nrs = _TABLES[machine or os.uname().machine]
+    arch, nrs = _TABLES[machine]
     simple = [nrs[n] for n in ("execve", "execveat", "open", "creat", "openat", "openat2", "connect") if n in nrs]
     ld = BPF_LD | BPF_W | BPF_ABS
     jeq = BPF_JMP | BPF_JEQ | BPF_K
