@@ -10,6 +10,8 @@
 #    (tests/netfix.py, tests/integration/test_net_allow.py) run them inside and beside the sandbox.
 #  - chromium and chromium-driver: tests/integration/test_review_browser.py drives the review page in
 #    headless Chromium with Selenium.
+#  - xfsprogs: tests/integration/test_disk_quota.py makes an xfs with project quotas (as it makes an
+#    ext4 with e2fsprogs) for --disk's project quota.
 # Idempotent and silent when everything is present.
 set -e
 missing=""
@@ -26,6 +28,7 @@ command -v ssh >/dev/null 2>&1 || missing="$missing openssh-client"
 [ -x /usr/bin/python3 ] && ! /usr/bin/python3 -c 'import pip' >/dev/null 2>&1 && missing="$missing python3-pip"
 command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
 command -v chromedriver >/dev/null 2>&1 || missing="$missing chromium-driver"
+command -v mkfs.xfs >/dev/null 2>&1 || missing="$missing xfsprogs"
 [ -z "$missing" ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "bootstrap: installing test tools:$missing"

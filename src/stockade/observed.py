@@ -152,40 +152,70 @@ class _Resolver:
         self.own_home = not is_under(ctx.project, ctx.home)
 
     def realpath(self, p: str) -> str:
+        """``p`` with its symlinks followed, as the sandbox's view follows them: one
+        ``lstat`` per component not seen before in this run. Iterative, from the nearest
+        component already resolved down: a path of two thousand components (a command's
+        to choose) is one call, not two thousand frames past Python's recursion limit."""
         hit = self.real.get(p)
         if hit is not None:
             return hit
-        parent, base = os.path.split(p.rstrip("/") or "/")
-        rp = self.realpath(parent) if parent != p else parent
-        child = rp.rstrip("/") + "/" + base if base else rp
-        try:
-            st = os.lstat(child)
-            if stat.S_ISLNK(st.st_mode):
-                child = os.path.realpath(child)
-            elif stat.S_ISDIR(st.st_mode) and len(self.stamp) < 200_000:
-                self.stamp[child] = (st.st_dev, st.st_ino, st.st_mtime_ns)
-        except OSError:
-            pass
-        if len(self.real) < 200_000:
-            self.real[p] = child
-        return child
+        down: list[tuple[str, str]] = []  # (path, its last component), the deepest first
+        q = p
+        while True:
+            parent, base = os.path.split(q.rstrip("/") or "/")
+            down.append((q, base))
+            if parent == q:
+                rp = parent
+                break
+            up = self.real.get(parent)
+            if up is not None:
+                rp = up
+                break
+            q = parent
+        for q, base in reversed(down):
+            child = rp.rstrip("/") + "/" + base if base else rp
+            try:
+                st = os.lstat(child)
+                if stat.S_ISLNK(st.st_mode):
+                    child = os.path.realpath(child)
+                elif stat.S_ISDIR(st.st_mode) and len(self.stamp) < 200_000:
+                    self.stamp[child] = (st.st_dev, st.st_ino, st.st_mtime_ns)
+            except OSError:
+                pass
+            if len(self.real) < 200_000:
+                self.real[q] = child
+            rp = child
+        return rp
 
     def uniform_dir(self, d: str) -> DecisionLike | None:
         """The one decision for everything beneath ``d`` (resolved), or None.
 
-        A uniform directory's subdirectories are uniform, with its decision: the parent
-        is asked first, so a run decides the few directories at the top of a uniform
-        tree (``/usr``), not each of the hundreds its command opens files in."""
+        A uniform directory's subdirectories are uniform, with its decision: the
+        ancestors are decided first (iteratively, from the nearest one decided before),
+        so a run decides the few directories at the top of a uniform tree (``/usr``),
+        not each of the hundreds its command opens files in."""
         if d in self.dirs:
             return self.dirs[d]
         u = self.ctx.uniform
-        hit = None
-        if u is not None:
-            up = os.path.dirname(d)
-            hit = self.uniform_dir(up) if up != d else None
-            if hit is None and u(d):
-                hit = self.ctx.why(d)
-        self.dirs[d] = hit
+        if u is None:
+            self.dirs[d] = None
+            return None
+        down = [d]
+        hit: DecisionLike | None = None
+        q = d
+        while True:
+            up = os.path.dirname(q)
+            if up == q:
+                break
+            if up in self.dirs:
+                hit = self.dirs[up]
+                break
+            down.append(up)
+            q = up
+        for q in reversed(down):
+            if hit is None and u(q):
+                hit = self.ctx.why(q)
+            self.dirs[q] = hit
         return hit
 
     def decide(self, path: str) -> tuple[str, DecisionLike, bool]:

@@ -1,8 +1,9 @@
-"""--disk held by the kernel: a state dir on ext4 mounted ``prjquota`` gives each
-session a project quota (``linux/quota.py``, set in ``core/prepare.py``).
+"""--disk held by the kernel: a state dir on ext4 mounted ``prjquota`` (or xfs mounted
+``pquota``) gives each session a project quota (``linux/quota.py``, set in
+``core/prepare.py``).
 
-The test makes a 64 MiB ext4 image with the quota and project features, loop-mounts
-it with ``-o prjquota`` as the state dir, and checks from the host: the session's
+The test makes a 64 MiB ext4 image with the quota and project features (a 320 MB xfs),
+loop-mounts it enforcing project quotas as the state dir, and checks from the host: the session's
 directory carries its project id, the kernel's record of that id has the cap as its
 hard limit, a ``fallocate`` past it (one call: no watchdog can see it coming) gets
 EDQUOT inside the sandbox and the upper layer stays under the cap, many files streamed
@@ -29,8 +30,8 @@ pytestmark = pytest.mark.vm
 
 MiB = 1 << 20
 RECORDS = 256 * 1024
-# Debian's stock kernel (the VM of `make test-vm`) has CONFIG_QUOTA and ext4 project
-# quotas: there a missing piece is a failure under STOCKADE_MUST_WORK; elsewhere the
+# Debian's stock kernel (the VM of `make test-vm`) has CONFIG_QUOTA, ext4 project quotas
+# and xfs's (CONFIG_XFS_QUOTA): there a missing piece is a failure under STOCKADE_MUST_WORK; elsewhere the
 # host's kernel decides (this development host's has no quota support).
 VM_KERNEL = os.uname().release.startswith("6.1.")
 
@@ -46,19 +47,27 @@ def _sh(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True)
 
 
+# how each filesystem is made with project quotas, and mounted enforcing them (xfs: 300 MB
+# is mkfs.xfs's smallest; the image is sparse)
+MKFS = {"ext4": (["mkfs.ext4", "-q", "-O", "quota,project", "-F"], "64M", "prjquota", "e2fsprogs"),
+        "xfs": (["mkfs.xfs", "-q", "-f"], "320M", "pquota", "xfsprogs")}
+
+
 @contextlib.contextmanager
-def _prjquota_ext4(at: Path, work: Path, state: Path) -> Iterator[Path]:
-    """A 64 MiB ext4 (quota, project) loop-mounted ``prjquota`` at ``at``."""
+def _prjquota(fstype: str, at: Path, work: Path, state: Path) -> Iterator[Path]:
+    """A small ``fstype`` with project quotas, loop-mounted enforcing them at ``at``."""
+    mkfs, size, opt, pkg = MKFS[fstype]
     need(os.geteuid() == 0, "loop-mounting a filesystem needs root")
-    _need(shutil.which("mkfs.ext4") is not None and shutil.which("losetup") is not None,
-          "mkfs.ext4 and losetup (e2fsprogs, util-linux) are needed")
+    _need(shutil.which(mkfs[0]) is not None and shutil.which("losetup") is not None,
+          f"{mkfs[0]} and losetup ({pkg}, util-linux) are needed")
     made_ctl = False
     if not os.path.exists("/dev/loop-control"):
         # (a minimal /dev, as in the VM: the loop driver loads on first open)
         made_ctl = _sh("mknod", "/dev/loop-control", "c", "10", "237").returncode == 0
     img = work / "prjquota.img"
-    r = _sh("mkfs.ext4", "-q", "-O", "quota,project", "-F", str(img), "64M")
-    _need(r.returncode == 0, f"mkfs.ext4 -O quota,project: {r.stderr.strip()}")
+    _sh("truncate", "-s", size, str(img))
+    r = _sh(*mkfs, str(img)) if fstype == "xfs" else _sh(*mkfs, str(img), size)
+    _need(r.returncode == 0, f"{' '.join(mkfs)}: {r.stderr.strip()}")
     r = _sh("losetup", "-f", "--show", str(img))
     if r.returncode != 0 and not os.path.exists("/dev/loop0"):
         for n in range(4):  # devtmpfs without the nodes yet
@@ -68,8 +77,8 @@ def _prjquota_ext4(at: Path, work: Path, state: Path) -> Iterator[Path]:
     dev = r.stdout.strip()
     try:
         at.mkdir(parents=True, exist_ok=True)
-        r = _sh("mount", "-t", "ext4", "-o", "prjquota", dev, str(at))
-        _need(r.returncode == 0, f"mount -t ext4 -o prjquota: {r.stderr.strip()} (a kernel without quota support)")
+        r = _sh("mount", "-t", fstype, "-o", opt, dev, str(at))
+        _need(r.returncode == 0, f"mount -t {fstype} -o {opt}: {r.stderr.strip()} (a kernel without quota support)")
         try:
             yield at
         finally:
@@ -89,11 +98,12 @@ def _upper_bytes(state: Path, sid: str) -> int:
     return total
 
 
+@pytest.mark.parametrize("fstype", ["ext4", "xfs"])
 @pytest.mark.parametrize("user", ["root"], indirect=True)
-def test_project_quota_holds_the_disk_cap(user: User, project: Path, tmp_path: Path) -> None:
-    with _prjquota_ext4(user.state, tmp_path, user.state) as fs:
+def test_project_quota_holds_the_disk_cap(user: User, project: Path, tmp_path: Path, fstype: str) -> None:
+    with _prjquota(fstype, user.state, tmp_path, user.state) as fs:
         support = quota.probe(fs)
-        _need(isinstance(support, quota.QuotaSupport), f"no project quota on the test's ext4: {support}")
+        _need(isinstance(support, quota.QuotaSupport), f"no project quota on the test's {fstype}: {support}")
         assert isinstance(support, quota.QuotaSupport)
         # explain and doctor name the mechanism
         r = user.cli(["explain", "--disk", "16M", "--", "true"], cwd=project)

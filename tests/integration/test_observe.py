@@ -172,6 +172,33 @@ print(len(paths))
 """
 
 
+DEEP = """
+import errno, os
+deep = "/usr/" + "a/" * 1500 + "x"  # 1,502 components, under PATH_MAX: ENOENT at its first
+try:
+    os.open(deep, os.O_RDONLY)
+except OSError as e:
+    assert e.errno == errno.ENOENT, e
+os.close(os.open("/etc/hosts", os.O_RDONLY))
+print("ok")
+"""
+
+
+def test_a_deep_path_does_not_blind_the_log(user: User, project: Path) -> None:
+    """A path of 1,500 components (the command's to choose) is classified like any other
+    (no recursion past Python's limit), and what the command does after it is logged."""
+    (project / "deep.py").write_text(DEEP)
+    user.own(project)
+    r = user.cli(["run", "--observe", "--", PY3, "deep.py"], cwd=project)
+    assert r.returncode == 0 and r.stdout == b"ok\n", r.stderr.decode()
+    obs = observed_json(user, project, session_of(r.stderr))
+    (summ,) = obs["summaries"]
+    assert not summ.get("error"), summ
+    assert "/etc/hosts" in obs["opened"]
+    deep = "/usr/" + "a/" * 1500 + "x"
+    assert deep in obs["opened"], sorted(t[:40] for t in obs["opened"])  # (the mount view shows /usr: allowed)
+
+
 @pytest.mark.parametrize("poll", ["0", "1"])
 def test_every_open_crosses_the_handoff(user: User, project: Path, poll: str) -> None:
     """Thousands of opens outside the project, in bursts with quiet spells between, more

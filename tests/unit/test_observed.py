@@ -554,3 +554,26 @@ def test_a_file_known_to_be_no_link_is_checked_again_when_its_directory_changes(
     (sysd / "lib" / "a.so").unlink()
     (sysd / "lib" / "a.so").symlink_to(var_tmp / "secret" / ".env")
     assert result() == "blocked"  # the directory changed: looked at again
+
+
+def test_a_path_deeper_than_the_recursion_limit_is_classified(var_tmp: Path) -> None:
+    """Thousands of components (a command's to choose: no such file needs to exist) are
+    resolved and decided iteratively, in a uniform tree and out of one, as one level is."""
+    sysd = var_tmp / "sys"
+    (sysd / "lib").mkdir(parents=True)
+    base = ctx(var_tmp)
+
+    def why(p: str) -> D:
+        if observed.is_under(p, str(sysd)):
+            return D(p, True, "ro", f"visible read-only: system directory {sysd}")
+        return base.why(p)  # type: ignore[return-value]
+
+    c = observed.Context(**{**base.__dict__, "why": why, "uniform": lambda d: observed.is_under(d, str(sysd))})
+    deep = "/a" * 2500
+    paths = [f"{sysd}/lib{deep}/x", f"{var_tmp}/elsewhere{deep}/x", f"{sysd}/lib/y"]
+    cl = observed.Classifier(c)
+    cl.feed(kobs.parse_records(b"".join(rec(kobs.KIND_OPEN, p.encode()) for p in paths))[0])
+    got = {a.target: (a.result, a.reason) for a in cl.aggs.values()}
+    assert got[paths[0]] == got[paths[2]] == ("allowed", f"visible read-only: system directory {sysd}")
+    assert got[paths[1]][0] == "blocked"
+    assert observed._Resolver(c).realpath(paths[1]) == paths[1]  # (nothing there: itself)
