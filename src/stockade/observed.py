@@ -16,6 +16,7 @@ as the config lines that would allow them, each with the risk it opens).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import stat
@@ -177,7 +178,10 @@ class _Resolver:
             try:
                 st = os.lstat(child)
                 if stat.S_ISLNK(st.st_mode):
-                    child = os.path.realpath(child)
+                    # (a chain of links a command made in a granted directory: Python's
+                    # realpath recurses per link, where the kernel stops at 40)
+                    with contextlib.suppress(RecursionError):
+                        child = os.path.realpath(child)
                 elif stat.S_ISDIR(st.st_mode) and len(self.stamp) < 200_000:
                     self.stamp[child] = (st.st_dev, st.st_ino, st.st_mtime_ns)
             except OSError:

@@ -577,3 +577,19 @@ def test_a_path_deeper_than_the_recursion_limit_is_classified(var_tmp: Path) -> 
     assert got[paths[0]] == got[paths[2]] == ("allowed", f"visible read-only: system directory {sysd}")
     assert got[paths[1]][0] == "blocked"
     assert observed._Resolver(c).realpath(paths[1]) == paths[1]  # (nothing there: itself)
+
+
+def test_a_long_chain_of_links_is_decided_as_itself(var_tmp: Path) -> None:
+    """A chain of 1,500 symlinks (a command can make one in a directory granted to it;
+    Python's realpath recurses per link, where the kernel stops at 40) is decided for the
+    link's own path, and the records after it still are."""
+    d = var_tmp / "granted"
+    d.mkdir()
+    (d / "l0").symlink_to("/etc/hosts")
+    for i in range(1, 1500):
+        (d / f"l{i}").symlink_to(f"l{i - 1}")
+    c = ctx(var_tmp)
+    cl = observed.Classifier(c)
+    paths = [str(d / "l1499"), "/usr/lib/z.so"]
+    cl.feed(kobs.parse_records(b"".join(rec(kobs.KIND_OPEN, p.encode()) for p in paths))[0])
+    assert {a.target for a in cl.aggs.values()} == set(paths)
