@@ -352,31 +352,39 @@ class Classifier:
         # a recorded directory -> its uniform decision, when it resolves to itself; else None
         self.dir_memo: dict[str, DecisionLike | None] = {}
         self.touched: dict[tuple[str, str, str], _Agg] = {}  # changed since ``take_touched``
+        # records whose classification failed (skipped, the rest go on), and the first error
+        self.failed = 0
+        self.first_error: str | None = None
 
     def feed(self, records: Iterable[RecordLike]) -> None:
         ctx, aggs, touched = self.ctx, self.aggs, self.touched
         kinds, unreadable, relative = self.kinds, ctx.unreadable_flag, ctx.relative_flag
         for r in records:
-            kind = kinds.get(r.kind, "")
-            if kind in ("exec", "open") and not r.flags & (unreadable | relative):
-                # the bulk of every run: a path seen before is one lookup; a new one in a
-                # system directory, one lstat (``_quick``)
-                target = os.fsdecode(r.data)
-                access = "exec" if kind == "exec" else access_of(r.arg)
-                k = ("observed-" + kind, target, access)
-                a = aggs.get(k)
-                if a is None:
-                    res = self._quick(target, access) or _path_result(ctx, target, access, self.resolver)
-                    extra: dict[str, Any] = {}
-                    if res[0] == "blocked" and " resolves to " in res[2]:
-                        extra = {"resolved": res[2].split(" resolves to ", 1)[1].split(" on the host:", 1)[0]}
-                    a = aggs[k] = _Agg(k[0], target, res[0], res[1], res[2], access, r.syscall, extra=extra)
-            else:
-                k, a = self._other(r, kind)
-            a.count += 1
-            if len(a.pids) < MAX_PIDS and r.pid not in a.pids:
-                a.pids.append(r.pid)
-            touched[k] = a
+            try:
+                kind = kinds.get(r.kind, "")
+                if kind in ("exec", "open") and not r.flags & (unreadable | relative):
+                    # the bulk of every run: a path seen before is one lookup; a new one in
+                    # a system directory, one lstat (``_quick``)
+                    target = os.fsdecode(r.data)
+                    access = "exec" if kind == "exec" else access_of(r.arg)
+                    k = ("observed-" + kind, target, access)
+                    a = aggs.get(k)
+                    if a is None:
+                        res = self._quick(target, access) or _path_result(ctx, target, access, self.resolver)
+                        extra: dict[str, Any] = {}
+                        if res[0] == "blocked" and " resolves to " in res[2]:
+                            extra = {"resolved": res[2].split(" resolves to ", 1)[1].split(" on the host:", 1)[0]}
+                        a = aggs[k] = _Agg(k[0], target, res[0], res[1], res[2], access, r.syscall, extra=extra)
+                else:
+                    k, a = self._other(r, kind)
+                a.count += 1
+                if len(a.pids) < MAX_PIDS and r.pid not in a.pids:
+                    a.pids.append(r.pid)
+                touched[k] = a
+            except Exception as e:  # one record never costs the run the rest of its log
+                self.failed += 1
+                if self.first_error is None:
+                    self.first_error = f"{type(e).__name__}: {e}"[:300]
 
     def _quick(self, path: str, access: str) -> tuple[str, str, str] | None:
         """``_path_result`` for a path (absolute, normalized: csrc/observe.c) that is no

@@ -593,3 +593,20 @@ def test_a_long_chain_of_links_is_decided_as_itself(var_tmp: Path) -> None:
     paths = [str(d / "l1499"), "/usr/lib/z.so"]
     cl.feed(kobs.parse_records(b"".join(rec(kobs.KIND_OPEN, p.encode()) for p in paths))[0])
     assert {a.target for a in cl.aggs.values()} == set(paths)
+
+
+def test_a_record_that_cannot_be_classified_is_skipped_not_the_rest(tmp_path: Path) -> None:
+    """Classification failing on one record (here the policy's answer for one path raises)
+    skips that record, counted with its error; the records after it are classified."""
+    base = ctx(tmp_path)
+
+    def why(p: str) -> D:
+        if p.endswith("/boom"):
+            raise ValueError("no decision for this path")
+        return base.why(p)  # type: ignore[return-value]
+
+    cl = observed.Classifier(observed.Context(**{**base.__dict__, "why": why}))
+    paths = ["/opt/x/boom", "/opt/x/fine", "/usr/lib/y.so"]
+    cl.feed(kobs.parse_records(b"".join(rec(kobs.KIND_OPEN, p.encode()) for p in paths))[0])
+    assert {a.target for a in cl.aggs.values()} == {"/opt/x/fine", "/usr/lib/y.so"}
+    assert cl.failed == 1 and cl.first_error == "ValueError: no decision for this path"

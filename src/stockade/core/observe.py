@@ -135,6 +135,9 @@ class RunObserve:
             summary["error"] = os.strerror(st.error)
         if not self.observer.got_listener:
             summary["error"] = "the sandbox sent no listener (it ended before its command started)"
+        if self.classifier is not None and self.classifier.failed:
+            summary["unclassified"] = self.classifier.failed  # (records skipped: the first one's error)
+            summary["error"] = f"classify: {self.classifier.first_error}"
         if self.error:
             summary["error"] = self.error
         done = self.classifier is not None
