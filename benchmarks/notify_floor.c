@@ -39,13 +39,7 @@
 #include <time.h>
 #include <unistd.h>
 
-/* Debian 12's and Ubuntu 22.04's headers (6.1, 5.15) lack these; the kernel decides */
-#ifndef SECCOMP_IOCTL_NOTIF_SET_FLAGS
-#define SECCOMP_IOCTL_NOTIF_SET_FLAGS SECCOMP_IOW(4, __u64)
-#endif
-#ifndef SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP
-#define SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (1UL << 0)
-#endif
+#include "../csrc/seccomp_notify.h" /* (the flags older headers lack, as observe mode has them) */
 
 static int poll_first, want_sync = 1, sync_taken = -1;
 static long notified;
