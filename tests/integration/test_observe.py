@@ -195,8 +195,8 @@ def test_a_deep_path_does_not_blind_the_log(user: User, project: Path) -> None:
     (summ,) = obs["summaries"]
     assert not summ.get("error"), summ
     assert "/etc/hosts" in obs["opened"]
-    deep = "/usr/" + "a/" * 1500 + "x"
-    assert deep in obs["opened"], sorted(t[:40] for t in obs["opened"])  # (the mount view shows /usr: allowed)
+    # (allowed: the mount view shows /usr; the log caps a target's length)
+    assert any(t.startswith("/usr/" + "a/" * 500) for t in obs["opened"]), sorted(t[:40] for t in obs["opened"])
 
 
 @pytest.mark.parametrize("poll", ["0", "1"])
@@ -272,6 +272,10 @@ def test_a_racing_command_cannot_crash_or_hang_the_observer(user: User, project:
     obs = observed_json(user, project, session_of(r.stderr))
     (summ,) = obs["summaries"]
     assert summ["notified"] > 0 and not summ.get("error")
+    # how the loop ran under this kernel (under `make test-vm`'s 6.1: the usual wake-up, polling)
+    rel = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    assert (summ["wakeup"], summ["loop"]) == ("same-cpu" if rel >= (6, 6) else "usual",
+                                              "receive" if rel >= (6, 11) else "poll"), summ
     # what the racing reads gave is logged as what it was: /etc/hosts, a truncated path, an unreadable one
     seen = set(obs["opened"]) | {d["target"] for d in obs["denied"]}
     assert "/etc/hosts" in seen
