@@ -93,3 +93,19 @@ def test_allocate_counts_up_from_the_base(tmp_path: Path) -> None:
 
 
 _real_mount_of = quota.mount_of
+
+
+def test_usage_of_an_id_the_kernel_keeps_no_record_of(monkeypatch: pytest.MonkeyPatch) -> None:
+    """xfs frees the record of a project with no limit and no use (Q_GETQUOTA: ENOENT, as
+    after `stockade clean`); ext4 answers zeros. Both read as zeros; other errors raise."""
+    import errno
+
+    support = quota.QuotaSupport("/mnt", "xfs", "/dev/loop0")
+    monkeypatch.setattr(quota, "_quotactl", lambda *a: errno.ENOENT)
+    rec = quota.usage(support, "/mnt", quota.ID_BASE)
+    assert rec["bhardlimit"] == rec["curspace"] == rec["curinodes"] == 0
+    monkeypatch.setattr(quota, "_quotactl", lambda *a: errno.EPERM)
+    with pytest.raises(PermissionError, match="Q_GETQUOTA"):
+        quota.usage(support, "/mnt", quota.ID_BASE)
+    # and what a write past the cap gets, by filesystem (explain says it)
+    assert (quota.refusal("xfs"), quota.refusal("ext4")) == ("ENOSPC", "EDQUOT")
