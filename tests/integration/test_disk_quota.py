@@ -30,6 +30,9 @@ pytestmark = pytest.mark.vm
 
 MiB = 1 << 20
 RECORDS = 256 * 1024
+# ext4 charges a few blocks of its own metadata (extent blocks) past a hard limit
+# (dquot_alloc_block_nofail): a layer can end a block or two above the cap
+SLACK = 64 * 1024
 # Debian's stock kernel (the VM of `make test-vm`) has CONFIG_QUOTA, ext4 project quotas
 # and xfs's (CONFIG_XFS_QUOTA): there a missing piece is a failure under STOCKADE_MUST_WORK; elsewhere the
 # host's kernel decides (this development host's has no quota support).
@@ -129,7 +132,7 @@ def test_project_quota_holds_the_disk_cap(user: User, project: Path, tmp_path: P
             assert r.stdout == b"rc=1\n", r.stdout
         else:
             assert r.returncode == 122 and b"disk-limit-hit (disk limit 16M" in r.stderr, r.stderr
-        assert held <= _upper_bytes(user.state, "q") <= 16 * MiB
+        assert held <= _upper_bytes(user.state, "q") <= 16 * MiB + SLACK
         sdir = user.state / "sessions" / "q"
         pid = json.loads((sdir / "meta.json").read_text())["quota_project"]
         assert quota.ID_BASE <= pid < quota.ID_BASE + quota.ID_SPAN
@@ -148,7 +151,7 @@ def test_project_quota_holds_the_disk_cap(user: User, project: Path, tmp_path: P
                      cwd=project)
         assert refused in r.stderr or r.returncode == 122, (r.returncode, r.stderr)
         held = _upper_bytes(user.state, "q")
-        assert 4 * MiB < held <= 16 * MiB, held
+        assert 4 * MiB < held <= 16 * MiB + SLACK, held
         assert quota.usage(support, fs, pid)["curspace"] <= 16 * MiB + RECORDS
 
         # the session goes on: what was written is reviewable, space freed is usable again
