@@ -88,11 +88,7 @@ def main() -> None:
                 fns.append(fn)
             wall, _cpu = _interleaved_cpu(fns, N if BUDGET[i] < 1 else N_LONG)
             u, o = median(wall[0]), median(wall[1])
-            # the median of each round's ratio: a round's two runs see the same load, which
-            # drifts from round to round on a shared machine
-            ratios = sorted(b / a for a, b in zip(wall[0], wall[1], strict=True))
-            over = median(ratios) - 1
-            q1, q3 = ratios[len(ratios) // 4] - 1, ratios[(3 * len(ratios)) // 4] - 1
+            over, q1, q3 = _overhead(wall[0], wall[1])
             ok = over <= BUDGET[i]
             verdicts.append((label, ok))
             budget = "2x" if BUDGET[i] >= 1 else f"+{BUDGET[i] * 100:.0f}%"
@@ -125,6 +121,13 @@ def main() -> None:
         if exe is not None:
             _floor_inside(stockade, base, exe, WORKLOADS[2][1])
             _floor(exe, WORKLOADS[2][1])
+
+
+def _overhead(base: list[float], other: list[float]) -> tuple[float, float, float]:
+    """The median of the rounds' ratios other/base minus one, and its quartiles (a round's
+    two runs see the same load, which drifts from round to round on a shared machine)."""
+    ratios = sorted(b / a for a, b in zip(base, other, strict=True))
+    return median(ratios) - 1, ratios[len(ratios) // 4] - 1, ratios[(3 * len(ratios)) // 4] - 1
 
 
 def _release() -> tuple[int, ...]:
@@ -171,13 +174,8 @@ def _floor_inside(stockade: Any, base: Path, exe: Path, argv: list[str]) -> None
 
         fns.append(fn)
     wall, _cpu = _interleaved_cpu(fns, N)
-
-    def over(i: int, j: int) -> tuple[float, float, float]:
-        ratios = sorted(b / a for a, b in zip(wall[i], wall[j], strict=True))
-        return median(ratios) - 1, ratios[len(ratios) // 4] - 1, ratios[(3 * len(ratios)) // 4] - 1
-
-    floor, f1, f3 = over(1, 2)
-    obs, o1, o3 = over(0, 3)
+    floor, f1, f3 = _overhead(wall[1], wall[2])
+    obs, o1, o3 = _overhead(wall[0], wall[3])
     print(f"  the floor in the same sandbox ({N} rounds of four runs: python3 imports plain and observed; under "
           f"notify_floor with no filter and with a minimal notifier, {mode} loop):")
     print(f"    observe mode {obs * 100:+.1f}% (middle half {o1 * 100:+.0f}..{o3 * 100:+.0f}%); the minimal notifier "

@@ -54,9 +54,9 @@ def disk_mechanism_of(state: str, free: bool = True) -> tuple[str, str]:
     support = quota.probe(state)
     if isinstance(support, str):
         return diskwatch.mechanism(state, free, no_quota=support), "watchdog"
+    refused = quota.refusal(support.fstype)
     line = (f"each writable tmpfs: the kernel's size= and nr_inodes=; the session's layers on {support.fstype} "
-            f"at {support.mount_point}: a project quota per session (the kernel's {quota.refusal(support.fstype)} "
-            f"at the cap), the "
+            f"at {support.mount_point}: a project quota per session (the kernel's {refused} at the cap), the "
             f"supervisor's watchdog beside it (the free-space floor, and the tmpfs and layers together)")
     if free:
         try:

@@ -3,11 +3,11 @@
 ``core/prepare.py``).
 
 The test makes a 64 MiB ext4 image with the quota and project features (a 320 MB xfs),
-loop-mounts it enforcing project quotas as the state dir, and checks from the host: the session's
-directory carries its project id, the kernel's record of that id has the cap as its
-hard limit, a ``fallocate`` past it (one call: no watchdog can see it coming) gets
-EDQUOT inside the sandbox (ENOSPC on xfs) and the upper layer stays under the cap, many files streamed
-stop at it, the session stays usable, and removing the session clears the limit.
+loop-mounts it enforcing project quotas as the state dir, and checks from the host: the
+session's directory carries its project id, the kernel's record of that id has the cap as
+its hard limit, a ``fallocate`` past it (one call: no watchdog can see it coming) gets
+EDQUOT inside the sandbox (ENOSPC on xfs) and the upper layer stays under the cap, many
+files streamed stop at it, the session stays usable, and removing the session clears the limit.
 Root only (project quotas are the host root's). This host's kernel may lack quota
 support: then it skips; under the VM's stock Debian kernel it must work."""
 
@@ -34,8 +34,9 @@ RECORDS = 256 * 1024
 # (dquot_alloc_block_nofail): a layer can end a block or two above the cap
 SLACK = 64 * 1024
 # Debian's stock kernel (the VM of `make test-vm`) has CONFIG_QUOTA, ext4 project quotas
-# and xfs's (CONFIG_XFS_QUOTA): there a missing piece is a failure under STOCKADE_MUST_WORK; elsewhere the
-# host's kernel decides (this development host's has no quota support).
+# and xfs's (CONFIG_XFS_QUOTA): there a missing piece is a failure under
+# STOCKADE_MUST_WORK; elsewhere the host's kernel decides (this development host's has
+# no quota support).
 VM_KERNEL = os.uname().release.startswith("6.1.")
 
 
@@ -68,8 +69,8 @@ def _prjquota(fstype: str, at: Path, work: Path, state: Path) -> Iterator[Path]:
         # (a minimal /dev, as in the VM: the loop driver loads on first open)
         made_ctl = _sh("mknod", "/dev/loop-control", "c", "10", "237").returncode == 0
     img = work / "prjquota.img"
-    _sh("truncate", "-s", size, str(img))
-    r = _sh(*mkfs, str(img)) if fstype == "xfs" else _sh(*mkfs, str(img), size)
+    _sh("truncate", "-s", size, str(img))  # (sparse; mkfs takes the file's size)
+    r = _sh(*mkfs, str(img))
     _need(r.returncode == 0, f"{' '.join(mkfs)}: {r.stderr.strip()}")
     r = _sh("losetup", "-f", "--show", str(img))
     if r.returncode != 0 and not os.path.exists("/dev/loop0"):
@@ -112,7 +113,8 @@ def test_project_quota_holds_the_disk_cap(user: User, project: Path, tmp_path: P
         r = user.cli(["explain", "--disk", "16M", "--", "true"], cwd=project)
         assert r.returncode == 0, r.stderr
         # (xfs answers a project quota's cap as a full disk: ENOSPC, where ext4 says EDQUOT)
-        errno_name, refused = {"ext4": ("EDQUOT", b"Disk quota exceeded"), "xfs": ("ENOSPC", b"No space left on device")}[fstype]
+        errno_name, refused = {"ext4": ("EDQUOT", b"Disk quota exceeded"),
+                               "xfs": ("ENOSPC", b"No space left on device")}[fstype]
         assert f"a project quota per session (the kernel's {errno_name} at the cap)".encode() in r.stdout, r.stdout
 
         # 12 MiB in one call (under RLIMIT_FSIZE, which is the cap too; the watchdog may

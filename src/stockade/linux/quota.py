@@ -3,9 +3,9 @@
 A directory tree gets a project id (``FS_IOC_FSSETXATTR``: ``fsx_projid`` and
 ``FS_XFLAG_PROJINHERIT``, so what is created below inherits it) and the id gets hard
 limits (``quotactl(Q_SETQUOTA, PRJQUOTA)``): a write past them fails in the sandbox,
-whatever writes it (EDQUOT; ENOSPC on xfs, which answers a project quota as a full disk). Only where the filesystem enforces project quotas
-(ext4 mounted ``prjquota``, xfs ``pquota``) and the caller is root in the initial user
-namespace; elsewhere ``probe`` says why not and the supervisor's watchdog holds the cap."""
+whatever writes it (EDQUOT; ENOSPC on xfs, which answers a project quota as a full
+disk). Only where the filesystem enforces project quotas (ext4 mounted ``prjquota``,
+xfs ``pquota``) and the caller is root in the initial user namespace; elsewhere ``probe`` says why not and the supervisor's watchdog holds the cap."""
 
 from __future__ import annotations
 
