@@ -228,6 +228,7 @@ class AuditLog:
         operation: str,
         target: str,
         result: str,
+        /,
         *,
         run: int | None = None,
         policy: str | None = None,
@@ -296,7 +297,7 @@ class AuditLog:
         data = (start + std + more + "}\n").encode("utf-8")
         return data if len(data) <= MAX_LINE else None
 
-    def event(self, operation: str, target: str, result: str, **fields: Any) -> None:
+    def event(self, operation: str, target: str, result: str, /, **fields: Any) -> None:
         """Append one event (``render``'s arguments: run=, policy=, reason= and extras)."""
         self.add(self.render(operation, target, result, **fields))
 
