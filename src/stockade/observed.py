@@ -492,7 +492,7 @@ class LineMaker(Protocol):
 
     def line_start(self, run: int | None) -> str | None: ...
 
-    def render(self, operation: str, target: str, result: str, **fields: Any) -> bytes: ...
+    def render(self, operation: str, target: str, result: str, /, **fields: Any) -> bytes: ...
 
 
 # An event's fields before and after its count and pids, as its line holds them, by the
@@ -502,7 +502,7 @@ _LINE_PARTS_MAX = 50_000
 
 
 def line_of(a: _Agg, log: LineMaker, run: int, start: str | None = None) -> bytes:
-    """``log.render(run=run, **event_of(a))``, byte for byte (a test compares them),
+    """``log.render`` of ``event_of(a)`` (run=run), byte for byte (a test compares them),
     from the aggregate's other fields rendered once. ``start``: ``log.line_start(run)``
     made once for a batch of lines (their timestamp)."""
     j = a.json
@@ -531,7 +531,8 @@ def line_of(a: _Agg, log: LineMaker, run: int, start: str | None = None) -> byte
                 + ",".join(map(int.__repr__, a.pids)) + "]" + j[1] + "}\n").encode("utf-8")
         if len(line) <= MAX_LINE:
             return line
-    return log.render(run=run, **event_of(a))
+    ev = event_of(a)
+    return log.render(ev.pop("operation"), ev.pop("target"), ev.pop("result"), run=run, **ev)
 
 
 def landlock_events(denials: Iterable[DenialLike]) -> list[dict[str, Any]]:

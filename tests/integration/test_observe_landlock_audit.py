@@ -101,6 +101,7 @@ def test_landlock_denial_comes_from_the_kernel_record(user: User, project: Path,
         assert f.stdout.strip() == "denied", f.stderr
         out, err = proc.communicate(timeout=120)
         time.sleep(0.1)
+        watch.drain()
         foreign_seen = any(r.fields.get("path") == str(foreign_target) for r in list(watch.records))
     finally:
         watch.close()
@@ -117,6 +118,8 @@ def test_landlock_denial_comes_from_the_kernel_record(user: User, project: Path,
         return
     assert foreign_seen, "the foreign process's denial never reached the audit stream"
     assert summ["landlock_audit"] == "on" and summ["landlock_denials"] >= 1
+    # its end known from its domain's last record (or its own mark), not a wait
+    assert summ["landlock_audit_end"] in ("deallocated", "mark")
     kd = kernel_denials(obs)
     comm = [d for d in kd if d["target"].startswith("/proc/") and d["target"].endswith("/comm")]
     assert comm, kd
@@ -186,6 +189,41 @@ def test_python_api(api_project: Path, audit_on: None) -> None:
         assert not [e for e in evs if str(e.get("operation", "")).startswith("observed")]
 
 
+@pytest.mark.parametrize("launcher", ["1", "0"], ids=["launcher", "cold"])
+def test_a_run_with_no_denial_ends_on_its_mark(user: User, project: Path, audit_on: None, launcher: str) -> None:
+    """No Landlock denial: the run knows every record of its has come when its own mark
+    (a TRUSTED_APP record with its token) comes back, not after a wait for records that
+    never come. Seen from the host: the mark is in the audit stream, once, after the run
+    ended, with no Landlock record of the run's."""
+    from stockade.linux import audit_netlink as an
+
+    watch = an.Subscription.open(_abi())
+    assert not isinstance(watch, str), watch
+    try:
+        r = user.cli(["run", "--observe", "--", "sh", "-c", "cat /etc/hostname >/dev/null; echo ok"], cwd=project,
+                     env={"STOCKADE_LAUNCHER": launcher})
+        time.sleep(0.2)
+        out: list[tuple[int, bytes]] = []
+        while True:
+            try:
+                out += an.split_messages(watch.sock.recv(1 << 16))
+            except BlockingIOError:
+                break
+    finally:
+        watch.close()
+    assert r.returncode == 0 and r.stdout == b"ok\n", r.stderr.decode()
+    obs = observed_json(user, project, session_of(r.stderr))
+    (summ,) = obs["summaries"]
+    if user.name != "root":
+        assert "not root" in summ["landlock_audit"] and "landlock_audit_end" not in summ
+        assert not [p for t, p in out if t == an.MARK_TYPE and an.MARK_TEXT in p]  # (CAP_AUDIT_WRITE is root's)
+        return
+    assert summ["landlock_audit"] == "on" and summ["landlock_denials"] == 0 and not kernel_denials(obs)
+    assert summ["landlock_audit_end"] == "mark"
+    marks = [p for t, p in out if t == an.MARK_TYPE and an.MARK_TEXT in p]
+    assert len(marks) == 1, out
+
+
 def test_audit_off_says_why(user: User, project: Path) -> None:
     """With kernel audit off (this host's default), the run says so and adds nothing."""
     from stockade.linux import audit_netlink as an
@@ -198,7 +236,7 @@ def test_audit_off_says_why(user: User, project: Path) -> None:
     obs = observed_json(user, project, session_of(r.stderr))
     (summ,) = obs["summaries"]
     want = "not root" if user.name != "root" else "kernel audit is off"
-    assert want in summ["landlock_audit"] and not kernel_denials(obs)
+    assert want in summ["landlock_audit"] and not kernel_denials(obs) and "landlock_audit_end" not in summ
 
 
 @pytest.mark.vm(once=True)

@@ -174,23 +174,67 @@ def test_plan_flag_only_with_abi_7() -> None:
     assert not old.log_denials and old.restrict_flags == 0  # an older kernel refuses flags (EINVAL)
 
 
+def _nl(t: int, body: bytes) -> bytes:
+    return struct.pack("=IHHII", 16 + len(body), t, 0, 0, 0) + body
+
+
+class FakeKauditd:
+    """The kernel's side of a subscription: the multicast socket's peer (records) and
+    the unicast one's (AUDIT_GET answered with ``enabled``; a user message acknowledged
+    and logged, in order, after the records sent before it)."""
+
+    def __init__(self, enabled: int = 1, log_marks: bool = True) -> None:
+        self.mc, self.mc_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.mc.setblocking(False)
+        self.ctl, self.ctl_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.ctl.settimeout(1.0)
+        self.enabled, self.log_marks = enabled, log_marks
+        self.marks: list[bytes] = []
+        self._t = threading.Thread(target=self._serve, daemon=True)
+        self._t.start()
+
+    def record(self, t: int, text: str) -> None:
+        self.mc_peer.send(_nl(t, text.encode()))
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                req = self.ctl_peer.recv(8192)
+            except OSError:
+                return
+            if not req:
+                return
+            _ln, typ, _fl, _seq, _pid = struct.unpack_from("=IHHII", req)
+            self.ctl_peer.send(_nl(an.NLMSG_ERROR, struct.pack("=i", 0) + req[:16]))
+            if typ == an.AUDIT_GET:
+                self.ctl_peer.send(_nl(an.AUDIT_GET, struct.pack("=10I", 0, self.enabled, 1, 0, 0, 64, 0, 0, 0, 0)))
+            elif typ == an.MARK_TYPE and self.enabled:
+                text = req[16:-1]  # (the kernel makes the last byte a NUL: the text's own)
+                self.marks.append(text)
+                if self.log_marks:
+                    self.record(an.MARK_TYPE, "audit(2.000:9): pid=1 uid=0 msg='" + text.decode() + "'")
+
+    def subscription(self) -> an.Subscription:
+        an._send(self.ctl, an.AUDIT_GET)  # (as open sends it)
+        return an.Subscription(self.mc, self.ctl)
+
+    def close(self) -> None:
+        for s in (self.mc_peer, self.ctl_peer):
+            s.close()
+
+
 def test_subscription_keeps_records_and_waits_for_the_domains_end() -> None:
-    """The thread, fed netlink datagrams through a socket pair: records kept (SYSCALL
-    only for a Landlock event), ``denials`` returns once our domain's end has come."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-    a.setblocking(False)
-
-    def send(t: int, text: str) -> None:
-        body = text.encode()
-        b.send(struct.pack("=IHHII", 16 + len(body), t, 0, 0, 0) + body)
-
-    sub = an.Subscription(a)
+    """Records kept (SYSCALL only for a Landlock event), ``denials`` returns once our
+    domain's end has come."""
+    k = FakeKauditd()
+    sub = k.subscription()
     try:
-        send(1300, "audit(1.000:1): pid=5 exe=\"/x\"")  # an unrelated event's: dropped
-        send(1423, "audit(1.000:2): domain=ab blockers=fs.read_file path=\"/etc/x\"")
-        send(1424, "audit(1.000:2): domain=ab status=allocated mode=enforcing pid=42")
-        send(1300, "audit(1.000:2): syscall=257 pid=43 exe=\"/usr/bin/cat\"")
-        late = threading.Timer(0.05, send, (1424, "audit(1.100:3): domain=ab status=deallocated denials=1"))
+        k.record(1300, "audit(1.000:1): pid=5 exe=\"/x\"")  # an unrelated event's: dropped
+        k.record(1423, "audit(1.000:2): domain=ab blockers=fs.read_file path=\"/etc/x\"")
+        k.record(1424, "audit(1.000:2): domain=ab status=allocated mode=enforcing pid=42")
+        k.record(1300, "audit(1.000:2): syscall=257 pid=43 exe=\"/usr/bin/cat\"")
+        sub.drain()  # (the pump's, during the run)
+        late = threading.Timer(0.05, k.record, (1424, "audit(1.100:3): domain=ab status=deallocated denials=1"))
         late.start()
         t = time.monotonic()
         ds = sub.denials(42, expect=False, wait=2.0)
@@ -199,15 +243,52 @@ def test_subscription_keeps_records_and_waits_for_the_domains_end() -> None:
         assert [(d.target, d.pid, d.exe) for d in ds] == [("/etc/x", 43, "/usr/bin/cat")]
         assert took < 1.5  # returned on the deallocation record, not at the deadline
         assert all(r.serial != 1 for r in sub.records)
-        # nothing of ours: a brief moment only
-        t = time.monotonic()
-        assert sub.denials(99, expect=False, wait=2.0) == []
-        assert time.monotonic() - t < 0.5
+        assert sub.refusal() is None and sub.end == "deallocated"
     finally:
         sub.close()
-        b.close()
-    assert sub._stop_w == -1
+        k.close()
     sub.close()  # twice: nothing left to close
+
+
+def test_the_mark_ends_the_wait_with_nothing_of_ours() -> None:
+    """No denial of ours, one predicted: the mark says every record has come (the wait
+    would have been ``wait``), and the mark is the kernel's record of ours, with a token."""
+    k = FakeKauditd()
+    sub = k.subscription()
+    try:
+        k.record(1423, "audit(1.000:2): domain=cd blockers=fs.read_file path=\"/etc/y\"")  # another domain's
+        t = time.monotonic()
+        assert sub.denials(99, expect=True, wait=5.0) == []
+        assert time.monotonic() - t < 2.5 and sub.end == "mark"
+        (m,) = k.marks
+        assert m.startswith(an.MARK_TEXT + b" ") and len(m.split()[-1]) == 16
+    finally:
+        sub.close()
+        k.close()
+
+
+def test_without_the_mark_the_wait_is_bounded_as_before() -> None:
+    """A mark the kernel drops (a "never,user" audit rule): no denial seen or expected,
+    ``brief``; one expected, ``wait``. Kernel audit off: no wait, no mark, the reason."""
+    k = FakeKauditd(log_marks=False)
+    sub = k.subscription()
+    try:
+        t = time.monotonic()
+        assert sub.denials(99, expect=False, wait=5.0, brief=0.05) == []
+        assert 0.05 <= time.monotonic() - t < 2.5 and sub.end == "waited"
+    finally:
+        sub.close()
+        k.close()
+    k = FakeKauditd(enabled=0)
+    sub = k.subscription()
+    try:
+        t = time.monotonic()
+        assert sub.denials(99, expect=True, wait=5.0) == [] and sub.end == "off"
+        assert time.monotonic() - t < 2.5 and not k.marks
+        assert "kernel audit is off" in (sub.refusal() or "")
+    finally:
+        sub.close()
+        k.close()
 
 
 def test_unavailable_says_why() -> None:

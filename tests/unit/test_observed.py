@@ -509,7 +509,9 @@ def test_an_events_line_is_the_audit_logs_line(tmp_path: Path) -> None:
             for a in aggs():
                 for count, pids in ((1, [10]), (2, [10, 11]), (9, list(range(8)))):
                     a.count, a.pids = count, pids
-                    assert observed.line_of(a, log, run) == render_general(log, run=run, **observed.event_of(a))
+                    ev = observed.event_of(a)
+                    want = render_general(log, ev.pop("operation"), ev.pop("target"), ev.pop("result"), run=run, **ev)
+                    assert observed.line_of(a, log, run) == want
     finally:
         audit._now = now
     a = aggs()[0]

@@ -53,6 +53,7 @@ class RunObserve:
         self.ll_audit: Subscription | str = "Landlock is off for this run"
         self.init_pid: int | None = None
         self._ll: tuple[list[dict[str, Any]], str] | None = None
+        self.ll_end = ""  # how the end of Landlock's records was known (``Subscription.end``)
         ll = prep.plan.landlock
         if ll is not None and ll.restrict_flags:
             from ..linux.audit_netlink import Subscription
@@ -85,6 +86,8 @@ class RunObserve:
         Whether there were any."""
         from ..linux.seccomp import observe as kobs
 
+        if not isinstance(self.ll_audit, str):
+            self.ll_audit.drain()  # (other processes' records too: the socket's buffer is bounded)
         data = self.observer.take()
         if self.classifier is None or self.error is not None or not data:
             return bool(data)
@@ -143,6 +146,8 @@ class RunObserve:
         done = self.classifier is not None
         kept, left = self.classifier.written() if done else ([], {})
         kernel, summary["landlock_audit"] = self._landlock()
+        if self.ll_end:
+            summary["landlock_audit_end"] = self.ll_end
         if len(kernel) > observed.MAX_EVENTS:  # (the kernel's records: a cap of their own)
             left[f"{observed.LANDLOCK_DENIAL} blocked"] = len(kernel) - observed.MAX_EVENTS
             kernel = kernel[:observed.MAX_EVENTS]
@@ -156,7 +161,8 @@ class RunObserve:
         log = AuditLog(sess, batch=True)
         try:
             for e in kernel:
-                log.event(run=run_no, **e)
+                e = dict(e)
+                log.event(e.pop("operation"), e.pop("target"), e.pop("result"), run=run_no, **e)
             start = log.line_start(run_no)
             for a in kept:
                 made = self._lines.get(id(a))
@@ -195,6 +201,11 @@ class RunObserve:
             aggs = self.classifier.aggs.values() if self.classifier is not None else ()
             expect = any(a.policy == "landlock-net" and a.result == "blocked" for a in aggs)
             denials = sub.denials(self.init_pid, expect=expect)
+            why = sub.refusal()
+            if why is not None:
+                self._ll = [], why
+                return self._ll
+            self.ll_end = sub.end
             note = "on" if not (sub.lost or sub.dropped) else (
                 f"on (records lost: {sub.lost} overruns, {sub.dropped} over the cap of the run's subscription)")
             self._ll = observed.landlock_events(denials), note

@@ -19,10 +19,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import select
 import socket
 import struct
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,6 +32,10 @@ AUDIT_NLGRP_READLOG = 1
 AUDIT_GET = 1000
 AUDIT_SET = 1001
 AUDIT_SYSCALL = 1300
+# the mark of a run's end: a user message ("trusted application", free text), which the
+# kernel logs as `type=TRUSTED_APP ... msg='stockade observe: end of run TOKEN'`
+MARK_TYPE = 1121  # AUDIT_TRUSTED_APP
+MARK_TEXT = b"stockade observe: end of run"
 AUDIT_LANDLOCK_ACCESS = 1423
 AUDIT_LANDLOCK_DOMAIN = 1424
 AUDIT_STATUS_ENABLED = 1
@@ -200,10 +204,13 @@ def denials_of(records: list[Record], init_pid: int) -> tuple[list[Denial], set[
 # --------------------------------------------------------------------------- the kernel side
 
 
-def _request(s: socket.socket, rtype: int, payload: bytes = b"") -> bytes | None:
-    """One request on a unicast NETLINK_AUDIT socket; the reply of its type, b"" for a
-    bare ACK, None for an error."""
+def _send(s: socket.socket, rtype: int, payload: bytes = b"") -> None:
     s.send(_NLMSG.pack(_NLMSG.size + len(payload), rtype, NLM_F_REQUEST | NLM_F_ACK, 1, 0) + payload)
+
+
+def _reply(s: socket.socket, rtype: int) -> bytes | None:
+    """The reply to a request of ``rtype`` on a unicast NETLINK_AUDIT socket (blocking,
+    up to its timeout): the reply of its type, b"" for a bare ACK, None for an error."""
     for _ in range(4):
         for typ, body in split_messages(s.recv(8192)):
             if typ == rtype:
@@ -217,19 +224,38 @@ def _request(s: socket.socket, rtype: int, payload: bytes = b"") -> bytes | None
     return None
 
 
+def _request(s: socket.socket, rtype: int, payload: bytes = b"") -> bytes | None:
+    """One request and its reply (``_reply``)."""
+    _send(s, rtype, payload)
+    return _reply(s, rtype)
+
+
+def _control() -> socket.socket:
+    """A unicast NETLINK_AUDIT socket (requests: status, settings, user messages)."""
+    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT)
+    try:
+        s.settimeout(1.0)
+        s.bind((0, 0))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def _unpack_status(body: bytes | None) -> tuple[int, ...] | None:
+    if not body or len(body) < 8:
+        return None
+    return struct.unpack_from(f"={len(body[:_STATUS.size]) // 4}I", body)
+
+
 def audit_status() -> tuple[int, ...] | None:
     """The kernel's ``struct audit_status`` (AUDIT_GET: root in the initial namespaces);
     None: unreadable here."""
     try:
-        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_AUDIT) as s:
-            s.settimeout(1.0)
-            s.bind((0, 0))
-            body = _request(s, AUDIT_GET)
+        with _control() as s:
+            return _unpack_status(_request(s, AUDIT_GET))
     except OSError:
         return None
-    if not body or len(body) < 8:
-        return None
-    return struct.unpack_from(f"={len(body[:_STATUS.size]) // 4}I", body)
 
 
 def audit_enabled() -> bool | None:
@@ -242,22 +268,25 @@ def set_audit_enabled(on: bool) -> None:
     """AUDIT_SET ``enabled`` (root). For tests, which restore the state they found:
     stockade itself never changes this host-wide setting."""
     payload = _STATUS.pack(AUDIT_STATUS_ENABLED, 1 if on else 0, *([0] * 8))
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_AUDIT) as s:
-        s.settimeout(1.0)
-        s.bind((0, 0))
+    with _control() as s:
         if _request(s, AUDIT_SET, payload) is None:
             raise OSError(f"AUDIT_SET enabled={int(on)} was refused (root in the initial namespaces is needed)")
 
 
-def unavailable(abi: int) -> str | None:
-    """Why Landlock's denial records cannot be read here, or None."""
+def unavailable(abi: int, *, status: bool = True) -> str | None:
+    """Why Landlock's denial records cannot be read here, or None. ``status``: ask the
+    kernel whether audit is on (else only what needs no question: a run's subscription
+    asks it without waiting for the answer, ``Subscription.open``)."""
     if abi < 7:
         return f"Landlock ABI {abi}: denial records need ABI 7 (Linux 6.15+)"
     if not os.path.exists("/proc/self/loginuid"):
         return "the kernel has no audit subsystem (CONFIG_AUDIT)"
     if os.geteuid() != 0:
         return "not root: the kernel audit stream is root's (CAP_AUDIT_READ)"
-    on = audit_enabled()
+    return _status_refusal(audit_enabled()) if status else None
+
+
+def _status_refusal(on: bool | None) -> str | None:
     if on is False:
         return "kernel audit is off here, so Landlock logs nothing; `auditctl -e 1` turns it on, host-wide"
     if on is None:
@@ -267,26 +296,37 @@ def unavailable(abi: int) -> str | None:
 
 
 class Subscription:
-    """The READLOG multicast subscription of one run, read by a thread until ``close``."""
+    """The READLOG multicast subscription of one run, drained by its owner's loop
+    (``drain``: observe mode's pump, on the supervisor's timer) and at its end.
 
-    def __init__(self, sock: socket.socket) -> None:
+    Nothing here waits before the sandbox starts: ``open`` subscribes and sends the
+    AUDIT_GET that says whether kernel audit is on; its answer is read at the end. And
+    the end does not wait for records that may never come: kauditd hands records over
+    asynchronously but in order, so a record of our own logged once the sandbox is gone
+    (``mark``) comes after every Landlock record of the run."""
+
+    def __init__(self, sock: socket.socket, ctl: socket.socket | None = None) -> None:
         self.sock = sock
+        self.ctl = ctl  # unicast: open's AUDIT_GET (answered by the end), then the mark
         self.records: list[Record] = []
         self.access = 0
         self.dropped = 0  # access records over MAX_ACCESS
         self.lost = 0  # ENOBUFS: the kernel dropped records for this socket
+        # how the run's end was known: "deallocated" (our domains' last records came),
+        # "mark" (ours came back), "waited" (neither: a bounded wait instead, ``denials``),
+        # "off" (no record could come), "" (not asked)
+        self.end = ""
         self._access_serials: set[int] = set()
         self._dealloc: set[str] = set()
-        self._lock = threading.Lock()
-        self._new = threading.Condition(self._lock)
-        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._thread = threading.Thread(target=self._loop, name="stockade-landlock-audit", daemon=True)
-        self._thread.start()
+        self._sent: list[bytes] = []  # the tokens of our marks, and those come back
+        self._marks: set[bytes] = set()
+        self._status: tuple[str | None] | None = None
 
     @classmethod
     def open(cls, abi: int) -> Subscription | str:
-        """Subscribed, or why not (a sentence)."""
-        why = unavailable(abi)
+        """Subscribed, or why not (a sentence). Whether kernel audit is on is asked here
+        and read at the end (``refusal``): no round trip before the sandbox starts."""
+        why = unavailable(abi, status=False)
         if why is not None:
             return why
         try:
@@ -301,22 +341,31 @@ class Subscription:
         except OSError as e:
             s.close()
             return f"subscribing to the audit log (AUDIT_NLGRP_READLOG): {os.strerror(e.errno or 0)}"
-        return cls(s)
+        ctl: socket.socket | None = None
+        try:
+            ctl = _control()
+            _send(ctl, AUDIT_GET)
+        except OSError:
+            if ctl is not None:
+                ctl.close()
+            ctl = None  # (the status is then asked at the end)
+        return cls(s, ctl)
 
-    def _loop(self) -> None:
-        fd = self.sock.fileno()
-        p = select.poll()
-        p.register(fd, select.POLLIN)
-        p.register(self._stop_r, select.POLLIN)
-        while True:
-            ready = {f for f, _ev in p.poll()}
-            if fd in ready:
-                self._drain()
-            if self._stop_r in ready:
-                self._drain()
-                return
+    def refusal(self) -> str | None:
+        """Why no record can come (kernel audit off, its status unreadable), or None:
+        open's AUDIT_GET answered (read once)."""
+        if self._status is None:
+            st: tuple[int, ...] | None = None
+            if self.ctl is not None:
+                with contextlib.suppress(OSError):
+                    st = _unpack_status(_reply(self.ctl, AUDIT_GET))
+            if st is None:
+                st = audit_status()
+            self._status = (_status_refusal(None if st is None else bool(st[1])),)
+        return self._status[0]
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
+        """Keep the records waiting on the socket (never blocks)."""
         while True:
             try:
                 data = self.sock.recv(1 << 16)
@@ -329,6 +378,10 @@ class Subscription:
                 return
             got: list[Record] = []
             for typ, payload in split_messages(data):
+                if typ == MARK_TYPE:
+                    if MARK_TEXT in payload:
+                        self._marks.update(t for t in self._sent if t in payload)
+                    continue
                 if typ not in (AUDIT_LANDLOCK_ACCESS, AUDIT_LANDLOCK_DOMAIN, AUDIT_SYSCALL):
                     continue
                 rec = parse_record(typ, payload)
@@ -338,44 +391,68 @@ class Subscription:
                 self._keep(got)
 
     def _keep(self, recs: list[Record]) -> None:
-        with self._new:
-            for rec in recs:
-                if rec.type == AUDIT_LANDLOCK_ACCESS:
-                    if self.access >= MAX_ACCESS:
-                        self.dropped += 1
-                        continue
-                    self.access += 1
-                    self._access_serials.add(rec.serial)
-                elif rec.type == AUDIT_SYSCALL:
-                    if rec.serial not in self._access_serials:
-                        continue  # another event's (SYSCALL follows its event's other records)
-                elif rec.fields.get("status") == "deallocated":
-                    self._dealloc.add(rec.fields.get("domain", "").lower())
-                self.records.append(rec)
-            self._new.notify_all()
+        for rec in recs:
+            if rec.type == AUDIT_LANDLOCK_ACCESS:
+                if self.access >= MAX_ACCESS:
+                    self.dropped += 1
+                    continue
+                self.access += 1
+                self._access_serials.add(rec.serial)
+            elif rec.type == AUDIT_SYSCALL:
+                if rec.serial not in self._access_serials:
+                    continue  # another event's (SYSCALL follows its event's other records)
+            elif rec.fields.get("status") == "deallocated":
+                self._dealloc.add(rec.fields.get("domain", "").lower())
+            self.records.append(rec)
 
-    def denials(self, init_pid: int, *, expect: bool, wait: float = 0.2) -> list[Denial]:
-        """Our domain's denials. kauditd delivers records asynchronously: with a denial
-        of ours seen (or ``expect``ed), wait up to ``wait`` seconds for our domains'
-        deallocation records (the last they have); else only a brief moment."""
+    def mark(self) -> bytes | None:
+        """Log a record of our own (``MARK_TYPE``; root's CAP_AUDIT_WRITE), its token
+        returned; None when refused (a container's root; kernel audit off)."""
+        if self.ctl is None:
+            return None
+        tok = secrets.token_hex(8).encode()
+        self._sent.append(tok)
+        try:
+            # (NUL-terminated: the kernel makes the payload's last byte one)
+            if _request(self.ctl, MARK_TYPE, MARK_TEXT + b" " + tok + b"\0") is None:
+                return None
+        except OSError:
+            return None
+        return tok
+
+    def denials(self, init_pid: int, *, expect: bool, wait: float = 0.2, brief: float = 0.02) -> list[Denial]:
+        """Our domain's denials, once the run's records have all come: when our mark
+        has come back, and with a denial of ours, our domains' deallocation records (the
+        last they have: up to ``wait`` seconds). A mark that does not come (an audit
+        rule may drop it; the backlog may overflow) is waited for up to ``wait``
+        seconds when a denial was seen or ``expect``ed, else ``brief``: never longer
+        than without it."""
         start = time.monotonic()
-        with self._new:
-            while True:
-                _, ours = denials_of(self.records, init_pid)
-                if ours and ours <= self._dealloc:
-                    break
-                left = start + (wait if expect or ours else 0.02) - time.monotonic()
-                if left <= 0:
-                    break
-                self._new.wait(left)
-            return denials_of(self.records, init_pid)[0]
+        if self.refusal() is not None:
+            self.end = "off"
+            return []
+        tok = self.mark()
+        p = select.poll()
+        p.register(self.sock.fileno(), select.POLLIN)
+        while True:
+            self.drain()
+            _, ours = denials_of(self.records, init_pid)
+            if ours and ours <= self._dealloc:
+                break
+            if not ours and tok is not None and tok in self._marks:
+                break
+            left = start + (wait if expect or ours else brief) - time.monotonic()
+            if left <= 0:
+                break
+            p.poll(max(1, int(left * 1000)))
+        out, ours = denials_of(self.records, init_pid)
+        if ours and ours <= self._dealloc:
+            self.end = "deallocated"
+        else:
+            self.end = "mark" if tok is not None and tok in self._marks else "waited"
+        return out
 
     def close(self) -> None:
-        if self._stop_w >= 0:
-            os.write(self._stop_w, b"x")
-            self._thread.join(5.0)
-            os.close(self._stop_w)
-            os.close(self._stop_r)
-            self._stop_w = self._stop_r = -1
-            self.sock.close()
-
+        for s in (self.sock, self.ctl):
+            if s is not None:
+                s.close()
