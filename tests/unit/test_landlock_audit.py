@@ -215,7 +215,7 @@ class FakeKauditd:
                     self.record(an.MARK_TYPE, "audit(2.000:9): pid=1 uid=0 msg='" + text.decode() + "'")
 
     def subscription(self) -> an.Subscription:
-        an._send(self.ctl, an.AUDIT_GET)  # (as open sends it)
+        an._send(self.ctl, an.AUDIT_GET)  # (as ``ask`` sends it)
         return an.Subscription(self.mc, self.ctl)
 
     def close(self) -> None:

@@ -299,15 +299,15 @@ class Subscription:
     """The READLOG multicast subscription of one run, drained by its owner's loop
     (``drain``: observe mode's pump, on the supervisor's timer) and at its end.
 
-    Nothing here waits before the sandbox starts: ``open`` subscribes and sends the
-    AUDIT_GET that says whether kernel audit is on; its answer is read at the end. And
+    Nothing here waits before the sandbox starts: ``open`` subscribes; whether kernel
+    audit is on is asked while the command runs and the answer read at the end. And
     the end does not wait for records that may never come: kauditd hands records over
     asynchronously but in order, so a record of our own logged once the sandbox is gone
     (``mark``) comes after every Landlock record of the run."""
 
     def __init__(self, sock: socket.socket, ctl: socket.socket | None = None) -> None:
         self.sock = sock
-        self.ctl = ctl  # unicast: open's AUDIT_GET (answered by the end), then the mark
+        self.ctl = ctl  # unicast: the AUDIT_GET of ``ask`` (answered by the end), then the mark
         self.records: list[Record] = []
         self.access = 0
         self.dropped = 0  # access records over MAX_ACCESS
@@ -321,11 +321,12 @@ class Subscription:
         self._sent: list[bytes] = []  # the tokens of our marks, and those come back
         self._marks: set[bytes] = set()
         self._status: tuple[str | None] | None = None
+        self._asked = ctl is not None
 
     @classmethod
     def open(cls, abi: int) -> Subscription | str:
-        """Subscribed, or why not (a sentence). Whether kernel audit is on is asked here
-        and read at the end (``refusal``): no round trip before the sandbox starts."""
+        """Subscribed, or why not (a sentence). Whether kernel audit is on is asked
+        later (``ask``) and its answer read at the end (``refusal``)."""
         why = unavailable(abi, status=False)
         if why is not None:
             return why
@@ -341,20 +342,29 @@ class Subscription:
         except OSError as e:
             s.close()
             return f"subscribing to the audit log (AUDIT_NLGRP_READLOG): {os.strerror(e.errno or 0)}"
-        ctl: socket.socket | None = None
+        return cls(s)
+
+    def ask(self) -> None:
+        """Ask whether kernel audit is on (AUDIT_GET), without waiting for the answer
+        (``refusal`` reads it): the first ``drain`` asks, on the supervisor's timer while
+        the command runs (the kernel answers from a thread it starts for the purpose:
+        some 0.3 ms not spent before the sandbox starts or after it ends), else the end."""
+        if self._asked:
+            return
+        self._asked = True
         try:
-            ctl = _control()
-            _send(ctl, AUDIT_GET)
+            self.ctl = _control()
+            _send(self.ctl, AUDIT_GET)
         except OSError:
-            if ctl is not None:
-                ctl.close()
-            ctl = None  # (the status is then asked at the end)
-        return cls(s, ctl)
+            if self.ctl is not None:
+                self.ctl.close()
+            self.ctl = None  # (asked again by ``refusal``, on a socket of its own)
 
     def refusal(self) -> str | None:
         """Why no record can come (kernel audit off, its status unreadable), or None:
-        open's AUDIT_GET answered (read once)."""
+        the answer to ``ask`` (read once)."""
         if self._status is None:
+            self.ask()
             st: tuple[int, ...] | None = None
             if self.ctl is not None:
                 with contextlib.suppress(OSError):
@@ -366,6 +376,7 @@ class Subscription:
 
     def drain(self) -> None:
         """Keep the records waiting on the socket (never blocks)."""
+        self.ask()
         while True:
             try:
                 data = self.sock.recv(1 << 16)
