@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import statistics
@@ -29,6 +30,22 @@ def ms(xs: list[float]) -> str:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+def median_interval(xs: list[float], conf: float = 0.95) -> tuple[float, float]:
+    """A distribution-free ``conf`` confidence interval for the median of what ``xs``
+    samples: the order statistics x(j) and x(n-j+1) with 2 P(B <= j-1) <= 1 - conf, B
+    binomial(n, 1/2) (no assumption on the shape of a noisy machine's timings)."""
+    s = sorted(xs)
+    n = len(s)
+    j, cum = 0, 0.0
+    while j < n // 2:
+        p = math.comb(n, j) / 2 ** n
+        if 2 * (cum + p) > 1 - conf:
+            break
+        cum += p
+        j += 1
+    return (s[j - 1], s[n - j]) if j > 0 else (s[0], s[-1])
 
 
 def interleaved(fns: dict[str, Callable[[], object]], n: int, warmup: int = 3) -> dict[str, list[float]]:
