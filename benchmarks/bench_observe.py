@@ -38,6 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from stockade.cgroups.rlimit import kernel_version
+
 from ._util import bench_dir, median, median_interval
 from .bench_confinement import FILES, WORKLOADS, _interleaved_cpu, _make_repo
 
@@ -143,10 +145,6 @@ def _interval(base: list[float], other: list[float]) -> tuple[float, float]:
     return lo - 1, hi - 1
 
 
-def _release() -> tuple[int, ...]:
-    return tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2] if x.isdigit())
-
-
 def _build_floor(base: Path) -> Path | None:
     """notify_floor.c built with the host's C compiler, or None (said why)."""
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -171,7 +169,7 @@ def _floor_inside(stockade: Any, base: Path, exe: Path, argv: list[str]) -> None
     proj = base / "floor"
     proj.mkdir()
     shutil.copy2(exe, proj / "notify_floor")
-    mode = "recv" if _release() >= (6, 11) else "poll"  # (as observe mode's loop runs here)
+    mode = "recv" if kernel_version() >= (6, 11) else "poll"  # (as observe mode's loop runs here)
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     plain = stockade.Sandbox(proj, session="obs-floor-plain")
     watched = stockade.Sandbox(proj, session="obs-floor-observed", observe=True)
@@ -201,7 +199,7 @@ def _floor(exe: Path, argv: list[str]) -> None:
     """The mechanism alone on this host: the import workload run bare and under a minimal
     notifier with no sandbox (notify_floor.c), each loop, and without the hand-over on
     one CPU."""
-    rel = _release()
+    rel = kernel_version()
     # (a waiting receive ends with its task on 6.11+; the hand-over on one CPU is 6.6+)
     modes = ["recv", "poll", "usual"] if rel >= (6, 11) else ["poll"]
     how = {"recv": "waiting in the receive", "poll": "polling before each receive",

@@ -569,10 +569,11 @@ def probe_observe() -> Probe:
     """`run --observe`: seccomp user notification (answered CONTINUE, Linux 5.5+), and
     whether Landlock's own denial records (kernel audit, Landlock ABI 7, Linux 6.15+)
     could add the denials seccomp cannot see. Informational: no run needs it."""
+    from .cgroups.rlimit import kernel_version
     from .linux.seccomp.observe import supported
 
     data: dict[str, Any] = {}
-    rel = tuple(int(x) for x in ([*os.uname().release.split("-")[0].split("."), "0", "0"])[:2] if x.isdigit())
+    rel = kernel_version()
     rc = libc.seccomp_action_avail(SECCOMP_RET_USER_NOTIF)
     arch = supported()
     if arch is not None:

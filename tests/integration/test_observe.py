@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from stockade.cgroups.rlimit import kernel_version
+
 from ..conftest import User, need
 
 pytestmark = pytest.mark.cli_paths  # every test with a `user`: in-process and served (one run path)
@@ -151,7 +153,7 @@ def test_observe_names_what_the_command_tried(user: User, project: Path, poll: s
     assert summ["notified"] >= summ["logged"] > 0 and summ["stale"] == 0 and not summ.get("error")
     # how the loop ran, as this kernel allows: the synchronous hand-over on 6.6+, the wait
     # in the receive on 6.11+ unless the poll is asked for
-    rel = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    rel = kernel_version()
     assert summ["wakeup"] == ("same-cpu" if rel >= (6, 6) else "usual"), summ
     assert summ["loop"] == ("receive" if rel >= (6, 11) and poll == "0" else "poll"), summ
 
@@ -273,7 +275,7 @@ def test_a_racing_command_cannot_crash_or_hang_the_observer(user: User, project:
     (summ,) = obs["summaries"]
     assert summ["notified"] > 0 and not summ.get("error")
     # how the loop ran under this kernel (under `make test-vm`'s 6.1: the usual wake-up, polling)
-    rel = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    rel = kernel_version()
     assert (summ["wakeup"], summ["loop"]) == ("same-cpu" if rel >= (6, 6) else "usual",
                                               "receive" if rel >= (6, 11) else "poll"), summ
     # what the racing reads gave is logged as what it was: /etc/hosts, a truncated path, an unreadable one

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from stockade import observed, policy
+from stockade.cgroups.rlimit import kernel_version
 from stockade.errors import PolicyError, UsageError
 from stockade.linux.native import lib
 from stockade.linux.seccomp import evaluate
@@ -471,7 +472,7 @@ def test_doctor_says_what_this_host_gives() -> None:
     assert first.startswith("observe via seccomp: ") and second.startswith("Landlock denial audit: ")
     assert p.data["seccomp"] is (p.status == "ok")
     if p.data["seccomp"]:  # and what an observed call costs here, by the kernel's release
-        rel = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+        rel = kernel_version()
         same = rel >= (6, 6)
         assert p.data["observe_wakeup"] == ("same-cpu" if same else "usual")
         assert ("handed over on one CPU" in first) is same and ("no synchronous hand-over" in first) is not same
