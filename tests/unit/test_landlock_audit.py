@@ -183,12 +183,12 @@ class FakeKauditd:
     the unicast one's (AUDIT_GET answered with ``enabled``; a user message acknowledged
     and logged, in order, after the records sent before it)."""
 
-    def __init__(self, enabled: int = 1, log_marks: bool = True) -> None:
+    def __init__(self, enabled: int = 1, log_marks: bool = True, answer: bool = True) -> None:
         self.mc, self.mc_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.mc.setblocking(False)
         self.ctl, self.ctl_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.ctl.settimeout(1.0)
-        self.enabled, self.log_marks = enabled, log_marks
+        self.enabled, self.log_marks, self.answer = enabled, log_marks, answer
         self.marks: list[bytes] = []
         self._t = threading.Thread(target=self._serve, daemon=True)
         self._t.start()
@@ -205,6 +205,8 @@ class FakeKauditd:
             if not req:
                 return
             _ln, typ, _fl, _seq, _pid = struct.unpack_from("=IHHII", req)
+            if not self.answer:
+                continue
             self.ctl_peer.send(_nl(an.NLMSG_ERROR, struct.pack("=i", 0) + req[:16]))
             if typ == an.AUDIT_GET:
                 self.ctl_peer.send(_nl(an.AUDIT_GET, struct.pack("=10I", 0, self.enabled, 1, 0, 0, 64, 0, 0, 0, 0)))
@@ -286,6 +288,22 @@ def test_without_the_mark_the_wait_is_bounded_as_before() -> None:
         assert sub.denials(99, expect=True, wait=5.0) == [] and sub.end == "off"
         assert time.monotonic() - t < 2.5 and not k.marks
         assert "kernel audit is off" in (sub.refusal() or "")
+    finally:
+        sub.close()
+        k.close()
+
+
+def test_a_status_never_answered_is_unreadable_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No answer to the AUDIT_GET asked during the run: the status is unreadable after
+    the socket's timeout, with no second query, and nothing is waited for."""
+    asked: list[int] = []
+    monkeypatch.setattr(an, "audit_status", lambda: asked.append(1))
+    k = FakeKauditd(answer=False)
+    k.ctl.settimeout(0.2)
+    sub = k.subscription()
+    try:
+        assert sub.denials(99, expect=True, wait=5.0) == [] and sub.end == "off"
+        assert "unreadable" in (sub.refusal() or "") and not asked and not k.marks
     finally:
         sub.close()
         k.close()

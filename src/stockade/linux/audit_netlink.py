@@ -358,7 +358,7 @@ class Subscription:
         except OSError:
             if self.ctl is not None:
                 self.ctl.close()
-            self.ctl = None  # (asked again by ``refusal``, on a socket of its own)
+            self.ctl = None  # (``refusal`` then asks on a socket of its own)
 
     def refusal(self) -> str | None:
         """Why no record can come (kernel audit off, its status unreadable), or None:
@@ -367,9 +367,9 @@ class Subscription:
             self.ask()
             st: tuple[int, ...] | None = None
             if self.ctl is not None:
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError):  # (no answer within the socket's timeout: unreadable)
                     st = _unpack_status(_reply(self.ctl, AUDIT_GET))
-            if st is None:
+            else:
                 st = audit_status()
             self._status = (_status_refusal(None if st is None else bool(st[1])),)
         return self._status[0]
