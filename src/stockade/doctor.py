@@ -558,7 +558,9 @@ def landlock_audit_line(abi: int) -> tuple[str, bool]:
     why = unavailable(abi)
     if why is None:
         return ("Landlock denial audit: yes, used by observe mode (ABI 7, kernel audit on, root): each run's "
-                "Landlock denials come from the kernel's own records (basis kernel in `stockade log --observed`)"), True
+                "Landlock denials come from the kernel's own records (basis kernel in `stockade log --observed`), "
+                "and its end is marked by one record of stockade's in the host's audit log (type TRUSTED_APP, "
+                "'stockade observe: end of run')"), True
     off = "kernel audit is off" in why
     return (f"Landlock denial audit: no ({why})" + ("" if off or abi < 7 else
             "; observe mode predicts Landlock's denials from the plan instead")

@@ -320,7 +320,7 @@ def test_doctor_line_for_each_host(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(an, "unavailable", lambda abi: None)
     line, used = doctor.landlock_audit_line(7)
-    assert used and line.startswith("Landlock denial audit: yes, used by observe mode")
+    assert used and line.startswith("Landlock denial audit: yes, used by observe mode") and "TRUSTED_APP" in line
     monkeypatch.setattr(an, "unavailable", lambda abi: "kernel audit is off here, so Landlock logs nothing; "
                         "`auditctl -e 1` turns it on, host-wide")
     line, used = doctor.landlock_audit_line(7)
