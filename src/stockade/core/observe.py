@@ -53,7 +53,6 @@ class RunObserve:
         self.ll_audit: Subscription | str = "Landlock is off for this run"
         self.init_pid: int | None = None
         self._ll: tuple[list[dict[str, Any]], str] | None = None
-        self.ll_end = ""  # how the end of Landlock's records was known (``Subscription.end``)
         ll = prep.plan.landlock
         if ll is not None and ll.restrict_flags:
             from ..linux.audit_netlink import Subscription
@@ -146,8 +145,9 @@ class RunObserve:
         done = self.classifier is not None
         kept, left = self.classifier.written() if done else ([], {})
         kernel, summary["landlock_audit"] = self._landlock()
-        if self.ll_end:
-            summary["landlock_audit_end"] = self.ll_end
+        end = "" if isinstance(self.ll_audit, str) else self.ll_audit.end
+        if end and end != "off":
+            summary["landlock_audit_end"] = end
         if len(kernel) > observed.MAX_EVENTS:  # (the kernel's records: a cap of their own)
             left[f"{observed.LANDLOCK_DENIAL} blocked"] = len(kernel) - observed.MAX_EVENTS
             kernel = kernel[:observed.MAX_EVENTS]
@@ -200,12 +200,11 @@ class RunObserve:
             # Landlock denial is likely (its TCP rules predicted one; one of ours came)
             aggs = self.classifier.aggs.values() if self.classifier is not None else ()
             expect = any(a.policy == "landlock-net" and a.result == "blocked" for a in aggs)
-            denials = sub.denials(self.init_pid, expect=expect)
             why = sub.refusal()
             if why is not None:
                 self._ll = [], why
                 return self._ll
-            self.ll_end = sub.end
+            denials = sub.denials(self.init_pid, expect=expect)
             note = "on" if not (sub.lost or sub.dropped) else (
                 f"on (records lost: {sub.lost} overruns, {sub.dropped} over the cap of the run's subscription)")
             self._ll = observed.landlock_events(denials), note

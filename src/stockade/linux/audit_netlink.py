@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import secrets
 import select
 import socket
 import struct
@@ -421,7 +420,7 @@ class Subscription:
         returned; None when refused (a container's root; kernel audit off)."""
         if self.ctl is None:
             return None
-        tok = secrets.token_hex(8).encode()
+        tok = os.urandom(8).hex().encode()
         self._sent.append(tok)
         try:
             # (NUL-terminated: the kernel makes the payload's last byte one)
