@@ -18,6 +18,9 @@ except ImportError:  # setuptools < 65
     from distutils.errors import LinkError
 
 HERE = Path(__file__).resolve().parent
+# (csrc/build_native.py's STRICT: what GCC 14 and later refuse by default, refused with any compiler)
+STRICT = ["-Werror=incompatible-pointer-types", "-Werror=implicit-function-declaration", "-Werror=int-conversion",
+          "-Werror=implicit-int"]
 LAUNCHER = "stockade-launcher"
 CONNECT = "stockade-connect"
 
@@ -45,7 +48,7 @@ class BuildWithLauncher(build_ext):
             [os.path.relpath(s, HERE) for s in sources],
             output_dir=os.path.join(self.build_temp, "launcher"),
             include_dirs=[str(csrc)],
-            extra_postargs=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fno-strict-aliasing", "-fPIE"],
+            extra_postargs=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fno-strict-aliasing", "-fPIE", *STRICT],
         )
         cc.link_executable(objs, LAUNCHER, output_dir=out_dir, extra_postargs=["-pie"])
         os.chmod(os.path.join(out_dir, LAUNCHER), 0o755)
@@ -56,7 +59,7 @@ class BuildWithLauncher(build_ext):
         objs = cc.compile(
             ["csrc/connect/connect.c"],
             output_dir=os.path.join(self.build_temp, "connect"),
-            extra_postargs=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_postargs=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", *STRICT],
         )
         try:
             cc.link_executable(objs, CONNECT, output_dir=out_dir, extra_postargs=["-static", "-s"])

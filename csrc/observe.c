@@ -456,7 +456,7 @@ static size_t take_arg(struct proc_cache *pc, const struct seccomp_notif *n, con
                        struct sk_obs_rec *r, char *data, size_t cap)
 {
     int pid = (int)n->pid;
-    const uint64_t *a = n->data.args;
+    const uint64_t *a = (const uint64_t *)n->data.args; /* (__u64 is unsigned long long) */
     if (c->kind == SK_OBS_EXEC || c->kind == SK_OBS_OPEN) {
         int trunc = 0;
         if (c->flags_arg >= 0)

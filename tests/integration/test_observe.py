@@ -220,6 +220,87 @@ def test_every_open_crosses_the_handoff(user: User, project: Path, poll: str) ->
     assert summ["logged"] >= len(files) and summ["lost"] == 0 and summ["stale"] == 0, summ
 
 
+FOLLOWER = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static char path[64] = "/etc/hosts"; /* one address in every image of this (no-PIE) program */
+static char self[4096];
+static char stack[1 << 16] __attribute__((aligned(16)));
+
+static void try_open(const char *p)
+{
+    int fd = open(p, O_RDONLY);
+    if (fd >= 0)
+        close(fd);
+}
+
+static int child(void *arg)
+{
+    (void)arg;
+    try_open("/etc/hostname"); /* read through the memory it shares with its parent */
+    char *argv[] = {self, "after", NULL};
+    execv(self, argv);
+    _exit(127);
+}
+
+static void *thread_main(void *arg)
+{
+    (void)arg;
+    try_open("/etc/passwd"); /* a thread that is not its process's leader */
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1 && strcmp(argv[1], "after") == 0) {
+        for (int i = 0; i < 3; i++)
+            try_open(path); /* its own "/etc/hosts", at the address where the old memory holds another */
+        return 0;
+    }
+    if (readlink("/proc/self/exe", self, sizeof self - 1) < 0)
+        return 2;
+    pthread_t t;
+    pthread_create(&t, NULL, thread_main, NULL);
+    pthread_join(t, NULL);
+    strcpy(path, "/etc/observe-read-the-old-memory");
+    pid_t c = clone(child, stack + sizeof stack, CLONE_VM | SIGCHLD, NULL);
+    int st = 0;
+    if (c < 0 || waitpid(c, &st, 0) != c)
+        return 3;
+    printf("%d\n", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    return 0;
+}
+"""
+
+
+def test_each_argument_is_read_from_its_own_process(user: User, project: Path) -> None:
+    """Arguments are read through each process's memory file, kept open: after an exec
+    the old memory must never be read again, even while it lives on in a process that
+    shared it (here a CLONE_VM child execs the same no-PIE program, whose path buffer
+    sits at one address in both images: the parent's copy names another file); a thread
+    that is not its process's leader is read too."""
+    from ..security.helpers import compile_c
+
+    compile_c(FOLLOWER, project / "follower", "-no-pie", "-pthread")
+    user.own(project)
+    r = user.cli(["run", "--observe", "--", "./follower"], cwd=project)
+    assert r.returncode == 0 and r.stdout == b"0\n", r.stderr.decode()
+    obs = observed_json(user, project, session_of(r.stderr))
+    seen = set(obs["opened"]) | {d["target"] for d in obs["denied"]}
+    assert {"/etc/hosts", "/etc/hostname", "/etc/passwd"} <= seen, sorted(seen)
+    assert "/etc/observe-read-the-old-memory" not in seen, sorted(seen)
+    (summ,) = obs["summaries"]
+    assert not summ.get("error") and summ["unreadable"] == 0, summ
+
+
 def test_records_wait_for_a_slow_reader(api_project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches that come while the supervisor is busy elsewhere pile up in memory and
     are all taken later (a reader that takes every 50 ms, far behind the loop)."""
