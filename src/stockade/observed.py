@@ -20,6 +20,7 @@ import contextlib
 import ipaddress
 import os
 import stat
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ SUPPRESSED = "observed-suppressed"
 SUMMARY = "observed-summary"
 MAX_EVENTS = 2000  # observed events one run writes at most; the rest are counted in one event
 MAX_PIDS = 8
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()  # (fixed at start)
+_PATH_OPS = {"exec": "observed-exec", "open": "observed-open"}  # a record's kind -> its operation
 
 O_ACCMODE = 0o3
 O_WRONLY = 0o1
@@ -355,28 +358,36 @@ class Classifier:
         # records whose classification failed (skipped, the rest go on), and the first error
         self.failed = 0
         self.first_error: str | None = None
+        self._accesses: dict[int, str] = {}  # an open's flags -> access_of(flags)
 
     def feed(self, records: Iterable[RecordLike]) -> None:
         ctx, aggs, touched = self.ctx, self.aggs, self.touched
-        kinds, unreadable, relative = self.kinds, ctx.unreadable_flag, ctx.relative_flag
+        kinds, skip = self.kinds, ctx.unreadable_flag | ctx.relative_flag
+        ops = _PATH_OPS
+        accesses = self._accesses
         for r in records:
             try:
-                kind = kinds.get(r.kind, "")
-                if kind in ("exec", "open") and not r.flags & (unreadable | relative):
+                op = ops.get(kinds.get(r.kind, ""))
+                if op is not None and not r.flags & skip:
                     # the bulk of every run: a path seen before is one lookup; a new one in
                     # a system directory, one lstat (``_quick``)
-                    target = os.fsdecode(r.data)
-                    access = "exec" if kind == "exec" else access_of(r.arg)
-                    k = ("observed-" + kind, target, access)
+                    target = r.data.decode(_FS_ENCODING, _FS_ERRORS)  # (os.fsdecode, without its call)
+                    if op == "observed-exec":
+                        access = "exec"
+                    else:
+                        access = accesses.get(r.arg) or accesses.setdefault(r.arg, access_of(r.arg))
+                    k = (op, target, access)
                     a = aggs.get(k)
                     if a is None:
                         res = self._quick(target, access) or _path_result(ctx, target, access, self.resolver)
                         extra: dict[str, Any] = {}
                         if res[0] == "blocked" and " resolves to " in res[2]:
                             extra = {"resolved": res[2].split(" resolves to ", 1)[1].split(" on the host:", 1)[0]}
-                        a = aggs[k] = _Agg(k[0], target, res[0], res[1], res[2], access, r.syscall, extra=extra)
+                        a = aggs[k] = touched[k] = _Agg(op, target, res[0], res[1], res[2], access, r.syscall, 1,
+                                                        [r.pid], extra)
+                        continue
                 else:
-                    k, a = self._other(r, kind)
+                    k, a = self._other(r, kinds.get(r.kind, ""))
                 a.count += 1
                 if len(a.pids) < MAX_PIDS and r.pid not in a.pids:
                     a.pids.append(r.pid)
