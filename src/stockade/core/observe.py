@@ -43,9 +43,12 @@ class RunObserve:
         self.classifier: Any = None
         self.run_no = run_no
         self._log = AuditLog(sess)
-        # each event's audit line, made while the command runs (the run's end only
-        # remakes those whose count changed since): id(aggregate) -> ((count, pids), line)
-        self._lines: dict[int, tuple[tuple[int, int], bytes]] = {}
+        # each event's audit line, made while the command runs, remade each time its
+        # event changes (the run's end then takes them as they are): id(aggregate) -> line
+        self._lines: dict[int, bytes] = {}
+        self._lines_current = True  # False: some changed past the cap, not remade
+        self._sess = sess
+        self._marked = False
         self.error: str | None = None
         self._ended = False
         # Landlock's own denial records (kernel audit): subscribed before the sandbox
@@ -73,11 +76,11 @@ class RunObserve:
             # initial PID namespace (a launcher's report is its own namespace's)
             pid = pidfd_pid(init_pidfd) if init_pidfd >= 0 else -1
             self.init_pid = pid if pid > 0 else (init_pid if init_pid > 0 else None)
-        try:  # here, before the sandbox starts: the loop then only classifies
+        self.observer.start()  # (first: the command's first call waits for it)
+        try:  # before the first records are taken: the loop then only classifies
             self.classifier = observed.Classifier(context(self.prep))
         except Exception as e:  # never lose the run to its log
             self.error = f"classify: {e}"
-        self.observer.start()
 
     def pump(self) -> bool:
         """Classify the records handed over since the last call (the supervisor's loop
@@ -88,6 +91,8 @@ class RunObserve:
         if not isinstance(self.ll_audit, str):
             self.ll_audit.drain()  # (other processes' records too: the socket's buffer is bounded)
         data = self.observer.take()
+        if not self._marked:
+            self._mark_session()
         if self.classifier is None or self.error is not None or not data:
             return bool(data)
         try:
@@ -95,6 +100,7 @@ class RunObserve:
             self._prerender()
         except Exception as e:  # never lose the run to its log
             self.error = f"classify: {e}"
+            self._lines_current = False
         return True
 
     def _end(self) -> None:
@@ -106,6 +112,15 @@ class RunObserve:
         self.pump()
         self.observer.close()
 
+    def _mark_session(self) -> None:
+        """The session is marked observed: kept after the run even with no change (its
+        log is what it ran for). Once, from the first pump while the command runs (the
+        run's end, if it never pumped)."""
+        self._marked = True
+        with contextlib.suppress(StockadeError, OSError, ValueError):
+            if not self._sess.meta().get("observed"):
+                self._sess.update_meta(observed=True)
+
     def _prerender(self) -> None:
         """Make the lines of the events changed since the last batch (at most the number
         a run writes: a ``find /`` touches tens of thousands)."""
@@ -113,10 +128,13 @@ class RunObserve:
 
         touched = self.classifier.take_touched()
         if len(self._lines) >= observed.MAX_EVENTS:
+            self._lines_current = False  # (the run's end makes the lines of those it holds again)
             return
         start = self._log.line_start(self.run_no)  # (one timestamp for the batch)
+        if len(touched) > observed.MAX_EVENTS:
+            self._lines_current = False
         for a in touched[:observed.MAX_EVENTS]:
-            self._lines[id(a)] = ((a.count, len(a.pids)), self._line(a, start))
+            self._lines[id(a)] = self._line(a, start)
 
     def _line(self, a: Any, start: str | None = None) -> bytes:
         line: bytes = _observed().line_of(a, self._log, self.run_no, start)
@@ -154,19 +172,16 @@ class RunObserve:
         summary["events"] = len(kept) + len(kernel) + sum(left.values())
         summary["blocked"] = (self.classifier.blocked() if done else 0) + len(kernel)
         summary["landlock_denials"] = len(kernel)
-        with contextlib.suppress(StockadeError, OSError):
-            # kept after the run even with no change: its log is what it ran for
-            if not sess.meta().get("observed"):
-                sess.update_meta(observed=True)
+        if not self._marked:
+            self._mark_session()
         log = AuditLog(sess, batch=True)
         try:
             for e in kernel:
                 e = dict(e)
                 log.event(e.pop("operation"), e.pop("target"), e.pop("result"), run=run_no, **e)
             start = log.line_start(run_no)
-            for a in kept:
-                made = self._lines.get(id(a))
-                log.add(made[1] if made is not None and made[0] == (a.count, len(a.pids)) else self._line(a, start))
+            lines, current = self._lines, self._lines_current
+            log.add(b"".join([(lines.get(id(a)) if current else None) or self._line(a, start) for a in kept]))
             if left:
                 log.event(observed.SUPPRESSED, f"run {run_no}", "info", run=run_no, policy="observe",
                           reason=f"more than {observed.MAX_EVENTS} distinct observed entries: the rest counted",
