@@ -13,6 +13,7 @@ on themselves (root) for their duration and restore what they found.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -256,3 +257,51 @@ def test_the_flag_follows_the_kernels_abi(user: User, project: Path) -> None:
     else:
         assert summ["landlock_audit"] in ("on", "not root: the kernel audit stream is root's (CAP_AUDIT_READ)") or \
             "kernel audit is off" in summ["landlock_audit"]
+
+
+def test_the_probe_agrees_with_audit_get_and_logs_nothing() -> None:
+    """Whether audit is on is read from the ACK of an empty user message (no kernel
+    thread, unlike AUDIT_GET's answer): it agrees with AUDIT_GET with audit off and on,
+    and it leaves no record in the stream, where a user message with text, sent after
+    it as a control, comes back (kauditd delivers in order)."""
+    import select
+    import socket
+
+    from stockade.linux import audit_netlink as an
+
+    need(os.path.exists("/proc/self/loginuid"), "the kernel has no audit subsystem (CONFIG_AUDIT)")
+    need(os.geteuid() == 0, "enabling kernel audit for the test needs root")
+    st = an.audit_status()
+    need(st is not None, "kernel audit's status is unreadable here (AUDIT_GET refused: not the initial namespaces?)")
+    assert st is not None
+    was = bool(st[1])
+    mc = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK,
+                       an.NETLINK_AUDIT)
+    try:
+        mc.bind((0, 1 << (an.AUDIT_NLGRP_READLOG - 1)))
+        for on in (not was, was):
+            an.set_audit_enabled(on)
+            with an._control() as s:
+                assert an._probe(s) is on
+            now = an.audit_status()
+            assert now is not None and bool(now[1]) is on
+            assert an.audit_enabled() is on
+            if not on:
+                continue
+            tok = os.urandom(6).hex()
+            with an._control() as s:
+                assert an._probe(s) is True
+                assert an._request(s, an.PROBE_TYPE, f"stockade probe control {tok}\0".encode()) is not None
+            seen: list[bytes] = []
+            deadline = time.monotonic() + 5
+            while not any(tok.encode() in p for p in seen) and time.monotonic() < deadline:
+                select.select([mc], [], [], 0.1)
+                with contextlib.suppress(BlockingIOError):
+                    seen += [p for t, p in an.split_messages(mc.recv(1 << 16)) if t == an.PROBE_TYPE
+                             and f" pid={os.getpid()} ".encode() in p]
+            assert len(seen) == 1 and tok.encode() in seen[0], seen
+    finally:
+        mc.close()
+        an.set_audit_enabled(was)
+        end = an.audit_status()
+        assert end is not None and bool(end[1]) is was

@@ -183,13 +183,16 @@ class FakeKauditd:
     the unicast one's (AUDIT_GET answered with ``enabled``; a user message acknowledged
     and logged, in order, after the records sent before it)."""
 
-    def __init__(self, enabled: int = 1, log_marks: bool = True, answer: bool = True) -> None:
+    def __init__(self, enabled: int = 1, log_marks: bool = True, answer: bool = True,
+                 probe_err: int | None = None) -> None:
         self.mc, self.mc_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.mc.setblocking(False)
         self.ctl, self.ctl_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.ctl.settimeout(1.0)
         self.enabled, self.log_marks, self.answer = enabled, log_marks, answer
+        self.probe_err = probe_err  # the probe's ACK, when not the kernel's (-EPERM: no CAP_AUDIT_WRITE)
         self.marks: list[bytes] = []
+        self.asked: list[int] = []  # the types of the requests, in order
         self._t = threading.Thread(target=self._serve, daemon=True)
         self._t.start()
 
@@ -205,9 +208,13 @@ class FakeKauditd:
             if not req:
                 return
             _ln, typ, _fl, _seq, _pid = struct.unpack_from("=IHHII", req)
+            self.asked.append(typ)
             if not self.answer:
                 continue
-            self.ctl_peer.send(_nl(an.NLMSG_ERROR, struct.pack("=i", 0) + req[:16]))
+            err = 0
+            if typ == an.PROBE_TYPE:  # (as audit_receive_msg: dropped while off, too short while on)
+                err = self.probe_err if self.probe_err is not None else -an.EINVAL if self.enabled and _ln < 18 else 0
+            self.ctl_peer.send(_nl(an.NLMSG_ERROR, struct.pack("=i", err) + req[:16]))
             if typ == an.AUDIT_GET:
                 self.ctl_peer.send(_nl(an.AUDIT_GET, struct.pack("=10I", 0, self.enabled, 1, 0, 0, 64, 0, 0, 0, 0)))
             elif typ == an.MARK_TYPE and self.enabled:
@@ -217,7 +224,6 @@ class FakeKauditd:
                     self.record(an.MARK_TYPE, "audit(2.000:9): pid=1 uid=0 msg='" + text.decode() + "'")
 
     def subscription(self) -> an.Subscription:
-        an._send(self.ctl, an.AUDIT_GET)  # (as ``ask`` sends it)
         return an.Subscription(self.mc, self.ctl)
 
     def close(self) -> None:
@@ -293,8 +299,40 @@ def test_without_the_mark_the_wait_is_bounded_as_before() -> None:
         k.close()
 
 
+@pytest.mark.parametrize("enabled", [0, 1, 2])
+def test_the_probe_tells_without_audit_get(enabled: int) -> None:
+    """Whether audit is on (1, or 2: locked) or off comes from the probe's ACK alone: no
+    AUDIT_GET is sent, and a mark only when it is on."""
+    k = FakeKauditd(enabled=enabled)
+    sub = k.subscription()
+    try:
+        sub.drain()  # (the pump's: the question is asked here)
+        assert k.asked == [an.PROBE_TYPE]
+        assert (sub.refusal() is None) == bool(enabled)
+        sub.denials(99, expect=False)
+        assert an.AUDIT_GET not in k.asked
+        assert sub.end == ("mark" if enabled else "off"), sub.end
+    finally:
+        sub.close()
+        k.close()
+
+
+def test_a_probe_refused_asks_audit_get() -> None:
+    """A probe the kernel refuses (EPERM: no CAP_AUDIT_WRITE) cannot tell: AUDIT_GET is
+    asked, and its answer read at the end."""
+    k = FakeKauditd(enabled=0, probe_err=-1)
+    sub = k.subscription()
+    try:
+        sub.drain()
+        assert "kernel audit is off" in (sub.refusal() or "")
+        assert k.asked == [an.PROBE_TYPE, an.AUDIT_GET]
+    finally:
+        sub.close()
+        k.close()
+
+
 def test_a_status_never_answered_is_unreadable_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No answer to the AUDIT_GET asked during the run: the status is unreadable after
+    """No answer to the question asked during the run: the status is unreadable after
     the socket's timeout, with no second query, and nothing is waited for."""
     asked: list[int] = []
     monkeypatch.setattr(an, "audit_status", lambda: asked.append(1))

@@ -34,6 +34,10 @@ AUDIT_SYSCALL = 1300
 # the mark of a run's end: a user message ("trusted application", free text), which the
 # kernel logs as `type=TRUSTED_APP ... msg='stockade observe: end of run TOKEN'`
 MARK_TYPE = 1121  # AUDIT_TRUSTED_APP
+# whether audit is on, asked with an empty user message (``_probe``): AUDIT_USER, never
+# AUDIT_USER_AVC (1107), which the kernel takes even while audit is off
+PROBE_TYPE = 1005
+EINVAL = 22
 MARK_TEXT = b"stockade observe: end of run"
 AUDIT_LANDLOCK_ACCESS = 1423
 AUDIT_LANDLOCK_DOMAIN = 1424
@@ -229,6 +233,24 @@ def _request(s: socket.socket, rtype: int, payload: bytes = b"") -> bytes | None
     return _reply(s, rtype)
 
 
+def _probe(s: socket.socket) -> bool | None:
+    """Whether kernel audit is on, from the acknowledgement of an empty user message on
+    the unicast socket ``s``: while audit is off the kernel drops a user message at
+    once (ACK 0); while it is on it refuses one under two bytes long (EINVAL). Either
+    way nothing is logged, and the ACK is made in the sender's own context, so it is
+    there when the send returns (kernel/audit.c, audit_receive_msg: Linux 5.7+, stable
+    4.19+), where AUDIT_GET is answered from a kernel thread started for the purpose.
+    None: not told (EPERM without CAP_AUDIT_WRITE, ECONNREFUSED outside the initial user
+    namespace, anything else); raises OSError (a timeout: no answer at all)."""
+    _send(s, PROBE_TYPE)
+    for _ in range(4):
+        for typ, body in split_messages(s.recv(8192)):
+            if typ == NLMSG_ERROR and len(body) >= 4:
+                err = struct.unpack_from("=i", body)[0]
+                return False if err == 0 else True if err == -EINVAL else None
+    return None
+
+
 def _control() -> socket.socket:
     """A unicast NETLINK_AUDIT socket (requests: status, settings, user messages)."""
     s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT)
@@ -258,8 +280,16 @@ def audit_status() -> tuple[int, ...] | None:
 
 
 def audit_enabled() -> bool | None:
-    """Kernel audit's ``enabled`` (0 off, 1 on, 2 locked on); None: unknown."""
-    st = audit_status()
+    """Whether kernel audit is on (``enabled`` 1, or 2: locked on); None: unknown. The
+    probe's answer (``_probe``), else AUDIT_GET's."""
+    try:
+        with _control() as s:
+            on = _probe(s)
+            if on is not None:
+                return on
+            st = _unpack_status(_request(s, AUDIT_GET))
+    except OSError:
+        return None
     return None if st is None else bool(st[1])
 
 
@@ -289,7 +319,7 @@ def _status_refusal(on: bool | None) -> str | None:
     if on is False:
         return "kernel audit is off here, so Landlock logs nothing; `auditctl -e 1` turns it on, host-wide"
     if on is None:
-        return ("kernel audit's status is unreadable (AUDIT_GET refused: root of the host's initial namespaces "
+        return ("kernel audit's status is unreadable (refused: root of the host's initial namespaces "
                 "reads it, not root of a container)")
     return None
 
@@ -299,14 +329,14 @@ class Subscription:
     (``drain``: observe mode's pump, on the supervisor's timer) and at its end.
 
     Nothing here waits before the sandbox starts: ``open`` subscribes; whether kernel
-    audit is on is asked while the command runs and the answer read at the end. And
+    audit is on is asked while the command runs (``ask``). And
     the end does not wait for records that may never come: kauditd hands records over
     asynchronously but in order, so a record of our own logged once the sandbox is gone
     (``mark``) comes after every Landlock record of the run."""
 
     def __init__(self, sock: socket.socket, ctl: socket.socket | None = None) -> None:
         self.sock = sock
-        self.ctl = ctl  # unicast: the AUDIT_GET of ``ask`` (answered by the end), then the mark
+        self.ctl = ctl  # unicast: the question of ``ask``, then the mark
         self.records: list[Record] = []
         self.access = 0
         self.dropped = 0  # access records over MAX_ACCESS
@@ -320,7 +350,8 @@ class Subscription:
         self._sent: list[bytes] = []  # the tokens of our marks, and those come back
         self._marks: set[bytes] = set()
         self._status: tuple[str | None] | None = None
-        self._asked = ctl is not None
+        self._asked = False
+        self._get_sent = False  # AUDIT_GET asked (the probe could not tell): its answer read by ``refusal``
 
     @classmethod
     def open(cls, abi: int) -> Subscription | str:
@@ -344,16 +375,25 @@ class Subscription:
         return cls(s)
 
     def ask(self) -> None:
-        """Ask whether kernel audit is on (AUDIT_GET), without waiting for the answer
-        (``refusal`` reads it): the first ``drain`` asks, on the supervisor's timer while
-        the command runs (the kernel answers from a thread it starts for the purpose:
-        some 0.3 ms not spent before the sandbox starts or after it ends), else the end."""
+        """Ask whether kernel audit is on: the first ``drain`` asks, on the supervisor's
+        timer while the command runs, else the end. The probe (``_probe``) answers at
+        once; only when it cannot tell is AUDIT_GET sent, without waiting for its answer
+        (the kernel answers from a thread it starts for the purpose, some 0.3 ms):
+        ``refusal`` reads it."""
         if self._asked:
             return
         self._asked = True
         try:
-            self.ctl = _control()
+            if self.ctl is None:
+                self.ctl = _control()
+            on = _probe(self.ctl)
+            if on is not None:
+                self._status = (_status_refusal(on),)
+                return
             _send(self.ctl, AUDIT_GET)
+            self._get_sent = True
+        except TimeoutError:
+            self._status = (_status_refusal(None),)  # (no answer at all: a second question would wait as long)
         except OSError:
             if self.ctl is not None:
                 self.ctl.close()
@@ -364,8 +404,9 @@ class Subscription:
         the answer to ``ask`` (read once)."""
         if self._status is None:
             self.ask()
+        if self._status is None:
             st: tuple[int, ...] | None = None
-            if self.ctl is not None:
+            if self.ctl is not None and self._get_sent:
                 with contextlib.suppress(OSError):  # (no answer within the socket's timeout: unreadable)
                     st = _unpack_status(_reply(self.ctl, AUDIT_GET))
             else:
