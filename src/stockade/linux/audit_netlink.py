@@ -415,8 +415,11 @@ class Subscription:
         return self._status[0]
 
     def drain(self) -> None:
-        """Keep the records waiting on the socket (never blocks)."""
+        """Keep the records waiting on the socket (never blocks). Nothing once kernel
+        audit is known to be off or unreadable: the run's end reads none then."""
         self.ask()
+        if self._status is not None and self._status[0] is not None:
+            return
         while True:
             try:
                 data = self.sock.recv(1 << 16)
