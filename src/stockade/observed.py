@@ -141,16 +141,38 @@ def access_of(flags: int) -> str:
     return "read"
 
 
+@dataclass
+class Decided:
+    """What the policy alone decides, kept across the runs of one policy (the caller
+    keys it: ``core/observe.py``): each resolved directory's uniform decision (or None:
+    not uniform), and the result each of those gives an access. No filesystem fact is
+    here: whether a path resolves to a directory is learnt in each run."""
+
+    dirs: dict[str, DecisionLike | None] = field(default_factory=dict)
+    results: dict[tuple[int, str], tuple[str, str, str]] = field(default_factory=dict)  # (id(decision), access)
+
+    def bounded(self) -> Decided:
+        """Itself, emptied first when it has grown past what one policy's runs need."""
+        if len(self.dirs) > _DECIDED_MAX:
+            self.dirs.clear()
+            self.results.clear()
+        return self
+
+
+_DECIDED_MAX = 100_000
+
+
 class _Resolver:
     """Host paths resolved (symlinks followed, as the sandbox's view follows the same
     links) and decided, with one ``lstat`` per new path and a memo per directory."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, decided: Decided | None = None) -> None:
         self.ctx = ctx
         self.real: dict[str, str] = {"/": "/"}
         self.stamp: dict[str, tuple[int, int, int]] = {}  # resolved dir -> (dev, ino, mtime_ns), this run's lstat
-        self.dirs: dict[str, DecisionLike | None] = {}
-        self.results: dict[tuple[int, str], tuple[str, str, str]] = {}  # (uniform decision, access) -> result
+        decided = (decided or Decided()).bounded()
+        self.dirs = decided.dirs
+        self.results = decided.results  # (uniform decision, access) -> result
         # a path starting with none of these needs none of _path_result's special cases
         self.special = ("/tmp", "/dev/shm", ctx.home, ctx.project, *ctx.grants)
         self.own_home = not is_under(ctx.project, ctx.home)
@@ -347,10 +369,11 @@ class Classifier:
     Fed as the records arrive (a thread during the run), so the run's end only adds the
     last ones."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, decided: Decided | None = None) -> None:
+        """``decided``: what earlier runs of the same policy decided (``Decided``)."""
         self.ctx = ctx
         self.kinds = {v: k for k, v in ctx.kinds.items()}
-        self.resolver = _Resolver(ctx)
+        self.resolver = _Resolver(ctx, decided)
         self.aggs: dict[tuple[str, str, str], _Agg] = {}
         # a recorded directory -> its uniform decision, when it resolves to itself; else None
         self.dir_memo: dict[str, DecisionLike | None] = {}

@@ -444,6 +444,33 @@ def test_python_api(api_project: Path) -> None:
         stockade.run(["true"], project=api_project, observe=True, seccomp="off", allow_degraded=["seccomp"])
 
 
+def test_decisions_kept_across_runs_follow_the_policy(api_project: Path) -> None:
+    """A process's observed runs reuse what one policy decided for the system
+    directories (observed.Decided); a changed policy is decided afresh: a deny added
+    between two runs shows in the second, and goes with the deny."""
+    import stockade
+    from stockade import audit
+
+    target = "/usr/share/common-licenses/GPL-3"
+    need(os.path.exists(target), f"{target} missing")
+    cfg = api_project / ".stockade.toml"
+
+    def result(sb: stockade.Sandbox) -> tuple[str, str]:
+        r = sb.run(["/usr/bin/cat", target], capture_output=True)
+        ev = [e for e in audit.read_events(sb.session.events_path)
+              if e.get("operation") == "observed-open" and e.get("target") == target and e.get("run") == r.run]
+        assert len(ev) == 1, ev
+        return str(ev[0]["result"]), str(ev[0]["policy"])
+
+    with stockade.Sandbox(api_project, observe=True) as sb:
+        first, again = result(sb), result(sb)
+        assert first == again and first[0] == "allowed", (first, again)
+        cfg.write_text('[[paths]]\npath = "/usr/share/common-licenses"\naccess = "deny"\n')
+        assert result(sb) == ("blocked", "path-deny")
+        cfg.unlink()
+        assert result(sb) == first
+
+
 @pytest.mark.parametrize("launcher", ["0", "1"])
 def test_cold_start_and_launcher_alike(user: User, project: Path, launcher: str) -> None:
     """One run path: a cold start (spawn.c, child.c) and a launcher's run child

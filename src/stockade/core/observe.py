@@ -78,7 +78,7 @@ class RunObserve:
             self.init_pid = pid if pid > 0 else (init_pid if init_pid > 0 else None)
         self.observer.start()  # (first: the command's first call waits for it)
         try:  # before the first records are taken: the loop then only classifies
-            self.classifier = observed.Classifier(context(self.prep))
+            self.classifier = observed.Classifier(context(self.prep), decided(self.prep))
         except Exception as e:  # never lose the run to its log
             self.error = f"classify: {e}"
 
@@ -250,6 +250,31 @@ def _observed() -> Any:
 
 def observed_under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+# The policy's decisions of the last policy observed (observed.Decided), and what they
+# were made for: its merged rules (a cached policy's copies share them: a policy read
+# again is a new object) and the plan's facts they read.
+_DECIDED: tuple[tuple[object, ...], Any] | None = None
+
+
+def decided(prep: Prepared) -> Any:
+    """``observed.Decided`` for this run's policy: the last one's when the policy is the
+    same (its merged rules the very object, the project and home the same), else new."""
+    from .. import observed
+
+    global _DECIDED
+    eff: Any = prep.audit.policy
+    rules = getattr(eff, "paths", None)
+    if rules is None:  # (a cached preparation's policy facts: context() reads the policy again)
+        return observed.Decided()
+    key = (rules, prep.plan.project, prep.plan.home, getattr(eff, "home", None))
+    memo = _DECIDED
+    if memo is not None and memo[0][0] is rules and memo[0][1:] == key[1:]:
+        return memo[1]
+    made = observed.Decided()
+    _DECIDED = (key, made)
+    return made
 
 
 def context(prep: Prepared) -> Any:
