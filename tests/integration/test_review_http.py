@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
 import select
 import shutil
@@ -89,6 +90,22 @@ class Page:
         return body  # type: ignore[no-any-return]
 
 
+def _stuck(pid: int) -> str:
+    """What a process that does not end shows of itself in /proc: its signal masks and
+    where each of its threads waits (for a failure's message)."""
+    out = []
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        out += [ln for ln in status.splitlines() if ln.startswith(("State", "SigBlk", "SigIgn", "SigCgt", "SigPnd"))]
+        for t in sorted(os.listdir(f"/proc/{pid}/task")):
+            wchan = Path(f"/proc/{pid}/task/{t}/wchan").read_text()
+            name = Path(f"/proc/{pid}/task/{t}/comm").read_text().strip()
+            out.append(f"thread {t} {name}: {wchan or '-'}")
+    except OSError as e:
+        out.append(f"({e})")
+    return "; ".join(out)
+
+
 @contextmanager
 def review(user: User, sid: str, *args: str, env: dict[str, str] | None = None) -> Iterator[Page]:
     """`stockade review SID` as the user; its URL from its stdout; Ctrl-C ends it (exit 0)."""
@@ -104,7 +121,11 @@ def review(user: User, sid: str, *args: str, env: dict[str, str] | None = None) 
         page = Page(line.strip(), p)
         yield page
         p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=30) == 0, p.stderr.read().decode()
+        try:
+            code = p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"`stockade review` did not end on SIGINT within 30 s: {_stuck(p.pid)}")
+        assert code == 0, p.stderr.read().decode()
     finally:
         if p.poll() is None:
             p.kill()
