@@ -90,6 +90,10 @@ class Page:
         return body  # type: ignore[no-any-return]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _stuck(pid: int) -> str:
     """What a process that does not end shows of itself in /proc: its signal masks and
     where each of its threads waits (for a failure's message)."""
@@ -108,9 +112,13 @@ def _stuck(pid: int) -> str:
 
 @contextmanager
 def review(user: User, sid: str, *args: str, env: dict[str, str] | None = None) -> Iterator[Page]:
-    """`stockade review SID` as the user; its URL from its stdout; Ctrl-C ends it (exit 0)."""
+    """`stockade review SID` as the user; its URL from its stdout; Ctrl-C ends it (exit 0).
+    Started with SIGINT at its default: a test run started in the background of a
+    non-interactive shell inherits SIGINT ignored (POSIX), and so would the command,
+    whose Ctrl-C is Python's KeyboardInterrupt, installed only where SIGINT is not."""
     p = subprocess.Popen([*user.prefix(), user.python, "-m", "stockade", "review", sid, *args],
-                         env=user.env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         env=user.env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=_default_sigint)
     try:
         assert p.stdout is not None and p.stderr is not None
         ready, _, _ = select.select([p.stdout], [], [], 60)
