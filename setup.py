@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -18,9 +19,9 @@ except ImportError:  # setuptools < 65
     from distutils.errors import LinkError
 
 HERE = Path(__file__).resolve().parent
-# (csrc/build_native.py's STRICT: what GCC 14 and later refuse by default, refused with any compiler)
-STRICT = ["-Werror=incompatible-pointer-types", "-Werror=implicit-function-declaration", "-Werror=int-conversion",
-          "-Werror=implicit-int"]
+sys.path.insert(0, str(HERE / "csrc"))
+from build_native import STRICT  # noqa: E402  (the same flags for the launcher and the connector)
+
 LAUNCHER = "stockade-launcher"
 CONNECT = "stockade-connect"
 

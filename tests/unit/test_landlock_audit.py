@@ -4,6 +4,7 @@ text, our domain picked out of other processes' records, turned into observed ev
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import struct
@@ -213,7 +214,7 @@ class FakeKauditd:
                 continue
             err = 0
             if typ == an.PROBE_TYPE:  # (as audit_receive_msg: dropped while off, too short while on)
-                err = self.probe_err if self.probe_err is not None else -an.EINVAL if self.enabled and _ln < 18 else 0
+                err = self.probe_err if self.probe_err is not None else -errno.EINVAL if self.enabled and _ln < 18 else 0
             self.ctl_peer.send(_nl(an.NLMSG_ERROR, struct.pack("=i", err) + req[:16]))
             if typ == an.AUDIT_GET:
                 self.ctl_peer.send(_nl(an.AUDIT_GET, struct.pack("=10I", 0, self.enabled, 1, 0, 0, 64, 0, 0, 0, 0)))

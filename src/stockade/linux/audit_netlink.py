@@ -17,13 +17,14 @@ every other process's audit traffic is dropped here.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import select
 import socket
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 NETLINK_AUDIT = 9
@@ -37,7 +38,6 @@ MARK_TYPE = 1121  # AUDIT_TRUSTED_APP
 # whether audit is on, asked with an empty user message (``_probe``): AUDIT_USER, never
 # AUDIT_USER_AVC (1107), which the kernel takes even while audit is off
 PROBE_TYPE = 1005
-EINVAL = 22
 MARK_TEXT = b"stockade observe: end of run"
 AUDIT_LANDLOCK_ACCESS = 1423
 AUDIT_LANDLOCK_DOMAIN = 1424
@@ -211,19 +211,25 @@ def _send(s: socket.socket, rtype: int, payload: bytes = b"") -> None:
     s.send(_NLMSG.pack(_NLMSG.size + len(payload), rtype, NLM_F_REQUEST | NLM_F_ACK, 1, 0) + payload)
 
 
+def _answers(s: socket.socket) -> Iterator[tuple[int, bytes]]:
+    """The messages that come on a unicast NETLINK_AUDIT socket, up to four receives
+    (each blocking up to the socket's timeout)."""
+    for _ in range(4):
+        yield from split_messages(s.recv(8192))
+
+
 def _reply(s: socket.socket, rtype: int) -> bytes | None:
     """The reply to a request of ``rtype`` on a unicast NETLINK_AUDIT socket (blocking,
     up to its timeout): the reply of its type, b"" for a bare ACK, None for an error."""
-    for _ in range(4):
-        for typ, body in split_messages(s.recv(8192)):
-            if typ == rtype:
-                return body
-            if typ == NLMSG_ERROR and len(body) >= 4:
-                err = struct.unpack_from("=i", body)[0]
-                if err != 0:
-                    return None
-                if rtype != AUDIT_GET:
-                    return b""  # (AUDIT_GET's reply may come after its ACK)
+    for typ, body in _answers(s):
+        if typ == rtype:
+            return body
+        if typ == NLMSG_ERROR and len(body) >= 4:
+            err = struct.unpack_from("=i", body)[0]
+            if err != 0:
+                return None
+            if rtype != AUDIT_GET:
+                return b""  # (AUDIT_GET's reply may come after its ACK)
     return None
 
 
@@ -243,11 +249,10 @@ def _probe(s: socket.socket) -> bool | None:
     None: not told (EPERM without CAP_AUDIT_WRITE, ECONNREFUSED outside the initial user
     namespace, anything else); raises OSError (a timeout: no answer at all)."""
     _send(s, PROBE_TYPE)
-    for _ in range(4):
-        for typ, body in split_messages(s.recv(8192)):
-            if typ == NLMSG_ERROR and len(body) >= 4:
-                err = struct.unpack_from("=i", body)[0]
-                return False if err == 0 else True if err == -EINVAL else None
+    for typ, body in _answers(s):
+        if typ == NLMSG_ERROR and len(body) >= 4:
+            err = struct.unpack_from("=i", body)[0]
+            return False if err == 0 else True if err == -errno.EINVAL else None
     return None
 
 
