@@ -15,6 +15,7 @@ from ..errors import StockadeError
 if TYPE_CHECKING:
     from ..linux.audit_netlink import Subscription
     from ..linux.seccomp.observe import Observer
+    from ..observed import Decided
     from ..session import store
     from .prepare import Prepared
 
@@ -255,10 +256,10 @@ def observed_under(path: str, root: str) -> bool:
 # The policy's decisions of the last policy observed (observed.Decided), and what they
 # were made for: its merged rules (a cached policy's copies share them: a policy read
 # again is a new object) and the plan's facts they read.
-_DECIDED: tuple[tuple[object, ...], Any] | None = None
+_DECIDED: tuple[tuple[object, ...], Decided] | None = None
 
 
-def decided(prep: Prepared) -> Any:
+def decided(prep: Prepared) -> Decided:
     """``observed.Decided`` for this run's policy: the last one's when the policy is the
     same (its merged rules the very object, the project and home the same), else new."""
     from .. import observed
