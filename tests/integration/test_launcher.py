@@ -150,7 +150,10 @@ def test_killing_the_owner_ends_launcher_and_sandbox(user: User, project: Path) 
     try:
         assert p.stdout is not None
         la_pid = int(p.stdout.readline())
-        assert p.stdout.readline().strip() == b"started"
+        if p.stdout.readline().strip() != b"started":
+            p.kill()
+            _, err = p.communicate(timeout=30)
+            pytest.fail("the second run did not start: " + err.decode(errors="replace")[-3000:])
         tree = [la_pid]
         for pid in tree:  # the launcher, its run child, init, sleep
             tree.extend(_children(pid))
@@ -207,6 +210,39 @@ def test_fork_child_gets_its_own_launcher(user: User, project: Path) -> None:
     r = subprocess.run([*user.prefix(), user.python, "-c", code, str(project)], cwd=project,
                        env=user.env(), capture_output=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == b"fine", r.stderr.decode()
+
+
+def test_our_threads_import_nothing(user: User, project: Path) -> None:
+    """A thread of ours that imports a module for the first time holds that module's
+    import lock; a fork the program makes meanwhile (another thread) copies the lock
+    held by a thread the child does not have, and the child hangs on its first import
+    of that module. Our threads (the session eraser outlives the call) import nothing."""
+    code = textwrap.dedent(
+        """
+        import os, sys, threading, time, stockade
+        seen = []
+        def hook(event, args):
+            if event == "import" and threading.current_thread() is not threading.main_thread():
+                seen.append(f"{threading.current_thread().name}: {args[0]}")
+        sys.addaudithook(hook)
+        p = sys.argv[1]
+        for _ in range(3):
+            assert stockade.run(["true"], project=p).returncode == 0
+        assert stockade.run(["sh", "-c", "echo x > made"], project=p).returncode == 0
+        assert stockade.run(["cat", "README.md"], project=p, observe=True, capture_output=True).returncode == 0
+        assert stockade.run(["true"], project=p, network="allow").returncode == 0
+        from stockade.changes import retention
+        retention.drain()
+        deadline = time.time() + 20
+        while time.time() < deadline and threading.active_count() > 1:
+            time.sleep(0.05)
+        print(repr(seen))
+        """
+    )
+    r = subprocess.run([*user.prefix(), user.python, "-c", code, str(project)], cwd=project,
+                       env=user.env(), capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.strip() == b"[]", r.stdout.decode()
 
 
 def test_large_plan_goes_through_a_memfd(user: User, project: Path) -> None:

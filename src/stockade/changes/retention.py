@@ -35,6 +35,7 @@ the entries it took from the session are then not put back anywhere.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -50,7 +51,7 @@ from typing import Any
 from .. import paths
 from ..errors import ProjectGone, SessionBusy, SessionNotFound, StockadeError
 from ..linux.procs import pid_alive
-from ..session import store
+from ..session import idrange, store
 from ..session.age import DURATION_FORMS, parse_age
 from ..session.store import Session
 
@@ -160,8 +161,6 @@ def _in_use(sess: Session, meta: dict[str, Any], runs: int, age: float,
 
 
 def _flock_free(sess: Session) -> bool:
-    import fcntl
-
     try:
         fd = os.open(sess.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
@@ -272,9 +271,7 @@ def disk_usage(path: str) -> int:
 
 def list_infos(*, size: bool = True) -> list[SessionInfo]:
     """Every session with its state (and size), oldest use first."""
-    from ..session.idrange import with_sandbox_ids
-
-    du = with_sandbox_ids()(disk_usage)  # a sandbox's other ids' directories count too
+    du = idrange.with_sandbox_ids()(disk_usage)  # a sandbox's other ids' directories count too
     pending, applied = _journals()
     out = []
     for s in store.list_sessions():
@@ -314,8 +311,6 @@ class Outcome:
 def _remove_locked(sess: Session, *, pointers: bool = True) -> None:
     """Remove ``sess``, whose lock the caller holds: renamed aside at once (a run that
     waited for the lock finds it gone: ``store._still_here``), then deleted."""
-    from ..session import idrange
-
     try:
         meta = sess.meta()
     except (OSError, StockadeError, ValueError):
@@ -351,8 +346,6 @@ def _remove_locked(sess: Session, *, pointers: bool = True) -> None:
 def _all_own(path: Path) -> bool:
     """Every entry of the tree is the caller's (a directory of its own that it cannot
     read, such as overlayfs's work/work of mode 0, is opened up: it is being removed)."""
-    import stat
-
     uid = os.geteuid()
     todo = [str(path)]
     while todo:
@@ -483,8 +476,6 @@ def _sweep_trash() -> None:
         pid = n.rsplit("-", 2)[-2] if n.count("-") >= 3 else ""
         if pid.isdigit() and pid != str(os.getpid()) and pid_alive(int(pid)):
             continue
-        from ..session import idrange
-
         try:
             idrange.remove_tree(root / n)
         except (StockadeError, OSError):
@@ -563,8 +554,6 @@ def _work() -> None:
 
 def _erase(trash: Path) -> None:
     """Delete a session renamed aside, once no overlay on its layers is left."""
-    import fcntl
-
     try:
         fd = os.open(trash / "work", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -573,8 +562,6 @@ def _erase(trash: Path) -> None:
             os.close(fd)
     except OSError:
         pass
-    from ..session import idrange
-
     try:
         idrange.remove_tree(trash)
     except StockadeError:

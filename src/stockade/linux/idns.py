@@ -288,6 +288,9 @@ def _call(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], n
         urange = grange = None
         maps = ((0, os.geteuid(), 1),), ((0, os.getegid(), 1),)
     state = paths.state_dir()
+    # the child imports nothing: a module another thread is importing now would hang it
+    # (its import lock is copied held, by a thread the child does not have)
+    from . import libc, remedies  # noqa: F401
     sync_r, sync_w = os.pipe()  # CLOEXEC (PEP 446): nothing the child runs inherits them
     go_r, go_w = os.pipe()
     res_r, res_w = os.pipe()

@@ -22,6 +22,7 @@ import functools
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,8 +194,6 @@ def with_sandbox_ids(where: Callable[..., Iterable[str | os.PathLike[str] | None
 def remove_tree(path: str | os.PathLike[str]) -> None:
     """Remove a session directory (or one renamed aside to be removed): its layers may
     hold directories a sandbox made unwritable (0500), or owned by its other ids."""
-    import stat
-
     def onerror(func: Callable[..., Any], p: str, exc: Any) -> None:
         try:
             os.chmod(os.path.dirname(p), stat.S_IRWXU)

@@ -545,7 +545,9 @@ def _caller_uid() -> int:
     """The caller's host uid, also in linux/idns's child (where getuid() is 0; a fork made
     there). Looked up only where that module is loaded: the run path stays lean."""
     idns = sys.modules.get("stockade.linux.idns")
-    return int(idns.host_ids(os.getuid(), os.getgid())[0]) if idns is not None else os.getuid()
+    if idns is None or not getattr(idns, "INSIDE", False):  # (or still being loaded by another thread)
+        return os.getuid()
+    return int(idns.host_ids(os.getuid(), os.getgid())[0])
 
 
 def create(project: Path, name: str | None = None, *, owner: tuple[int, int] | None = None,
