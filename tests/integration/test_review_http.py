@@ -111,8 +111,10 @@ def _stuck(pid: int) -> str:
 
 
 @contextmanager
-def review(user: User, sid: str, *args: str, env: dict[str, str] | None = None) -> Iterator[Page]:
-    """`stockade review SID` as the user; its URL from its stdout; Ctrl-C ends it (exit 0).
+def review(user: User, sid: str, *args: str, env: dict[str, str] | None = None,
+           stop: signal.Signals = signal.SIGINT) -> Iterator[Page]:
+    """`stockade review SID` as the user; its URL from its stdout; Ctrl-C (or ``stop``) ends
+    it (exit 0).
     Started with SIGINT at its default: a test run started in the background of a
     non-interactive shell inherits SIGINT ignored (POSIX), and so would the command,
     whose Ctrl-C is Python's KeyboardInterrupt, installed only where SIGINT is not."""
@@ -128,11 +130,11 @@ def review(user: User, sid: str, *args: str, env: dict[str, str] | None = None) 
             pytest.fail(f"`stockade review` printed no URL: {line!r} {p.stderr.read().decode()}")
         page = Page(line.strip(), p)
         yield page
-        p.send_signal(signal.SIGINT)
+        p.send_signal(stop)
         try:
             code = p.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"`stockade review` did not end on SIGINT within 30 s: {_stuck(p.pid)}")
+            pytest.fail(f"`stockade review` did not end on {stop.name} within 30 s: {_stuck(p.pid)}")
         assert code == 0, p.stderr.read().decode()
     finally:
         if p.poll() is None:
@@ -423,7 +425,11 @@ def test_open_hands_the_page_to_the_browser_without_its_token(user: User, projec
         shutil.rmtree(d, ignore_errors=True)
 
 
-def test_open_removes_its_redirect_file_when_the_page_was_never_loaded(user: User, project: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_open_removes_its_redirect_file_when_the_page_was_never_loaded(user: User, project: Path,
+                                                                       stop: signal.Signals) -> None:
+    """Ctrl-C, a service manager's SIGTERM and a closed terminal's SIGHUP all end the server
+    the same way: exit 0, and the token's file on disk gone."""
     run(user, project, "rv", "echo x > x.txt")
     d = world_tmpdir("stockade-browser-")
     try:
@@ -431,7 +437,7 @@ def test_open_removes_its_redirect_file_when_the_page_was_never_loaded(user: Use
         script.write_text(f"#!/bin/sh\necho \"$1\" > {d}/argv.tmp\nmv {d}/argv.tmp {d}/argv\n")
         script.chmod(0o755)
         user.own(d)
-        with review(user, "rv", "--open", env={"BROWSER": f"{script} %s"}):
+        with review(user, "rv", "--open", env={"BROWSER": f"{script} %s"}, stop=stop):
             deadline = time.monotonic() + 20
             while not (d / "argv").exists():
                 assert time.monotonic() < deadline, "the browser was never started"
@@ -439,6 +445,6 @@ def test_open_removes_its_redirect_file_when_the_page_was_never_loaded(user: Use
             f = Path(urllib.parse.unquote(urllib.parse.urlsplit((d / "argv").read_text().strip()).path))
             time.sleep(0.5)
             assert f.exists()  # nobody loaded the page: it waits for the browser
-        assert not f.exists()  # Ctrl-C: gone with the server
+        assert not f.exists()  # gone with the server
     finally:
         shutil.rmtree(d, ignore_errors=True)
