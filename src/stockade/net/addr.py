@@ -71,10 +71,13 @@ def _netlink_addresses() -> frozenset[IPAddress]:
 
 def _read_netlink() -> frozenset[IPAddress] | BaseException:
     try:
-        from pyroute2 import IPRoute  # imported here: only a run with --net allow needs it
+        from ..forksafe import import_module
 
+        # imported here (a third of a second: only a run whose proxy dials a name needs it),
+        # so under forksafe's lock: this is a thread of ours
+        pyroute2 = import_module("pyroute2")
         out: set[IPAddress] = set()
-        with IPRoute() as ipr:
+        with pyroute2.IPRoute() as ipr:
             for msg in ipr.get_addr():
                 # IFA_LOCAL is this end of a point-to-point link (IFA_ADDRESS its peer there)
                 a = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")

@@ -7,6 +7,7 @@ same addresses and cost one upstream query."""
 from __future__ import annotations
 
 import asyncio
+import encodings.idna  # noqa: F401  (getaddrinfo encodes every name with it: loaded here, not first in a resolver thread)
 import errno
 import ipaddress
 import secrets
