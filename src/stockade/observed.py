@@ -160,6 +160,7 @@ class Decided:
 
 
 _DECIDED_MAX = 100_000
+_UNSEEN: Any = object()
 
 
 class _Resolver:
@@ -207,7 +208,8 @@ class _Resolver:
                     # realpath recurses per link, where the kernel stops at 40)
                     with contextlib.suppress(RecursionError):
                         child = os.path.realpath(child)
-                elif stat.S_ISDIR(st.st_mode) and len(self.stamp) < 200_000:
+                    st = os.lstat(child)  # (a directory it leads to is stamped as one reached directly)
+                if stat.S_ISDIR(st.st_mode) and len(self.stamp) < 200_000:
                     self.stamp[child] = (st.st_dev, st.st_ino, st.st_mtime_ns)
             except OSError:
                 pass
@@ -375,8 +377,9 @@ class Classifier:
         self.kinds = {v: k for k, v in ctx.kinds.items()}
         self.resolver = _Resolver(ctx, decided)
         self.aggs: dict[tuple[str, str, str], _Agg] = {}
-        # a recorded directory -> its uniform decision, when it resolves to itself; else None
-        self.dir_memo: dict[str, DecisionLike | None] = {}
+        # a recorded directory -> (its uniform decision, the directory it resolves to), or
+        # None: not uniform
+        self.dir_memo: dict[str, tuple[DecisionLike, str] | None] = {}
         self.touched: dict[tuple[str, str, str], _Agg] = {}  # changed since ``take_touched``
         # records whose classification failed (skipped, the rest go on), and the first error
         self.failed = 0
@@ -422,34 +425,40 @@ class Classifier:
 
     def _quick(self, path: str, access: str) -> tuple[str, str, str] | None:
         """``_path_result`` for a path (absolute, normalized: csrc/observe.c) that is no
-        symlink, in a directory that resolves to itself and is uniform (one decision for
-        all beneath it), with none of ``_path_result``'s special cases; else None."""
+        symlink, in a directory that is uniform (one decision for all beneath it) where it
+        resolves to (``/lib/x86_64-linux-gnu`` on a merged-/usr system: every library the
+        dynamic loader opens), with none of ``_path_result``'s special cases; else None."""
         res = self.resolver
         if path.startswith(res.special):
             return None
         i = path.rfind("/")
         d = path[:i] or "/"
-        hit = self.dir_memo.get(d)
-        if hit is None:
+        m = self.dir_memo.get(d, _UNSEEN)
+        if m is _UNSEEN:
             rd = res.realpath(d)
-            hit = self.dir_memo[d] = res.uniform_dir(rd) if rd == d else None
-        if hit is None:
+            u = res.uniform_dir(rd)
+            m = self.dir_memo[d] = (u, rd) if u is not None else None
+        if m is None:
             return None
-        stamp = res.stamp.get(d)
-        known = _NOT_LINKS.get(d) if stamp is not None else None
+        hit, rd = m
         name = path[i + 1:]
+        full = path if rd == d else (rd.rstrip("/") + "/" + name)
+        stamp = res.stamp.get(rd)
+        known = _NOT_LINKS.get(rd) if stamp is not None else None
         if known is None or known[0] != stamp or name not in known[1]:
             try:
-                if stat.S_ISLNK(os.lstat(path).st_mode):
+                if stat.S_ISLNK(os.lstat(full).st_mode):
                     return None
             except OSError:
                 pass  # (as realpath: a path that is not there resolves to itself)
             else:
-                _not_a_link(d, stamp, name)
+                _not_a_link(rd, stamp, name)
         key = (id(hit), access)
         out = res.results.get(key)
         if out is None:
             out = res.results[key] = _decided(self.ctx, hit, path, access)
+        if rd != d:
+            return out[0], out[1], f"{path} resolves to {full} on the host: {out[2]}"
         return out
 
     def _other(self, r: RecordLike, kind: str) -> tuple[tuple[str, str, str], _Agg]:

@@ -232,7 +232,8 @@ def test_the_quick_path_decides_as_the_general_one(var_tmp: Path) -> None:
     cl.feed(recs)
     got = {(a.operation, a.target, a.access): (a.result, a.policy, a.reason, a.count, a.extra)
            for a in cl.aggs.values()}
-    assert cl.dir_memo  # the quick path was taken
+    assert cl.dir_memo.get(f"{sysd}/lib") is not None  # the quick path was taken
+    assert cl.dir_memo.get(f"{sysd}/linked") is not None  # there too (resolved elsewhere: merged /usr's /lib)
     want: dict[tuple[str, str, str], tuple[str, str, str, int, dict[str, str]]] = {}
     for r in recs:
         kind = "exec" if r.kind == kobs.KIND_EXEC else "open"
@@ -523,11 +524,15 @@ def test_an_events_line_is_the_audit_logs_line(tmp_path: Path) -> None:
     assert b.json == ("", "")  # a float: the general path
 
 
-def test_a_file_known_to_be_no_link_is_checked_again_when_its_directory_changes(var_tmp: Path) -> None:
+@pytest.mark.parametrize("via", ["lib", "linked"])
+def test_a_file_known_to_be_no_link_is_checked_again_when_its_directory_changes(var_tmp: Path, via: str) -> None:
     """Across runs, a name known to be no symlink needs no lstat while its directory is
-    unchanged; replacing it by a symlink changes the directory, and the next run sees it."""
+    unchanged; replacing it by a symlink changes the directory, and the next run sees it.
+    The same through a directory that is a symlink (``/lib`` -> ``usr/lib``): what is
+    known is the resolved directory's."""
     sysd = var_tmp / "sys"
     (sysd / "lib").mkdir(parents=True)
+    (sysd / "linked").symlink_to("lib")
     (sysd / "lib" / "a.so").write_text("x")
     (var_tmp / "secret").mkdir()
     (var_tmp / "secret" / ".env").write_text("x")
@@ -542,13 +547,14 @@ def test_a_file_known_to_be_no_link_is_checked_again_when_its_directory_changes(
 
     c = observed.Context(**{**base.__dict__, "why": why,
                             "uniform": lambda d: d == str(sysd) or d.startswith(str(sysd) + "/")})
-    path = f"{sysd}/lib/a.so"
+    path = f"{sysd}/{via}/a.so"
     recs, _ = kobs.parse_records(rec(kobs.KIND_OPEN, path.encode()))
 
     def result() -> str:
         cl = observed.Classifier(c)
         cl.feed(recs)
         (a,) = cl.aggs.values()
+        assert cl.dir_memo.get(f"{sysd}/{via}") is not None  # (the quick path)
         return a.result
 
     assert result() == "allowed"
