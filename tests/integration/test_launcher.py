@@ -226,9 +226,11 @@ def test_our_threads_import_nothing(user: User, project: Path) -> None:
                 seen.append(f"{threading.current_thread().name}: {args[0]}")
         sys.addaudithook(hook)
         p = sys.argv[1]
+        stockade.Sandbox(p, session="made").changes().apply()  # first: its flush thread, in a fresh process
+        assert open(os.path.join(p, "made")).read() == "x\\n"
         for _ in range(3):
             assert stockade.run(["true"], project=p).returncode == 0
-        assert stockade.run(["sh", "-c", "echo x > made"], project=p).returncode == 0
+        assert stockade.run(["sh", "-c", "echo x > made2"], project=p).returncode == 0
         assert stockade.run(["cat", "README.md"], project=p, observe=True, capture_output=True).returncode == 0
         assert stockade.run(["true"], project=p, network="allow").returncode == 0
         from stockade.changes import retention
@@ -239,6 +241,8 @@ def test_our_threads_import_nothing(user: User, project: Path) -> None:
         print(repr(seen))
         """
     )
+    made = user.cli(["run", "--session", "made", "--", "sh", "-c", "echo x > made"], cwd=project)
+    assert made.returncode == 0, made.stderr.decode()
     r = subprocess.run([*user.prefix(), user.python, "-c", code, str(project)], cwd=project,
                        env=user.env(), capture_output=True, timeout=120)
     assert r.returncode == 0, r.stderr.decode()

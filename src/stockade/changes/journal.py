@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..linux import libc
 from ..paths import state_dir
 from ..session import store
 from ..session.store import Session
@@ -86,8 +87,6 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def syncfs(fd: int) -> None:
-    from ..linux import libc
-
     try:
         libc.syncfs(fd)
     except (OSError, AttributeError):  # pragma: no cover
