@@ -48,6 +48,15 @@ phase() {  # phase MARKER SHARD_COUNT [vmtest env...]
     return "$fail"
 }
 
+# vmtest.sh makes its guest kernel and initramfs on first use (apt-get, a build): two
+# shards starting at once would both make them, and one loses apt's lock (exit 125).
+# Made once here, before the shards, when missing (the same cache vmtest.sh reads).
+cache=${VMTEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/vmtest}
+if [ "$SHARDS" -gt 1 ] && { [ ! -s "$cache/kernel/vmlinux" ] || [ ! -s "$cache/initramfs.cpio" ]; }; then
+    echo "test-vm: making the guest's kernel and initramfs once, before the shards" >&2
+    "$(dirname "$VMTEST")/setup.sh" >&2
+fi
+
 VMENV=()
 phase vm "$SHARDS" "$@"
 VMENV=(VMTEST_APPEND="lsm=lockdown,yama")
