@@ -258,30 +258,58 @@ class _Resolver:
         return rp, self.ctx.why(rp), False
 
 
-# Names known to be no symlink, by directory, as of the directory's (dev, ino, mtime_ns):
-# kept across runs (a process runs many commands that open the same files), so a later
-# run's opens in an unchanged directory need no lstat. Replacing a file by a symlink
-# changes its directory's mtime; a directory changed within the last seconds is not
-# remembered (two changes within one tick of the clock share an mtime: "racy git").
-_NOT_LINKS: dict[str, tuple[tuple[int, int, int], set[str]]] = {}
-_NOT_LINKS_MAX = 200_000  # names in all (a `find /` starts it over)
+# Names known by directory, as of the directory's (dev, ino, mtime_ns): None for a name
+# that is no symlink, or the name of the file in the same directory it links to (a
+# library's soname: libz.so.1 -> libz.so.1.2.13, itself no link). Kept across runs (a
+# process runs many commands that open the same files), so a later run's opens in an
+# unchanged directory need no lstat. Making, replacing or retargeting a link changes its
+# directory's mtime; a directory changed within the last seconds is not remembered (two
+# changes within one tick of the clock share an mtime: "racy git").
+_NAMES: dict[str, tuple[tuple[int, int, int], dict[str, str | None]]] = {}
+_NAMES_MAX = 200_000  # names in all (a `find /` starts it over)
 _RACY_NS = 2_000_000_000
-_not_links_names = 0
+_names_count = 0
+_NOT_PLAIN = "\0"  # a link _quick leaves to the general path (no file name holds a NUL)
 
 
-def _not_a_link(d: str, stamp: tuple[int, int, int] | None, name: str) -> None:
-    global _not_links_names
+def _remember(d: str, stamp: tuple[int, int, int] | None, name: str, target: str | None) -> None:
+    global _names_count
     if stamp is None or time.time_ns() - stamp[2] < _RACY_NS:
         return
-    known = _NOT_LINKS.get(d)
+    known = _NAMES.get(d)
     if known is None or known[0] != stamp:
-        known = _NOT_LINKS[d] = (stamp, set())
-    if _not_links_names >= _NOT_LINKS_MAX:
-        _NOT_LINKS.clear()
-        _not_links_names = 0
-        known = _NOT_LINKS[d] = (stamp, set())
-    known[1].add(name)
-    _not_links_names += 1
+        known = _NAMES[d] = (stamp, {})
+    if _names_count >= _NAMES_MAX:
+        _NAMES.clear()
+        _names_count = 0
+        known = _NAMES[d] = (stamp, {})
+    known[1][name] = target
+    _names_count += 1
+
+
+def _look(d: str, stamp: tuple[int, int, int] | None, name: str, full: str) -> str | None:
+    """What ``name`` in the resolved directory ``d`` is (``full``: its path there): None
+    when it is no link (or not there: it resolves to itself, as realpath says), the name
+    it links to when that is a file of the same directory that is no link, else
+    ``_NOT_PLAIN``. Remembered for later runs (``_NAMES``)."""
+    try:
+        st = os.lstat(full)
+    except OSError:
+        return None
+    if not stat.S_ISLNK(st.st_mode):
+        _remember(d, stamp, name, None)
+        return None
+    try:
+        target = os.readlink(full)
+        if "/" in target or target in ("", ".", ".."):
+            return _NOT_PLAIN  # (elsewhere: the general path follows it)
+        if stat.S_ISLNK(os.lstat(d.rstrip("/") + "/" + target).st_mode):
+            return _NOT_PLAIN  # (a chain)
+    except OSError:
+        return _NOT_PLAIN  # (a dangling link)
+    _remember(d, stamp, target, None)
+    _remember(d, stamp, name, target)
+    return target
 
 
 def _path_result(ctx: Context, path: str, access: str, res: _Resolver | None = None) -> tuple[str, str, str]:
@@ -425,9 +453,10 @@ class Classifier:
 
     def _quick(self, path: str, access: str) -> tuple[str, str, str] | None:
         """``_path_result`` for a path (absolute, normalized: csrc/observe.c) that is no
-        symlink, in a directory that is uniform (one decision for all beneath it) where it
-        resolves to (``/lib/x86_64-linux-gnu`` on a merged-/usr system: every library the
-        dynamic loader opens), with none of ``_path_result``'s special cases; else None."""
+        symlink or one to a file beside it (a library's soname), in a directory that is
+        uniform (one decision for all beneath it) where it resolves to
+        (``/lib/x86_64-linux-gnu`` on a merged-/usr system: every library the dynamic
+        loader opens), with none of ``_path_result``'s special cases; else None."""
         res = self.resolver
         if path.startswith(res.special):
             return None
@@ -442,22 +471,20 @@ class Classifier:
             return None
         hit, rd = m
         name = path[i + 1:]
-        full = path if rd == d else (rd.rstrip("/") + "/" + name)
         stamp = res.stamp.get(rd)
-        known = _NOT_LINKS.get(rd) if stamp is not None else None
-        if known is None or known[0] != stamp or name not in known[1]:
-            try:
-                if stat.S_ISLNK(os.lstat(full).st_mode):
-                    return None
-            except OSError:
-                pass  # (as realpath: a path that is not there resolves to itself)
-            else:
-                _not_a_link(rd, stamp, name)
+        known = _NAMES.get(rd) if stamp is not None else None
+        if known is not None and known[0] == stamp and name in known[1]:
+            target = known[1][name]
+        else:
+            target = _look(rd, stamp, name, path if rd == d else rd.rstrip("/") + "/" + name)
+            if target == _NOT_PLAIN:
+                return None
         key = (id(hit), access)
         out = res.results.get(key)
         if out is None:
             out = res.results[key] = _decided(self.ctx, hit, path, access)
-        if rd != d:
+        if rd != d or target is not None:
+            full = rd.rstrip("/") + "/" + (name if target is None else target)
             return out[0], out[1], f"{path} resolves to {full} on the host: {out[2]}"
         return out
 

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -213,6 +215,14 @@ def test_the_quick_path_decides_as_the_general_one(var_tmp: Path) -> None:
     (sysd / "lib" / "alias").symlink_to(tmp_path / "secret" / ".env")  # a file link out of the system dir
     (sysd / "lib" / "inner").symlink_to(sysd / "lib" / "a.so")  # a link within it
     (sysd / "linked").symlink_to(sysd / "lib")  # a directory that resolves elsewhere
+    (sysd / "lib" / "libz.so.1.2.13").write_text("x")
+    (sysd / "lib" / "libz.so.1").symlink_to("libz.so.1.2.13")  # a soname: a link to a file beside it
+    (sysd / "lib" / "chain").symlink_to("libz.so.1")  # a link to a link
+    (sysd / "lib" / "dangling").symlink_to("nothere")
+    (sysd / "lib" / "up").symlink_to("../lib/a.so")
+    old = time.time() - 60  # old directories: what a run learns of their names is kept for the next
+    for d in (sysd / "lib", sysd / "lib" / "sub", sysd):
+        os.utime(d, (old, old), follow_symlinks=False)
     base = ctx(tmp_path)
 
     def why(p: str) -> D:
@@ -224,16 +234,35 @@ def test_the_quick_path_decides_as_the_general_one(var_tmp: Path) -> None:
                             "uniform": lambda d: d == str(sysd) or d.startswith(str(sysd) + "/")})
     paths = [f"{sysd}/lib/a.so", f"{sysd}/lib/a.so", f"{sysd}/lib/sub/b.py", f"{sysd}/lib/missing",
              f"{sysd}/lib/alias", f"{sysd}/lib/inner", f"{sysd}/linked/a.so", f"{sysd}/linked/sub/b.py",
-             f"{tmp_path}/secret/.env", "/tmp/x", f"{c.project}/src/main.py", f"{sysd}"]
+             f"{sysd}/lib/libz.so.1", f"{sysd}/linked/libz.so.1", f"{sysd}/lib/chain", f"{sysd}/lib/dangling",
+             f"{sysd}/lib/up", f"{tmp_path}/secret/.env", "/tmp/x", f"{c.project}/src/main.py", f"{sysd}"]
     data = b"".join(rec(kobs.KIND_OPEN, p.encode(), arg=flags) for p in paths for flags in (os.O_RDONLY, os.O_WRONLY))
     data += rec(kobs.KIND_EXEC, f"{sysd}/lib/a.so".encode(), nr=NRS["execve"])
     recs, _ = kobs.parse_records(data)
-    cl = observed.Classifier(c)
-    cl.feed(recs)
-    got = {(a.operation, a.target, a.access): (a.result, a.policy, a.reason, a.count, a.extra)
-           for a in cl.aggs.values()}
-    assert cl.dir_memo.get(f"{sysd}/lib") is not None  # the quick path was taken
-    assert cl.dir_memo.get(f"{sysd}/linked") is not None  # there too (resolved elsewhere: merged /usr's /lib)
+    general: list[str] = []
+    real_path_result = observed._path_result
+
+    def path_result(*a: Any, **kw: Any) -> tuple[str, str, str]:
+        general.append(a[1])
+        return real_path_result(*a, **kw)
+
+    runs = []
+    for _ in range(2):  # the second run with what the first learnt of the names
+        general.clear()
+        cl = observed.Classifier(c)
+        with mock.patch.object(observed, "_path_result", path_result):
+            cl.feed(recs)
+        runs.append({(a.operation, a.target, a.access): (a.result, a.policy, a.reason, a.count, a.extra)
+                     for a in cl.aggs.values()})
+        assert cl.dir_memo.get(f"{sysd}/lib") is not None  # the quick path was taken
+        assert cl.dir_memo.get(f"{sysd}/linked") is not None  # there too (resolved elsewhere: merged /usr's /lib)
+        # a soname (through either directory) is the quick path's; a chain, a dangling
+        # link and one leading up and back are the general path's
+        assert not {f"{sysd}/lib/libz.so.1", f"{sysd}/linked/libz.so.1", f"{sysd}/lib/a.so"} & set(general)
+        assert {f"{sysd}/lib/chain", f"{sysd}/lib/dangling", f"{sysd}/lib/up"} <= set(general)
+    assert observed._NAMES[f"{sysd}/lib"][1].get("libz.so.1") == "libz.so.1.2.13"
+    got = runs[1]
+    assert runs[0] == got
     want: dict[tuple[str, str, str], tuple[str, str, str, int, dict[str, str]]] = {}
     for r in recs:
         kind = "exec" if r.kind == kobs.KIND_EXEC else "open"
@@ -558,11 +587,48 @@ def test_a_file_known_to_be_no_link_is_checked_again_when_its_directory_changes(
         return a.result
 
     assert result() == "allowed"
-    assert "a.so" in observed._NOT_LINKS[f"{sysd}/lib"][1]  # remembered for the next run
+    assert "a.so" in observed._NAMES[f"{sysd}/lib"][1]  # remembered for the next run
     assert result() == "allowed"
     (sysd / "lib" / "a.so").unlink()
     (sysd / "lib" / "a.so").symlink_to(var_tmp / "secret" / ".env")
     assert result() == "blocked"  # the directory changed: looked at again
+
+
+def test_a_soname_retargeted_out_of_its_directory_is_seen_in_the_next_run(var_tmp: Path) -> None:
+    """A soname link (a file beside it) is remembered across runs with its target, as of
+    its directory; pointing it elsewhere changes the directory, and the next run follows
+    the new target."""
+    sysd = var_tmp / "sys"
+    (sysd / "lib").mkdir(parents=True)
+    (sysd / "lib" / "libx.so.1.0").write_text("x")
+    (sysd / "lib" / "libx.so.1").symlink_to("libx.so.1.0")
+    (var_tmp / "secret").mkdir()
+    (var_tmp / "secret" / ".env").write_text("x")
+    old = time.time() - 60
+    os.utime(sysd / "lib", (old, old))
+    base = ctx(var_tmp)
+
+    def why(p: str) -> D:
+        if observed.is_under(p, str(sysd)):
+            return D(p, True, "ro", "visible read-only: system directory")
+        return base.why(p)  # type: ignore[return-value]
+
+    c = observed.Context(**{**base.__dict__, "why": why, "uniform": lambda d: observed.is_under(d, str(sysd))})
+    recs, _ = kobs.parse_records(rec(kobs.KIND_OPEN, f"{sysd}/lib/libx.so.1".encode()))
+
+    def result() -> tuple[str, str]:
+        cl = observed.Classifier(c)
+        cl.feed(recs)
+        (a,) = cl.aggs.values()
+        return a.result, a.reason
+
+    assert result() == ("allowed", f"{sysd}/lib/libx.so.1 resolves to {sysd}/lib/libx.so.1.0 on the host: "
+                                   "visible read-only: system directory")
+    assert observed._NAMES[f"{sysd}/lib"][1]["libx.so.1"] == "libx.so.1.0"
+    assert result()[0] == "allowed"  # (from what the first run learnt)
+    (sysd / "lib" / "libx.so.1").unlink()
+    (sysd / "lib" / "libx.so.1").symlink_to(var_tmp / "secret" / ".env")
+    assert result()[0] == "blocked"
 
 
 def test_a_path_deeper_than_the_recursion_limit_is_classified(var_tmp: Path) -> None:
