@@ -160,7 +160,6 @@ class Decided:
 
 
 _DECIDED_MAX = 100_000
-_UNSEEN: Any = object()
 
 
 class _Resolver:
@@ -462,13 +461,15 @@ class Classifier:
             return None
         i = path.rfind("/")
         d = path[:i] or "/"
-        m = self.dir_memo.get(d, _UNSEEN)
-        if m is _UNSEEN:
+        m = self.dir_memo.get(d)
+        if m is None:
+            if d in self.dir_memo:
+                return None  # (not uniform)
             rd = res.realpath(d)
             u = res.uniform_dir(rd)
             m = self.dir_memo[d] = (u, rd) if u is not None else None
-        if m is None:
-            return None
+            if m is None:
+                return None
         hit, rd = m
         name = path[i + 1:]
         stamp = res.stamp.get(rd)
@@ -483,10 +484,10 @@ class Classifier:
         out = res.results.get(key)
         if out is None:
             out = res.results[key] = _decided(self.ctx, hit, path, access)
-        if rd != d or target is not None:
-            full = rd.rstrip("/") + "/" + (name if target is None else target)
-            return out[0], out[1], f"{path} resolves to {full} on the host: {out[2]}"
-        return out
+        if rd == d and target is None:
+            return out
+        full = rd.rstrip("/") + "/" + (name if target is None else target)
+        return out[0], out[1], f"{path} resolves to {full} on the host: {out[2]}"
 
     def _other(self, r: RecordLike, kind: str) -> tuple[tuple[str, str, str], _Agg]:
         """The aggregate of a connect or send, or of an exec or open whose argument could
