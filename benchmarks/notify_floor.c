@@ -12,13 +12,18 @@
  *
  * "usual" waits in the receive without the synchronous hand-over: what it saves.
  *
+ * With "read" (of `once`) the notifier also reads each call's path from the target's
+ * memory before it answers (one process_vm_readv of up to 256 bytes, as observe mode's
+ * first read of a path is): the least that any observer logging paths must do while
+ * the call waits (seccomp_unotify(2): after the answer the memory is the target's again).
+ *
  * Usage: notify_floor ROUNDS poll|recv|usual ARGV...
  * Prints one line: rounds, the median bare and notified wall times (ms), the median of
  * the rounds' ratios minus one (%), its quartiles (%), notifications per run, and
  * whether the synchronous hand-over was on (1/0).
  *
- *    or: notify_floor once poll|recv|usual on|off ARGV...
- * runs ARGV once, notified (on) or not (off), the same fork either way, and exits 0 when
+ *    or: notify_floor once poll|recv|usual on|off|read ARGV...
+ * runs ARGV once, notified (on, read: also reading each path) or not (off), the same fork either way, and exits 0 when
  * it succeeded: timed from outside (bench_observe runs it inside the sandbox, beside
  * the observed runs: the floor under the same conditions). */
 #define _GNU_SOURCE
@@ -27,6 +32,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +40,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <fcntl.h>
 #include <time.h>
@@ -41,8 +48,8 @@
 
 #include "../csrc/seccomp_notify.h" /* (the flags older headers lack, as observe mode has them) */
 
-static int poll_first, want_sync = 1, sync_taken = -1;
-static long notified;
+static int poll_first, want_sync = 1, sync_taken = -1, read_path;
+static long notified, unread;
 
 static double now(void)
 {
@@ -75,6 +82,14 @@ static void *answer(void *arg)
             continue;
         }
         __atomic_add_fetch(&notified, 1, __ATOMIC_RELAXED);
+        if (read_path) { /* execve's path is args[0], open's too; openat's args[1] */
+            char buf[256];
+            int at = req.data.nr == SYS_openat;
+            struct iovec lo = {.iov_base = buf, .iov_len = sizeof buf};
+            struct iovec re = {.iov_base = (void *)(uintptr_t)req.data.args[at], .iov_len = sizeof buf};
+            if (process_vm_readv(req.pid, &lo, 1, &re, 1, 0) < 0)
+                __atomic_add_fetch(&unread, 1, __ATOMIC_RELAXED);
+        }
         memset(&resp, 0, sizeof resp);
         resp.id = req.id;
         resp.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
@@ -177,7 +192,10 @@ int main(int argc, char **argv)
     if (argc >= 5 && strcmp(argv[1], "once") == 0) { /* one run, for a benchmark that times it from outside */
         poll_first = strcmp(argv[2], "poll") == 0;
         want_sync = strcmp(argv[2], "usual") != 0;
-        return run(argv + 4, strcmp(argv[3], "on") == 0) < 0 ? 1 : 0;
+        read_path = strcmp(argv[3], "read") == 0;
+        if (run(argv + 4, read_path || strcmp(argv[3], "on") == 0) < 0)
+            return 1;
+        return read_path && unread ? 3 : 0; /* (a read that failed: the figure would be too low) */
     }
     if (argc < 4 || (strcmp(argv[2], "poll") && strcmp(argv[2], "recv") && strcmp(argv[2], "usual"))) {
         fprintf(stderr, "usage: notify_floor ROUNDS poll|recv|usual ARGV...\n");
