@@ -124,6 +124,7 @@ class Context:
     # system directory with no deny, grant or project below): one decision for all
     uniform: Callable[[str], bool] | None = None
     grants: tuple[str, ...] = ()  # host paths granted (--allow): the host's own, wherever they are
+    own_etc: tuple[str, ...] = ()  # the /etc files the runtime writes inside (/etc/hosts, ...): never the host's
     kinds: Mapping[str, int] = field(default_factory=dict)  # KIND_* of linux.seccomp.observe, by name
     unreadable_flag: int = 1
     relative_flag: int = 4
@@ -174,7 +175,7 @@ class _Resolver:
         self.dirs = decided.dirs
         self.results = decided.results  # (uniform decision, access) -> result
         # a path starting with none of these needs none of _path_result's special cases
-        self.special = ("/tmp", "/dev/shm", ctx.home, ctx.project, *ctx.grants)
+        self.special = ("/tmp", "/dev", "/proc", ctx.home, ctx.project, *ctx.grants, *ctx.own_etc)
         self.own_home = not is_under(ctx.project, ctx.home)
 
     def realpath(self, p: str) -> str:
@@ -320,6 +321,9 @@ def _path_result(ctx: Context, path: str, access: str, res: _Resolver | None = N
             return "allowed", "sandbox-tmpfs", "the sandbox's private tmpfs (gone with the run)"
         if not in_tree and res.own_home and (path == ctx.home or (is_under(path, ctx.home) and access == "write")):
             return "allowed", "sandbox-tmpfs", f"the sandbox's own empty $HOME {ctx.home} (a tmpfs, gone with the run)"
+        own = None if in_tree else _own_result(ctx, path, access)
+        if own is not None:
+            return own
     rp, d, uniform = res.decide(path)
     if rp != path:
         r, pol, why = _decided(ctx, d, path, access)
@@ -331,6 +335,27 @@ def _path_result(ctx: Context, path: str, access: str, res: _Resolver | None = N
     if hit is None:
         hit = res.results[key] = _decided(ctx, d, path, access)
     return hit
+
+
+# Links of the sandbox's minimal /dev into the command's own descriptors (/proc/self/fd)
+_FD_LINKS = ("/dev/fd", "/dev/stdin", "/dev/stdout", "/dev/stderr")
+
+
+def _own_result(ctx: Context, path: str, access: str) -> tuple[str, str, str] | None:
+    """The result for a path of the sandbox's own procfs, minimal /dev or runtime-written
+    /etc files, decided by the sandbox's view with no host lookup (on the host,
+    ``/proc/self`` is the supervisor and ``/dev/stdout`` its caller's output; a
+    ``/proc/N`` inside is a process of the sandbox's own PID namespace); None for any
+    other path."""
+    if is_under(path, "/proc"):
+        top = path[len("/proc/"):].split("/", 1)[0]
+        if top in ("self", "thread-self") or top.isdigit():
+            return "allowed", "view", "the sandbox's own procfs: a process of its own PID namespace"
+    elif any(is_under(path, link) for link in _FD_LINKS):
+        return "allowed", "view", f"the command's own open files: {path.split('/')[2]} links to /proc/self/fd inside"
+    elif not is_under(path, "/dev") and not any(is_under(path, e) for e in ctx.own_etc):
+        return None
+    return _decided(ctx, ctx.why(path), path, access)  # (policy why's view of them: no lookup)
 
 
 def _decided(ctx: Context, d: DecisionLike, path: str, access: str) -> tuple[str, str, str]:

@@ -365,6 +365,45 @@ def test_a_racing_command_cannot_crash_or_hang_the_observer(user: User, project:
     assert summ["unreadable"] > 0
 
 
+OWN = r"""
+import json, os
+out = {}
+for p, flags in [("/proc/self/status", os.O_RDONLY), ("/proc/1/cmdline", os.O_RDONLY),
+                 ("/proc/thread-self/comm", os.O_RDONLY), ("/dev/stdout", os.O_WRONLY), ("/dev/fd", os.O_RDONLY),
+                 ("/dev/stdin", os.O_RDONLY), ("/etc/hosts", os.O_RDONLY), ("/etc/passwd", os.O_RDONLY),
+                 ("/dev/null", os.O_WRONLY), ("/proc/kcore", os.O_RDONLY)]:
+    try:
+        os.close(os.open(p, flags))
+        out[p] = 0
+    except OSError as e:
+        out[p] = e.errno
+print(json.dumps(out))
+"""
+
+
+def test_the_sandboxs_own_proc_dev_and_etc_are_predicted_as_inside(user: User, project: Path) -> None:
+    """/proc/self, /proc/1, /dev/stdout, /dev/fd and the /etc files the runtime writes are
+    the sandbox's own: each prediction agrees with what the call got inside (they were
+    resolved on the host, where /proc/self is the supervisor and /dev/stdout its
+    caller's output: predicted blocked, and `policy suggest` offered them)."""
+    (project / "own.py").write_text(OWN)
+    user.own(project)
+    r = user.cli(["run", "--observe", "--", PY3, "own.py"], cwd=project)
+    assert r.returncode == 0, r.stderr.decode()
+    got = json.loads(r.stdout.decode().splitlines()[-1])
+    sess = session_of(r.stderr)
+    obs = observed_json(user, project, sess)
+    denied = {d["target"]: d for d in obs["denied"]}
+    for path, err in got.items():
+        assert (path in denied) == (err != 0), (path, err, denied.get(path))
+        assert path in obs["opened"] or path in denied, path
+    assert got["/proc/kcore"] != 0 and got["/proc/1/cmdline"] == 0
+    s = user.cli(["policy", "suggest", sess], cwd=project)
+    assert s.returncode == 0, s.stderr.decode()
+    for path in ("/proc", "/dev", "/etc/hosts", "/etc/passwd"):
+        assert f'"{path}' not in s.stdout.decode(), s.stdout.decode()
+
+
 def test_policy_suggest_names_each_risk(user: User, project: Path) -> None:
     setup_project(user, project)
     r = user.cli(["run", "--observe", "--", PY3, "probe.py", str(free_port())], cwd=project)

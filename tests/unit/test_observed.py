@@ -191,6 +191,46 @@ def test_cap_counts_what_is_left_out(tmp_path: Path) -> None:
     assert len(kept) == 2 and left == {"observed-open allowed": 3}
 
 
+def test_the_sandboxs_own_proc_dev_and_etc_are_decided_with_no_host_lookup(tmp_path: Path) -> None:
+    """On the host, /proc/self is the supervisor, /dev/stdout its caller's output and
+    /proc/1 the host's init; inside they are the command's own (its PID namespace, its
+    descriptors), and /etc/hosts is the runtime's. Resolving them on the host predicted
+    them blocked (and `policy suggest` offered the caller's output file for writing)."""
+    asked: list[str] = []
+    base = ctx(tmp_path)
+
+    def why(p: str) -> D:
+        asked.append(p)
+        if p == "/proc/kcore":
+            return D(p, False, "masked", "masked: /proc/kcore is hidden in the sandbox's procfs")
+        if p.startswith("/etc/hosts"):
+            return D(p, True, "ro", "visible read-only: written by the runtime (/etc/hosts)")
+        if p.startswith("/dev/"):
+            return D(p, True, "rw", "visible: a device of the sandbox's minimal /dev")
+        return base.why(p)
+
+    c = observed.Context(**{**base.__dict__, "why": why, "own_etc": ("/etc/hosts", "/etc/passwd")})
+    own = [("/proc/self/status", os.O_RDONLY), ("/proc/thread-self/comm", os.O_WRONLY), ("/proc/1/cmdline", 0),
+           ("/proc/4242/fd", 0), ("/dev/stdout", os.O_WRONLY), ("/dev/fd/3", 0), ("/dev/fd", 0), ("/dev/stdin", 0),
+           ("/etc/hosts", 0), ("/dev/null", os.O_WRONLY), ("/proc/kcore", 0)]
+    recs, _ = kobs.parse_records(b"".join(rec(kobs.KIND_OPEN, p.encode(), arg=f) for p, f in own))
+    real_lstat = os.lstat
+
+    def lstat(p: Any, *a: Any, **k: Any) -> os.stat_result:
+        assert not str(p).startswith(("/proc", "/dev", "/etc/hosts")), f"looked up on the host: {p}"
+        return real_lstat(p, *a, **k)
+
+    with mock.patch("os.lstat", lstat), mock.patch("os.path.realpath", side_effect=AssertionError("realpath")):
+        ev = {e["target"]: e for e in observed.classify(recs, c)}
+    for p, _f in own[:-1]:
+        assert (ev[p]["result"], "resolves to" in ev[p]["reason"]) == ("allowed", False), ev[p]
+    assert ev["/proc/1/cmdline"]["reason"] == "the sandbox's own procfs: a process of its own PID namespace"
+    assert "/proc/self/fd" in ev["/dev/stdout"]["reason"]
+    assert ev["/proc/kcore"]["result"] == "blocked"
+    # policy why's view of the rest, asked with the path as the sandbox names it
+    assert set(asked) == {"/etc/hosts", "/dev/null", "/proc/kcore"}
+
+
 @pytest.fixture()
 def var_tmp() -> Iterator[Path]:
     """A directory outside /tmp (a path under /tmp is the sandbox's own tmpfs: decided apart)."""

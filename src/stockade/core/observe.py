@@ -283,6 +283,7 @@ def context(prep: Prepared) -> Any:
     from .. import observed
     from ..linux.seccomp import observe as kobs
     from ..plan import LL_NET_CONNECT_TCP
+    from ..policy.view import ETC_MADE
     from ..sandbox_fs import SYSTEM_DIRS
 
     plan = prep.plan
@@ -310,7 +311,7 @@ def context(prep: Prepared) -> Any:
         ports = tuple(ll.connect_ports)
     return observed.Context(
         project=plan.project, home=plan.home, network=plan.network, tcp_connect_ports=ports, why=why, uniform=uniform,
-        grants=tuple(str(g.host_path) for g in eff.grants),
+        grants=tuple(str(g.host_path) for g in eff.grants), own_etc=tuple("/etc/" + n for n in ETC_MADE),
         kinds={"exec": kobs.KIND_EXEC, "open": kobs.KIND_OPEN, "connect": kobs.KIND_CONNECT,
                "sendto": kobs.KIND_SENDTO, "sendmsg": kobs.KIND_SENDMSG},
         unreadable_flag=kobs.F_UNREADABLE, relative_flag=kobs.F_RELATIVE, sockaddr=kobs.sockaddr)
