@@ -431,11 +431,44 @@ static int is_creat(int nr)
 #endif
 }
 
-/* The type of pid's socket fd (SOCK_STREAM...), or 0 when it cannot be seen: a TCP
- * connect is what Landlock's network rules govern. */
-static int sock_type(int pid, int fd)
+#ifndef PIDFD_THREAD
+#define PIDFD_THREAD O_EXCL
+#endif
+
+/* The thread group of thread tid (its /proc/TID/status "Tgid:"), or -1. */
+static int tgid_of(struct proc_cache *pc, int tid)
 {
-    int pfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    int fd = -1;
+    for (int fresh = 0; fresh < 2 && fd < 0; fresh++) { /* (a cached entry may be an exited thread's) */
+        int k = proc_slot(pc, tid, fresh);
+        fd = k < 0 ? -1 : openat(pc->fd[k], "status", O_RDONLY | O_CLOEXEC);
+    }
+    if (fd < 0)
+        return -1;
+    char buf[1024];
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return -1;
+    buf[n] = '\0';
+    const char *t = strstr(buf, "\nTgid:");
+    return t ? atoi(t + 7) : -1;
+}
+
+/* The type of pid's socket fd (SOCK_STREAM...), or 0 when it cannot be seen: a TCP
+ * connect is what Landlock's network rules govern. A notification names the calling
+ * thread, and pidfd_open takes a thread that leads no group only with PIDFD_THREAD
+ * (Linux 6.9+); before that, its group's leader, which shares its descriptors. */
+static int sock_type(struct proc_cache *pc, int pid, int fd)
+{
+    int pfd = (int)syscall(SYS_pidfd_open, pid, 0); /* (a thread: EINVAL, or ENOENT on 6.9+) */
+    if (pfd < 0 && (errno == EINVAL || errno == ENOENT))
+        pfd = (int)syscall(SYS_pidfd_open, pid, PIDFD_THREAD);
+    if (pfd < 0 && (errno == EINVAL || errno == ENOENT)) {
+        int tgid = tgid_of(pc, pid);
+        if (tgid > 0 && tgid != pid)
+            pfd = (int)syscall(SYS_pidfd_open, tgid, 0);
+    }
     if (pfd < 0)
         return 0;
     int s = (int)syscall(SYS_pidfd_getfd, pfd, fd, 0);
@@ -516,7 +549,7 @@ static size_t take_arg(struct proc_cache *pc, const struct seccomp_notif *n, con
         alen = c->kind == SK_OBS_CONNECT ? a[2] : a[5];
     }
     if (c->kind == SK_OBS_CONNECT)
-        r->arg = (uint64_t)sock_type(pid, (int)a[0]);
+        r->arg = (uint64_t)sock_type(pc, pid, (int)a[0]);
     if (addr == 0 || alen == 0)
         return 0; /* a connected socket's send: no target of its own */
     if (alen > cap)

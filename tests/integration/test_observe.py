@@ -404,6 +404,41 @@ def test_the_sandboxs_own_proc_dev_and_etc_are_predicted_as_inside(user: User, p
         assert f'"{path}' not in s.stdout.decode(), s.stdout.decode()
 
 
+THREADED = r"""
+import json, socket, sys, threading
+got = {}
+def connect(who):
+    s = socket.socket()
+    got[who] = s.connect_ex(("127.0.0.1", int(sys.argv[1])))
+    s.close()
+t = threading.Thread(target=connect, args=("thread",))
+t.start()
+t.join()
+print(json.dumps(got))
+"""
+
+
+@pytest.mark.vm
+def test_a_connect_from_a_thread_is_predicted_as_the_kernel_decides(user: User, project: Path) -> None:
+    """A notification names the calling thread; the socket's type (a TCP connect is what
+    Landlock's rules govern) is read through a pidfd, which a thread that leads no group
+    gets only with PIDFD_THREAD (6.9+) or through its group's leader. With a descriptor
+    handed in, Landlock refuses every TCP connect (ABI 4+): predicted allowed before."""
+    (project / "threaded.py").write_text(THREADED)
+    user.own(project)
+    fd = os.open("/dev/null", os.O_RDONLY)
+    try:
+        r = user.cli(["run", "--observe", "--pass-fd", str(fd), "--", PY3, "threaded.py", str(free_port())],
+                     cwd=project, pass_fds=(fd,))
+    finally:
+        os.close(fd)
+    assert r.returncode == 0, r.stderr.decode()
+    err = json.loads(r.stdout.decode().splitlines()[-1])["thread"]
+    assert err in (errno.EACCES, errno.ECONNREFUSED), err
+    (h,) = observed_json(user, project, session_of(r.stderr))["hosts"]
+    assert h["result"] == ("blocked" if err == errno.EACCES else "allowed"), (err, h)
+
+
 def test_policy_suggest_names_each_risk(user: User, project: Path) -> None:
     setup_project(user, project)
     r = user.cli(["run", "--observe", "--", PY3, "probe.py", str(free_port())], cwd=project)
