@@ -125,6 +125,9 @@ class Context:
     uniform: Callable[[str], bool] | None = None
     grants: tuple[str, ...] = ()  # host paths granted (--allow): the host's own, wherever they are
     own_etc: tuple[str, ...] = ()  # the /etc files the runtime writes inside (/etc/hosts, ...): never the host's
+    # Landlock's exec allowlist ([exec] allow, with the loaders the plan adds), resolved
+    # host paths; None: no allowlist (or no Landlock), every visible program may run
+    exec_allow: tuple[str, ...] | None = None
     kinds: Mapping[str, int] = field(default_factory=dict)  # KIND_* of linux.seccomp.observe, by name
     unreadable_flag: int = 1
     relative_flag: int = 4
@@ -458,6 +461,8 @@ class Classifier:
                     a = aggs.get(k)
                     if a is None:
                         res = self._quick(target, access) or _path_result(ctx, target, access, self.resolver)
+                        if access == "exec" and ctx.exec_allow is not None and res[0] == "allowed":
+                            res = self._exec_allowed(target, res)
                         extra: dict[str, Any] = {}
                         if res[0] == "blocked" and " resolves to " in res[2]:
                             extra = {"resolved": res[2].split(" resolves to ", 1)[1].split(" on the host:", 1)[0]}
@@ -474,6 +479,18 @@ class Classifier:
                 self.failed += 1
                 if self.first_error is None:
                     self.first_error = f"{type(e).__name__}: {e}"[:300]
+
+    def _exec_allowed(self, path: str, res: tuple[str, str, str]) -> tuple[str, str, str]:
+        """``res`` for an exec the walls let through, unless the exec allowlist leaves
+        its program out: Landlock then refuses it (the rules hold the listed paths'
+        inodes, so the program is checked where it resolves to)."""
+        allow = self.ctx.exec_allow or ()
+        rp = self.resolver.realpath(path)
+        if any(is_under(rp, a) for a in allow) or not os.path.lexists(rp):
+            return res  # (a program that is not there fails ENOENT first: a PATH search's misses)
+        where = f"{path} resolves to {rp} on the host: " if rp != path else ""
+        return ("blocked", "landlock",
+                f"{where}outside the exec allowlist ([exec] allow): Landlock refuses to execute it (EACCES)")
 
     def _quick(self, path: str, access: str) -> tuple[str, str, str] | None:
         """``_path_result`` for a path (absolute, normalized: csrc/observe.c) that is no

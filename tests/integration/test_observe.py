@@ -439,6 +439,43 @@ def test_a_connect_from_a_thread_is_predicted_as_the_kernel_decides(user: User, 
     assert h["result"] == ("blocked" if err == errno.EACCES else "allowed"), (err, h)
 
 
+EXECS = r"""
+import json, os, subprocess, sys
+got = {}
+for p in sys.argv[1:]:
+    try:
+        subprocess.run([p], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        got[p] = 0
+    except OSError as e:
+        got[p] = e.errno
+print(json.dumps(got))
+"""
+
+
+def test_an_exec_outside_the_allowlist_is_predicted_blocked(user: User, project: Path) -> None:
+    """With `--exec-allow /usr/bin`, Landlock refuses to execute what lies elsewhere: the
+    prediction says so (it said allowed: visible was all it checked), a program that is
+    not there stays a plain miss, and `policy suggest` offers the program's directory."""
+    outside = next(str(p) for p in sorted(Path("/usr/sbin").iterdir())
+                   if p.is_file() and not p.is_symlink() and os.access(p, os.X_OK))
+    (project / "execs.py").write_text(EXECS)
+    user.own(project)
+    progs = ["/usr/bin/true", outside, "/usr/sbin/no-such-program"]
+    r = user.cli(["run", "--observe", "--exec-allow", "/usr/bin", "--", PY3, "execs.py", *progs], cwd=project)
+    assert r.returncode == 0, r.stderr.decode()
+    got = json.loads(r.stdout.decode().splitlines()[-1])
+    assert got == {"/usr/bin/true": 0, outside: errno.EACCES, "/usr/sbin/no-such-program": errno.ENOENT}, got
+    sess = session_of(r.stderr)
+    obs = observed_json(user, project, sess)
+    denied = {d["target"]: d for d in obs["denied"] if d["operation"] == "observed-exec"}
+    assert set(denied) == {outside}, denied
+    assert denied[outside]["policy"] == "landlock" and "exec allowlist" in denied[outside]["reason"]
+    assert {"/usr/bin/true", "/usr/sbin/no-such-program"} <= set(obs["programs"])
+    s = user.cli(["policy", "suggest", sess], cwd=project)
+    assert s.returncode == 0, s.stderr.decode()
+    assert "/usr/sbin" in tomllib.loads(s.stdout.decode())["exec"]["allow"]
+
+
 def test_policy_suggest_names_each_risk(user: User, project: Path) -> None:
     setup_project(user, project)
     r = user.cli(["run", "--observe", "--", PY3, "probe.py", str(free_port())], cwd=project)

@@ -282,7 +282,7 @@ def context(prep: Prepared) -> Any:
     """The plan's facts that predict each observed call's result."""
     from .. import observed
     from ..linux.seccomp import observe as kobs
-    from ..plan import LL_NET_CONNECT_TCP
+    from ..plan import LL_EXECUTE, LL_NET_CONNECT_TCP
     from ..policy.view import ETC_MADE
     from ..sandbox_fs import SYSTEM_DIRS
 
@@ -309,9 +309,15 @@ def context(prep: Prepared) -> Any:
     ports: tuple[int, ...] | None = None
     if ll is not None and ll.abi >= 4 and ll.handled_net & LL_NET_CONNECT_TCP:
         ports = tuple(ll.connect_ports)
+    execs: tuple[str, ...] | None = None
+    if ll is not None and getattr(eff, "exec_allow", None) is not None and ll.handled_fs & LL_EXECUTE:
+        # the allowlist as Landlock holds it: the listed paths and what the plan adds (the
+        # dynamic loader, the proxy's connect helper), the rules that carry EXECUTE
+        execs = tuple(os.path.realpath(p) for p, acc, _opt in ll.rules if acc & LL_EXECUTE)
     return observed.Context(
         project=plan.project, home=plan.home, network=plan.network, tcp_connect_ports=ports, why=why, uniform=uniform,
         grants=tuple(str(g.host_path) for g in eff.grants), own_etc=tuple("/etc/" + n for n in ETC_MADE),
+        exec_allow=execs,
         kinds={"exec": kobs.KIND_EXEC, "open": kobs.KIND_OPEN, "connect": kobs.KIND_CONNECT,
                "sendto": kobs.KIND_SENDTO, "sendmsg": kobs.KIND_SENDMSG},
         unreadable_flag=kobs.F_UNREADABLE, relative_flag=kobs.F_RELATIVE, sockaddr=kobs.sockaddr)
