@@ -32,6 +32,7 @@ void sk_join_procs(int procs_fd, int rep);
 void sk_report(int fd, int kind, int step, int err, int value, const char *path);
 void sk_report_fill(struct sk_report *r, int kind, int step, int err, int value, const char *path);
 ssize_t sk_send_fd(int sock, int fd, char tag);
+ssize_t sk_send_fd_flags(int sock, int fd, char tag, int flags);
 size_t sk_strlen(const char *s);
 
 /* Child side: every function here is async-signal-safe (no malloc, no stdio). */

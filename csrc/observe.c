@@ -69,7 +69,8 @@ int sk_observe_child(const struct sk_plan *p, int rep)
         return -1;
     }
     int lfd = (int)fd;
-    ssize_t w = sk_send_fd(p->observe_sock, lfd, 'L');
+    /* (the one sendmsg the filter lets through: this socket's number and these flags) */
+    ssize_t w = sk_send_fd_flags(p->observe_sock, lfd, 'L', SK_OBSERVE_HANDOFF_FLAGS);
     if (w != 1) {
         sk_report(rep, SK_REP_ERROR, SK_STEP_OBSERVE, w < 0 ? errno : EIO, 0, "send the listener");
         return -1;

@@ -48,6 +48,11 @@ void sk_report(int fd, int kind, int step, int err, int value, const char *path)
  * parent a descriptor (a pty's master, observe mode's listener). Async-signal-safe. */
 ssize_t sk_send_fd(int sock, int fd, char tag)
 {
+    return sk_send_fd_flags(sock, fd, tag, MSG_NOSIGNAL);
+}
+
+ssize_t sk_send_fd_flags(int sock, int fd, char tag, int flags)
+{
     struct iovec iov = {.iov_base = &tag, .iov_len = 1};
     union {
         char buf[CMSG_SPACE(sizeof(int))];
@@ -62,7 +67,7 @@ ssize_t sk_send_fd(int sock, int fd, char tag)
     memcpy(CMSG_DATA(c), &fd, sizeof(int));
     ssize_t w;
     do
-        w = sendmsg(sock, &msg, MSG_NOSIGNAL);
+        w = sendmsg(sock, &msg, flags);
     while (w < 0 && errno == EINTR);
     return w;
 }

@@ -320,6 +320,9 @@ int sk_probe(int what);
  * masked secrets). The thread runs until the listener hangs up (no task left in the
  * filter) or stop_fd is readable. */
 #define SK_OBSERVE_SOCK_K 1935831925   /* 0x7362736f: placeholder k in the observe BPF */
+#define SK_OBSERVE_HANDOFF_FLAGS 1073758208 /* 0x40004000, MSG_NOSIGNAL|MSG_CMSG_CLOEXEC: init's
+                                               handoff of the listener, the one sendmsg the observe
+                                               filter lets through (with its socket's number) */
 #define SK_OBS_EXEC 1
 #define SK_OBS_OPEN 2
 #define SK_OBS_CONNECT 3

@@ -476,6 +476,36 @@ def test_an_exec_outside_the_allowlist_is_predicted_blocked(user: User, project:
     assert "/usr/sbin" in tomllib.loads(s.stdout.decode())["exec"]["allow"]
 
 
+SENDS = r"""
+import os, socket, sys
+port = int(sys.argv[1])
+n = 0
+for fd in range(3, 100):  # every low number, init's handoff socket's among them
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    if s.fileno() != fd:
+        os.dup2(s.fileno(), fd)
+        s.close()
+        s = socket.socket(fileno=fd)
+    s.sendmsg([b"x"], [], 0, ("127.0.0.1", port))
+    s.detach()  # (kept open: the next number is the next fd)
+    n += 1
+print(n)
+"""
+
+
+def test_a_sendmsg_on_any_descriptor_number_is_logged(user: User, project: Path) -> None:
+    """init's handoff of the listener is the one sendmsg the filter lets through; it was
+    known by its socket's number alone, which a socket of the command's may get later
+    (its sends were then never logged): now by the number and flags no program passes."""
+    (project / "sends.py").write_text(SENDS)
+    user.own(project)
+    r = user.cli(["run", "--observe", "--", PY3, "sends.py", str(free_port())], cwd=project)
+    assert r.returncode == 0, r.stderr.decode()
+    n = int(r.stdout.decode().split()[-1])
+    (h,) = observed_json(user, project, session_of(r.stderr))["hosts"]
+    assert (h["access"], h["count"]) == ("send", n), h
+
+
 def test_policy_suggest_names_each_risk(user: User, project: Path) -> None:
     setup_project(user, project)
     r = user.cli(["run", "--observe", "--", PY3, "probe.py", str(free_port())], cwd=project)

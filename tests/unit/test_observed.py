@@ -53,8 +53,12 @@ def test_sendto_without_an_address_is_not_notified() -> None:
 def test_sendmsg_of_inits_handoff_only_is_let_through() -> None:
     bpf = kobs.observe_bpf()
     k = lib.SK_OBSERVE_SOCK_K  # init's socket number goes here (csrc/observe.c)
-    assert evaluate(bpf, NRS["sendmsg"], [k, 0x1000, 0]) == SECCOMP_RET_ALLOW
-    assert evaluate(bpf, NRS["sendmsg"], [5, 0x1000, 0]) == NOTIF
+    handoff = lib.SK_OBSERVE_HANDOFF_FLAGS
+    assert evaluate(bpf, NRS["sendmsg"], [k, 0x1000, handoff]) == SECCOMP_RET_ALLOW
+    assert evaluate(bpf, NRS["sendmsg"], [5, 0x1000, handoff]) == NOTIF
+    # the number alone is not the handoff: a later socket of the command's may get it
+    for flags in (0, socket.MSG_NOSIGNAL, socket.MSG_DONTWAIT):
+        assert evaluate(bpf, NRS["sendmsg"], [k, 0x1000, flags]) == NOTIF, flags
 
 
 def test_filter_leaves_other_abis_to_the_policy_filter() -> None:

@@ -85,19 +85,19 @@ _PROGS: dict[str, bytes] = {}
 def _observe_bpf(machine: str) -> bytes:
     """The observe filter for this machine (``struct sock_filter[]``). sendto without an
     address (a connected socket's send) is not notified; init's own sendmsg of the
-    listener (its socket's fd, ``SK_OBSERVE_SOCK_K``, filled in by csrc/observe.c) is
-    the one sendmsg let through unnotified."""
+    listener (its socket's fd, ``SK_OBSERVE_SOCK_K``, filled in by csrc/observe.c, with
+    ``SK_OBSERVE_HANDOFF_FLAGS``) is the one sendmsg let through unnotified."""
     arch, nrs = _TABLES[machine]
     simple = [nrs[n] for n in ("execve", "execveat", "open", "creat", "openat", "openat2", "connect") if n in nrs]
     ld = BPF_LD | BPF_W | BPF_ABS
     jeq = BPF_JMP | BPF_JEQ | BPF_K
     ret = BPF_RET | BPF_K
     # layout (jumps only go forward): [head 4][simple n][jeq sendto][jeq sendmsg][ret allow]
-    # [sendto block 4][sendmsg block 2][ret allow][ret notif]
+    # [sendto block 4][sendmsg block 4][ret allow][ret notif]
     n = len(simple)
     sendto_blk = 4 + n + 3
     sendmsg_blk = sendto_blk + 4
-    allow = sendmsg_blk + 2
+    allow = sendmsg_blk + 4
     notif = allow + 1
 
     def to(at: int, target: int) -> int:
@@ -121,10 +121,13 @@ def _observe_bpf(machine: str) -> bytes:
     prog.append(insn(jeq, 0, to(len(prog), notif), 0))
     prog.append(insn(ld, 0, 0, a4 + 4))
     prog.append(insn(jeq, to(len(prog), allow), to(len(prog), notif), 0))
-    # sendmsg: init's handoff of the listener (fd = its socket) -> allow
+    # sendmsg: init's handoff of the listener (fd = its socket, and flags no program
+    # passes: the number alone may be a later socket of the command's) -> allow
     assert len(prog) == sendmsg_blk
     prog.append(insn(ld, 0, 0, 16))
-    prog.append(insn(jeq, to(len(prog), allow), to(len(prog), notif), lib.SK_OBSERVE_SOCK_K))
+    prog.append(insn(jeq, 0, to(len(prog), notif), lib.SK_OBSERVE_SOCK_K))
+    prog.append(insn(ld, 0, 0, 16 + 8 * 2))  # flags (an int: the low word)
+    prog.append(insn(jeq, to(len(prog), allow), to(len(prog), notif), lib.SK_OBSERVE_HANDOFF_FLAGS))
     assert len(prog) == allow
     prog.append(insn(ret, 0, 0, SECCOMP_RET_ALLOW))
     prog.append(insn(ret, 0, 0, SECCOMP_RET_USER_NOTIF))
