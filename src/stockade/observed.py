@@ -166,6 +166,12 @@ class Decided:
 _DECIDED_MAX = 100_000
 
 
+# A directory as of one lstat: (dev, ino, mtime_ns, ctime_ns). Its names are what they were
+# while all four hold: a change of its entries moves mtime, and putting mtime back (tar,
+# rsync -a, touch -d) moves ctime.
+Stamp = tuple[int, int, int, int]
+
+
 class _Resolver:
     """Host paths resolved (symlinks followed, as the sandbox's view follows the same
     links) and decided, with one ``lstat`` per new path and a memo per directory."""
@@ -173,7 +179,7 @@ class _Resolver:
     def __init__(self, ctx: Context, decided: Decided | None = None) -> None:
         self.ctx = ctx
         self.real: dict[str, str] = {"/": "/"}
-        self.stamp: dict[str, tuple[int, int, int]] = {}  # resolved dir -> (dev, ino, mtime_ns), this run's lstat
+        self.stamp: dict[str, Stamp] = {}  # resolved dir -> its Stamp, this run's lstat
         decided = (decided or Decided()).bounded()
         self.dirs = decided.dirs
         self.results = decided.results  # (uniform decision, access) -> result
@@ -213,7 +219,7 @@ class _Resolver:
                         child = os.path.realpath(child)
                     st = os.lstat(child)  # (a directory it leads to is stamped as one reached directly)
                 if stat.S_ISDIR(st.st_mode) and len(self.stamp) < 200_000:
-                    self.stamp[child] = (st.st_dev, st.st_ino, st.st_mtime_ns)
+                    self.stamp[child] = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
             except OSError:
                 pass
             if len(self.real) < 200_000:
@@ -261,21 +267,21 @@ class _Resolver:
         return rp, self.ctx.why(rp), False
 
 
-# Names known by directory, as of the directory's (dev, ino, mtime_ns): None for a name
+# Names known by directory, as of the directory's Stamp: None for a name
 # that is no symlink, or the name of the file in the same directory it links to (a
 # library's soname: libz.so.1 -> libz.so.1.2.13, itself no link). Kept across runs (a
 # process runs many commands that open the same files), so a later run's opens in an
 # unchanged directory need no lstat. Making, replacing or retargeting a link changes its
 # directory's mtime; a directory changed within the last seconds is not remembered (two
 # changes within one tick of the clock share an mtime: "racy git").
-_NAMES: dict[str, tuple[tuple[int, int, int], dict[str, str | None]]] = {}
+_NAMES: dict[str, tuple[Stamp, dict[str, str | None]]] = {}
 _NAMES_MAX = 200_000  # names in all (a `find /` starts it over)
 _RACY_NS = 2_000_000_000
 _names_count = 0
 _NOT_PLAIN = "\0"  # a link _quick leaves to the general path (no file name holds a NUL)
 
 
-def _remember(d: str, stamp: tuple[int, int, int] | None, name: str, target: str | None) -> None:
+def _remember(d: str, stamp: Stamp | None, name: str, target: str | None) -> None:
     global _names_count
     if stamp is None or time.time_ns() - stamp[2] < _RACY_NS:
         return
@@ -290,7 +296,7 @@ def _remember(d: str, stamp: tuple[int, int, int] | None, name: str, target: str
     _names_count += 1
 
 
-def _look(d: str, stamp: tuple[int, int, int] | None, name: str, full: str) -> str | None:
+def _look(d: str, stamp: Stamp | None, name: str, full: str) -> str | None:
     """What ``name`` in the resolved directory ``d`` is (``full``: its path there): None
     when it is no link (or not there: it resolves to itself, as realpath says), the name
     it links to when that is a file of the same directory that is no link, else

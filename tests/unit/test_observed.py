@@ -598,11 +598,14 @@ def test_an_events_line_is_the_audit_logs_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("via", ["lib", "linked"])
-def test_a_file_known_to_be_no_link_is_checked_again_when_its_directory_changes(var_tmp: Path, via: str) -> None:
+@pytest.mark.parametrize("mtime_put_back", [False, True])
+def test_a_file_known_to_be_no_link_is_checked_again_when_its_directory_changes(
+        var_tmp: Path, via: str, mtime_put_back: bool) -> None:
     """Across runs, a name known to be no symlink needs no lstat while its directory is
     unchanged; replacing it by a symlink changes the directory, and the next run sees it.
     The same through a directory that is a symlink (``/lib`` -> ``usr/lib``): what is
-    known is the resolved directory's."""
+    known is the resolved directory's; and when the directory's mtime is put back after
+    the change (tar, rsync -a, touch -d do), by its ctime."""
     sysd = var_tmp / "sys"
     (sysd / "lib").mkdir(parents=True)
     (sysd / "linked").symlink_to("lib")
@@ -633,8 +636,12 @@ def test_a_file_known_to_be_no_link_is_checked_again_when_its_directory_changes(
     assert result() == "allowed"
     assert "a.so" in observed._NAMES[f"{sysd}/lib"][1]  # remembered for the next run
     assert result() == "allowed"
+    before = os.stat(sysd / "lib").st_mtime_ns
     (sysd / "lib" / "a.so").unlink()
     (sysd / "lib" / "a.so").symlink_to(var_tmp / "secret" / ".env")
+    if mtime_put_back:
+        os.utime(sysd / "lib", ns=(before, before))
+        assert os.stat(sysd / "lib").st_mtime_ns == before
     assert result() == "blocked"  # the directory changed: looked at again
 
 
