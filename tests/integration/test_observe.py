@@ -329,6 +329,35 @@ def test_records_wait_for_a_slow_reader(api_project: Path, monkeypatch: pytest.M
     assert len(takes) >= 2
 
 
+def test_a_start_that_fails_before_the_handover_ends_the_loop_at_once(
+        api_project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop waits for the listener on a socket whose other end the supervisor holds
+    until the sandbox has it; a start that fails in between (here: the network proxy's,
+    while the sandbox waits to be released, before its init installed the filter)
+    closes that end first, so the loop ends at once, not after stop's timeout (5 s)."""
+    import stockade
+    from stockade.linux.seccomp import observe as kobs
+    from stockade.net import run as netrun
+
+    def failing_start(self: object, *a: Any, **k: Any) -> None:
+        raise RuntimeError("the proxy failed to start")
+
+    joins: list[bool] = []
+    join = kobs.Observer._join
+
+    def spy(self: kobs.Observer, timeout: float) -> bool:
+        ok = join(self, timeout)
+        joins.append(ok)
+        return ok
+
+    monkeypatch.setattr(netrun.NetRun, "start", failing_start)
+    monkeypatch.setattr(kobs.Observer, "_join", spy)
+    with stockade.Sandbox(api_project, observe=True, network="allow") as sb, \
+            pytest.raises(RuntimeError, match="proxy failed"):
+        sb.run(["true"])
+    assert joins and joins[0], joins  # the first wait ended the loop: no stop request needed
+
+
 @pytest.mark.vm
 def test_behaviour_is_unchanged(user: User, project: Path) -> None:
     setup_project(user, project)

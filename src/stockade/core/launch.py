@@ -235,6 +235,13 @@ class Launch:
             net, self.net = self.net, None
             self.net_summary = net.close()
         if self.observe is not None:
+            # a start that failed before the handover still holds the sandbox's end of
+            # the listener's socket, on which the loop waits: closed first, the loop sees
+            # no listener will come (else it waited out stop's timeout, 5 s)
+            fd = self.observe.child_fd
+            if fd in self.to_close:
+                self.to_close.remove(fd)
+                os.close(fd)
             self.observe.stop()  # (it ended with the sandbox; a failed start's ends here)
         given = self.given_stdin
         if given is not None and given.copy >= 0:
