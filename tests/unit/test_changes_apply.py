@@ -354,6 +354,30 @@ def test_rollback_refuses_when_applied_file_changed_since(tmp_path: Path, state_
     assert (b.project / "mod").read_text() == "old\n"
 
 
+def test_rollback_puts_back_a_deleted_file_whose_directory_was_removed_since(tmp_path: Path, state_dir: Path) -> None:
+    """The apply deleted old/a; the user then removed old/ (rm -r, git mv). The rollback
+    used to skip a.txt (its directory was gone), delete its backup and say it was done:
+    the file's only copy lost. Now: refused as a change of the user's, and with --force
+    old/ is made again and a.txt put back; a file where old/ was stops it, backups kept."""
+    b = Builder(tmp_path, {"old/a.txt": "the only copy\n", "old/b.txt": "b\n", "keep": "k\n"})
+    b.new_session()
+    overlay_shell(b.session, "rm old/a.txt")
+    res = scan(b.session).apply()
+    assert not (b.project / "old" / "a.txt").exists()
+    (b.project / "old" / "b.txt").unlink()
+    (b.project / "old").rmdir()
+    with pytest.raises(UsageError, match=r"changed since.*old/a\.txt"):
+        rollback(res.apply_id)
+    (b.project / "old").write_text("the user's file where the directory was\n")
+    with pytest.raises(UsageError, match="old is no longer a directory"):
+        rollback(res.apply_id, force=True)
+    assert (b.project / "old").read_text() == "the user's file where the directory was\n"
+    (b.project / "old").unlink()
+    recover_pending()  # (the stopped rollback is finished by recovery: nothing is lost meanwhile)
+    assert (b.project / "old" / "a.txt").read_text() == "the only copy\n"
+    assert [a.state for a in list_applies() if a.id == res.apply_id] == ["rolled-back"]
+
+
 def test_rollback_of_unknown_apply(state_dir: Path) -> None:
     with pytest.raises(UsageError, match="no apply"):
         rollback("nope")

@@ -152,7 +152,12 @@ class Executor(Roots):
         try:
             pfd, name = self.host.parent(path)
         except OSError:
-            return  # its directory is gone: nothing of ours is there
+            if not puts_back(op):
+                return  # its directory is gone: nothing of ours is there
+            # what the apply removed or replaced goes back even where its directory was
+            # removed since (the backups go once the rollback is done: never skipped)
+            self._make_parents(path)
+            pfd, name = self.host.parent(path)
         try:
             cur: os.stat_result | None = os.stat(name, dir_fd=pfd, follow_symlinks=False)
         except FileNotFoundError:
@@ -181,6 +186,25 @@ class Executor(Roots):
                     os.rmdir(name, dir_fd=pfd)
         elif kind == "chmod" and cur is not None and stat.S_ISDIR(cur.st_mode):
             self._chmod_dir(pfd, name, op["omode"])
+
+    def _make_parents(self, path: str) -> None:
+        """The directories above ``path`` that are gone from the host, made again (as
+        ``mkdir -p`` would); one that is there but no directory (a file or symlink put
+        in its place) is the user's, and the rollback stops with its journal kept."""
+        parts = path.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            rel = "/".join(parts[:i])
+            try:
+                self.host.dirfd(rel)
+                continue
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise UsageError(f"cannot put back {path}: {rel} is no longer a directory on the host "
+                                 f"({e.strerror}); move it aside, then run `stockade recover`") from None
+            pfd, name = self.host.parent(rel)
+            os.mkdir(name, 0o777, dir_fd=pfd)  # (the umask applies, as with mkdir -p)
+            self._own_new(pfd, name, True)
 
     def _chmod_dir(self, pfd: int, name: str, mode: int) -> None:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
@@ -227,6 +251,13 @@ class Executor(Roots):
         os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=pfd)  # rename between two links of one inode does nothing
+
+
+def puts_back(op: dict[str, Any]) -> bool:
+    """Whether undoing ``op`` puts something back on the host: a file, link or directory
+    the apply removed or replaced (undoing a creation only removes)."""
+    kind = op["op"]
+    return kind in ("unlink", "rmdir") or (kind in ("write", "symlink") and op.get("old") is not None)
 
 
 class _FdWriter:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 from ..errors import UsageError
 from ..session import store
 from ..session.idrange import with_sandbox_ids
-from .executor import Executor, plan_session, rollback_ops
+from .executor import Executor, plan_session, puts_back, rollback_ops
 from .journal import (
     ApplyRecord,
     Progress,
@@ -25,14 +26,31 @@ from .journal import (
 from .recovery import apply_dirs, recover_pending
 
 
-def _verify_applied(ex: Executor, adir: Path) -> list[str]:
-    """Targets that no longer hold what the apply left there (changed on the host since)."""
+def _verify_applied(ex: Executor, adir: Path, ops: list[dict[str, Any]]) -> list[str]:
+    """Targets that no longer hold what the apply left there (changed on the host since),
+    and those the rollback must put back whose directory is gone or no directory now (the
+    rollback would make it again: a change of the user's too)."""
+    bad: set[str] = set()
     try:
         result: dict[str, list[int] | None] = json.loads((adir / "result.json").read_text())
     except (OSError, ValueError):
-        return []
+        result = {}
     now = target_states(ex.host, list(result))
-    return sorted(p for p, v in result.items() if now[p] != v)
+    bad.update(p for p, v in result.items() if now[p] != v)
+    removed = {op["path"] for op in ops if op["op"] == "rmdir"}  # (made again by the rollback itself)
+    for op in ops:
+        d = op["path"]
+        if not puts_back(op):
+            continue
+        while "/" in d:
+            d = d.rsplit("/", 1)[0]
+            if d not in removed:  # the nearest directory the apply left: still there?
+                try:
+                    ex.host.dirfd(d)
+                except OSError:
+                    bad.add(op["path"])
+                break
+    return sorted(bad)
 
 
 @with_sandbox_ids(lambda apply_id=None, **k: apply_dirs(apply_id))
@@ -64,7 +82,7 @@ def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord
     with lock_cm, global_lock():
         ex = Executor(rec.id, adir, Path(plan["project"]), stack)
         try:
-            bad = _verify_applied(ex, adir)
+            bad = _verify_applied(ex, adir, plan["ops"])
             if bad and not force:
                 shown = ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
                 raise UsageError(
