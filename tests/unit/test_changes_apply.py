@@ -248,6 +248,28 @@ def test_discard_under_opaque_dir_keeps_the_other_deletions(tmp_path: Path, stat
     overlay_shell(b.session, "cat d/a > /dev/null && test ! -e d/b")  # the real overlay agrees
 
 
+def test_discard_never_goes_through_a_symlink_the_command_left_in_a_layer(tmp_path: Path, state_dir: Path) -> None:
+    """Run 1 left x as a symlink to a host directory (frozen in a snapshot); run 2 made x
+    a directory with x/sub. Discarding x/sub tidies the emptied directory in every layer:
+    in the lower one, x/sub went through the symlink and removed (or chmodded) the host's
+    own directory there. A layer is reached through fds with no symlink followed."""
+    from stockade.changes import snapshot
+
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    os.chmod(outside, 0o755)
+    b = Builder(tmp_path, {"keep": "k\n"})
+    b.new_session()
+    b.symlink("x", str(outside))
+    snapshot.create(b.session, "run1")
+    b.opaque_dir("x")
+    (b.upper / "x" / "sub").mkdir(mode=0o700)
+    assert {c.path for c in scan(b.session).changes} >= {"x", "x/sub"}
+    scan(b.session).discard(["x/sub"])
+    assert (outside / "sub").is_dir()  # the host's directory, untouched
+    assert not (b.upper / "x" / "sub").exists()
+
+
 def test_partial_apply_under_opaque_dir_real_overlay_agrees(tmp_path: Path, state_dir: Path) -> None:
     b = Builder(tmp_path, {"d/a": "a", "d/b": "b"})
     b.new_session()

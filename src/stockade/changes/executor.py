@@ -351,28 +351,48 @@ def _move_out_in(lr: Root, stack: list[Path], project: Root, path: str, li: int,
 
 
 def tidy_dirs(stack: list[Path], project: Root, changes: Sequence[Change]) -> None:
-    """Directories a discard emptied: drop them from the layers, restore modes."""
-    for c in sorted(changes, key=lambda c: os.fsencode(c.path), reverse=True):
-        if c.new_mode is None or not stat.S_ISDIR(c.new_mode):
-            continue
-        hst = project.lstat(c.path)
-        for li in range(len(stack)):
-            d = os.path.join(stack[li], c.path)
-            try:
-                st = os.lstat(d)
-            except OSError:
+    """Directories a discard emptied: drop them from the layers, restore modes. A layer's
+    entries are the sandbox's: reached through directory fds with no symlink followed
+    (a symlink the command left where a later run made a directory is not gone through)."""
+    roots: dict[int, Root] = {}
+    try:
+        for c in sorted(changes, key=lambda c: os.fsencode(c.path), reverse=True):
+            if c.new_mode is None or not stat.S_ISDIR(c.new_mode):
                 continue
-            if not stat.S_ISDIR(st.st_mode):
-                continue
-            if hst is not None and stat.S_ISDIR(hst.st_mode):
-                if stat.S_IMODE(st.st_mode) != stat.S_IMODE(hst.st_mode):
-                    os.chmod(d, stat.S_IMODE(hst.st_mode))
-            else:
+            hst = project.lstat(c.path)
+            for li in range(len(stack)):
+                lr = roots.get(li)
+                if lr is None:
+                    try:
+                        lr = roots[li] = Root(stack[li])
+                    except OSError:
+                        continue
                 try:
-                    expose(stack, li, project, c.path)
-                    os.rmdir(d)
+                    pfd, name = lr.parent(c.path)
+                    st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
                 except OSError:
-                    pass
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    continue
+                if hst is not None and stat.S_ISDIR(hst.st_mode):
+                    if stat.S_IMODE(st.st_mode) != stat.S_IMODE(hst.st_mode):
+                        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+                        try:
+                            os.fchmod(fd, stat.S_IMODE(hst.st_mode))
+                        finally:
+                            os.close(fd)
+                else:
+                    try:
+                        if expose(stack, li, project, c.path):
+                            lr.forget()  # (an ancestor was made again: its cached fd is stale)
+                            pfd, name = lr.parent(c.path)
+                        lr.forget(c.path)
+                        os.rmdir(name, dir_fd=pfd)
+                    except OSError:
+                        pass
+    finally:
+        for r in roots.values():
+            r.close()
 
 
 _BEGIN_BATCH = 128
