@@ -97,6 +97,24 @@ def test_conflicts_refused_then_forced(tmp_path: Path, state_dir: Path) -> None:
     assert (b.project / "mod").read_text() == "new\n"
 
 
+def test_a_fork_judges_conflicts_from_its_parents_start(tmp_path: Path, state_dir: Path) -> None:
+    """The fork carries its parent's changes, made against the project as it was when the
+    parent started: a host edit after that is a conflict for the fork too (it was judged
+    from the fork's own creation, after the edit: overwritten without a word). What the
+    parent applied itself is no conflict in the fork either."""
+    from stockade.changes import snapshot
+
+    b = _changed(tmp_path)
+    scan(b.session).apply(["deep"])  # the parent's own apply: not the user's edit
+    (b.project / "mod").write_text("edited on the host\n")
+    forked = snapshot.fork(b.session, "forked")
+    with pytest.raises(UsageError, match=r"conflict.*mod"):
+        scan(forked).apply()
+    assert (b.project / "mod").read_text() == "edited on the host\n"
+    res = scan(forked).apply([c.path for c in scan(forked).changes if c.path != "mod"])
+    assert "mod" not in res.applied
+
+
 def test_second_apply_of_same_path_is_not_a_conflict(tmp_path: Path, state_dir: Path) -> None:
     b = _changed(tmp_path)
     scan(b.session).apply(["mod"])

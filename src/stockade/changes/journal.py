@@ -145,13 +145,20 @@ def read_progress(adir: Path) -> tuple[str, int, set[int]]:
     return state, begun, moved
 
 
-def _applied_record_path(session: Session) -> Path:
+def applied_record_path(session: Session) -> Path:
     return session.dir / "changes-applied.json"
+
+
+def baseline_ns(session: Session) -> int:
+    """Since when a change of the project's own counts as a conflict with the session's:
+    its start, or for a fork its parent's (whose changes it carries)."""
+    meta = session.meta()
+    return int(meta.get("baseline_ns", meta.get("created_ns", 0)))
 
 
 def load_applied(session: Session) -> dict[str, list[int]]:
     try:
-        with open(_applied_record_path(session), encoding="utf-8") as f:
+        with open(applied_record_path(session), encoding="utf-8") as f:
             data: dict[str, list[int]] = json.load(f)
             return data
     except (FileNotFoundError, ValueError):
@@ -173,7 +180,7 @@ def record_applied(session: Session, host: Root, paths: list[str]) -> dict[str, 
             rec.pop(p, None)
         else:
             rec[p] = v
-    write_json(_applied_record_path(session), rec)
+    write_json(applied_record_path(session), rec)
     return {p: states[p] for p in paths}
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import UsageError
 from ..session.store import Session
 from ._safefs import Root
-from .journal import load_applied
+from .journal import baseline_ns, load_applied
 from .model import Change, Changes, Kind
 
 
@@ -170,7 +170,7 @@ def _layer_readlink(session: Session, c: Change) -> str:
 
 
 def find_conflicts(session: Session, host: Root, ops: list[dict[str, Any]]) -> list[str]:
-    created = int(session.meta().get("created_ns", 0))
+    created = baseline_ns(session)
     rec = load_applied(session)
     out: list[str] = []
     for op in ops:

@@ -24,6 +24,7 @@ from ..errors import UsageError
 from ..linux.idns import acting_root
 from ..session import idrange, store
 from ..session.store import Session
+from . import journal
 from ._safefs import is_whiteout
 from .layers import opaque_name, set_opaque
 
@@ -258,7 +259,13 @@ def fork(session: Session, new_name: str) -> Session:
                 if owner is not None and acting_root():
                     os.chown(new.upper, *owner)
                 idrange.copy_mark(session.dir, new.dir)
-                new.update_meta(forked_from=session.id)
+                # the changes it inherits were made against the project as it was when the
+                # parent started: conflicts are judged from then (and what the parent
+                # applied since is known as its own), not from the fork's creation
+                applied = journal.applied_record_path(session)
+                if applied.exists():
+                    shutil.copyfile(applied, journal.applied_record_path(new))
+                new.update_meta(forked_from=session.id, baseline_ns=journal.baseline_ns(session))
         except BaseException:
             shutil.rmtree(new.dir, ignore_errors=True)  # a half-made fork is no session
             raise
