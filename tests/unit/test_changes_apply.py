@@ -418,6 +418,45 @@ def test_rollback_puts_back_a_deleted_file_whose_directory_was_removed_since(tmp
     assert [a.state for a in list_applies() if a.id == res.apply_id] == ["rolled-back"]
 
 
+def test_copied_backups_are_on_disk_before_the_project_changes_and_until_the_rollback_is(
+        tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a backup cannot be a hard link (the state directory on another filesystem:
+    EXDEV), it is a copy, fsynced (the project's syncfs does not reach it): a power loss
+    must not leave an empty backup beside a replaced file. A rollback syncs the project
+    before it deletes the backups, the restored files' only other copy."""
+    import errno as errno_mod
+
+    from stockade.changes import executor
+
+    b = _changed(tmp_path)
+    real_link = os.link
+
+    def no_link(src: object, dst: object, *a: object, **k: object) -> None:
+        if "backups" in str(dst):
+            raise OSError(errno_mod.EXDEV, "cross-device")
+        real_link(src, dst, *a, **k)  # type: ignore[arg-type]
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    order: list[str] = []
+    real_syncfs, real_rmtree = executor.syncfs, executor.shutil.rmtree
+    monkeypatch.setattr(executor.os, "link", no_link)
+    monkeypatch.setattr(executor.os, "fsync", fsync)
+    monkeypatch.setattr(executor, "syncfs", lambda fd: (order.append("syncfs"), real_syncfs(fd))[1])
+    monkeypatch.setattr(executor.shutil, "rmtree",
+                        lambda p, **k: (order.append(f"rmtree {Path(p).name}"), real_rmtree(p, **k))[1])
+    res = scan(b.session).apply(["mod"])
+    assert any("/backups/" in p for p in synced), synced
+    rollback(res.apply_id)
+    assert (b.project / "mod").read_text() == "old\n"
+    assert "rmtree backups" in order and order.index("syncfs") < order.index("rmtree backups"), order
+
+
 def test_rollback_of_unknown_apply(state_dir: Path) -> None:
     with pytest.raises(UsageError, match="no apply"):
         rollback("nope")

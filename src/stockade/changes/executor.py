@@ -18,7 +18,7 @@ from ..errors import SessionNotFound, UsageError
 from ..linux.idns import acting_root
 from ..session.store import Session
 from ._safefs import Root, Roots, copy_to_new, link_new, rmtree_at
-from .journal import NotDone, Progress, log_event, record_applied, tick
+from .journal import NotDone, Progress, log_event, record_applied, syncfs, tick
 from .layers import expose
 from .model import Change, Kind
 
@@ -84,6 +84,8 @@ class Executor(Roots):
                             break
                         f.write(b)
                     os.fchmod(f.fileno(), stat.S_IMODE(old["omode"]))
+                    f.flush()
+                    os.fsync(f.fileno())  # (on another filesystem than the project: its syncfs misses it)
             finally:
                 os.close(src)
             op["backup"] = "copy"
@@ -488,6 +490,7 @@ def rollback_ops(ex: Executor, plan: dict[str, Any], adir: Path, prog: Progress,
             tick()
     finally:
         os.close(removed)
+    syncfs(ex.host.fd)  # what was put back is on disk before its only other copy goes
     shutil.rmtree(adir / "backups", ignore_errors=True)
     prog.note("s rolled-back", sync=True)
     if sess is not None:
