@@ -341,6 +341,14 @@ def test_sigkill_at_every_step_recovers_to_wholly_old_or_wholly_new(tmp_path: Pa
         if "finished" in msgs[0]:
             assert left == set(), (n, left)
             assert (b.project / "mod").read_text() == "new\n"
+            # what it left is on record (written by recovery when the crash came first): a
+            # user's later edit makes a rollback ask for --force, never lost silently
+            (done,) = [a for a in list_applies() if a.state == "done" and Path(a.project) == b.project.resolve()]
+            (b.project / "mod").write_text("the user's edit after it\n")
+            with pytest.raises(UsageError, match="changed since"):
+                rollback(done.id)
+            rollback(done.id, force=True)
+            assert tree_snapshot(b.project) == old, n
         else:
             assert now == old, (n, msgs)
             assert left == view, (n, msgs)
@@ -455,6 +463,19 @@ def test_copied_backups_are_on_disk_before_the_project_changes_and_until_the_rol
     rollback(res.apply_id)
     assert (b.project / "mod").read_text() == "old\n"
     assert "rmtree backups" in order and order.index("syncfs") < order.index("rmtree backups"), order
+
+
+def test_rollback_without_a_record_of_what_the_apply_left_asks_for_force(tmp_path: Path, state_dir: Path) -> None:
+    """Without it, changes made since cannot be told from the apply's own: refused (it
+    went ahead, over a user's later edits)."""
+    b = _changed(tmp_path)
+    res = scan(b.session).apply(["mod"])
+    (journal.applies_dir() / res.apply_id / "result.json").unlink()
+    with pytest.raises(UsageError, match="record of what it left .* is missing"):
+        rollback(res.apply_id)
+    assert (b.project / "mod").read_text() == "new\n"
+    rollback(res.apply_id, force=True)
+    assert (b.project / "mod").read_text() == "old\n"
 
 
 def test_rollback_of_unknown_apply(state_dir: Path) -> None:

@@ -21,6 +21,8 @@ from .journal import (
     read_progress,
     record_applied,
     space_remedy,
+    target_states,
+    write_json,
 )
 
 
@@ -89,6 +91,11 @@ def _recover_one(apply_id: str) -> str:
                 record_applied(sess, ex.host, [op["path"] for op in plan["ops"]])
             msg = f"apply {apply_id}: interrupted; undone (the project is as before it)"
         elif state == "committed":
+            if not (adir / "result.json").exists():  # (interrupted before its record: a rollback reads it)
+                targets = [op["path"] for op in plan["ops"]]
+                sess = plan_session(plan)
+                write_json(adir / "result.json", record_applied(sess, ex.host, targets) if sess is not None
+                           else target_states(ex.host, targets))
             finish_moves(adir, stack, ex.host, plan["moves"], moved, prog)
             prog.note("s done", sync=True)
             msg = f"apply {apply_id}: interrupted after it committed; finished"

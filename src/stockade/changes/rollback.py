@@ -82,6 +82,9 @@ def rollback(apply_id: str | None = None, *, force: bool = False) -> ApplyRecord
     with lock_cm, global_lock():
         ex = Executor(rec.id, adir, Path(plan["project"]), stack)
         try:
+            if not (adir / "result.json").exists() and not force:  # (what it left unknown: nothing to compare)
+                raise UsageError(f"cannot roll back apply {rec.id}: its record of what it left in the project "
+                                 "is missing, so changes made since cannot be told; pass --force to roll back anyway")
             bad = _verify_applied(ex, adir, plan["ops"])
             if bad and not force:
                 shown = ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
