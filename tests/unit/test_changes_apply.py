@@ -471,7 +471,7 @@ def test_rollback_without_a_record_of_what_the_apply_left_asks_for_force(tmp_pat
     b = _changed(tmp_path)
     res = scan(b.session).apply(["mod"])
     (journal.applies_dir() / res.apply_id / "result.json").unlink()
-    with pytest.raises(UsageError, match="record of what it left .* is missing"):
+    with pytest.raises(UsageError, match=r"record of what it left .* is missing"):
         rollback(res.apply_id)
     assert (b.project / "mod").read_text() == "new\n"
     rollback(res.apply_id, force=True)
