@@ -115,6 +115,50 @@ def test_a_fork_judges_conflicts_from_its_parents_start(tmp_path: Path, state_di
     assert "mod" not in res.applied
 
 
+@pytest.mark.parametrize("backup", ["link", "copy"])
+def test_an_editors_save_during_the_apply_is_never_lost(
+        tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch, backup: str) -> None:
+    """The file an op replaces was backed up while the apply prepared; an editor saving it
+    meanwhile (a new file renamed over it; or, with a copied backup, bytes written in
+    place) made a version no backup holds, which the op then replaced: the apply now
+    stops before that op and undoes the rest."""
+    import errno as errno_mod
+
+    from stockade.changes import executor
+
+    b = _changed(tmp_path)
+    before = tree_snapshot(b.project)
+    if backup == "copy":
+        real_link = os.link
+
+        def no_link(src: object, dst: object, *a: object, **k: object) -> None:
+            if "backups" in str(dst):
+                raise OSError(errno_mod.EXDEV, "cross-device")
+            real_link(src, dst, *a, **k)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(executor.os, "link", no_link)
+    do = executor.Executor.do
+    saved: list[str] = []
+
+    def do_after_a_save(self: executor.Executor, n: int, op: dict[str, object]) -> None:
+        if not saved:
+            saved.append("x")
+            if backup == "link":  # an editor's atomic save: a new inode renamed over it
+                (b.project / "mod.swp").write_text("the user's save\n")
+                os.rename(b.project / "mod.swp", b.project / "mod")
+            else:  # a save in place
+                with open(b.project / "mod", "w") as f:
+                    f.write("the user's save\n")
+        do(self, n, op)
+
+    monkeypatch.setattr(executor.Executor, "do", do_after_a_save)
+    with pytest.raises(UsageError, match="mod: it changed on the host while applying"):
+        scan(b.session).apply()
+    assert (b.project / "mod").read_text() == "the user's save\n"
+    after = tree_snapshot(b.project)
+    assert {k: v for k, v in after.items() if k != "mod"} == {k: v for k, v in before.items() if k != "mod"}
+
+
 def test_second_apply_of_same_path_is_not_a_conflict(tmp_path: Path, state_dir: Path) -> None:
     b = _changed(tmp_path)
     scan(b.session).apply(["mod"])

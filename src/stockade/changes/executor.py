@@ -89,6 +89,27 @@ class Executor(Roots):
             finally:
                 os.close(src)
             op["backup"] = "copy"
+        # what the file must still be right before the apply replaces or removes it
+        # (``_still_backed_up``): the same inode (a hard-link backup is that inode, so an
+        # edit in place is in it too), and for a copy also unwritten since (its ctime)
+        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        old["seen"] = [st.st_dev, st.st_ino] + ([st.st_ctime_ns, st.st_size] if op["backup"] == "copy" else [])
+
+    @staticmethod
+    def _still_backed_up(old: dict[str, Any] | None, pfd: int, name: str, path: str) -> None:
+        """The file about to be replaced or removed is still the one backed up: an editor's
+        save meanwhile (a new file renamed over it, or bytes written in place after a
+        copied backup) would otherwise be lost with no backup of it."""
+        seen = (old or {}).get("seen")
+        if seen is None:
+            return
+        try:
+            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is None or [st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size][:len(seen)] != seen:
+            raise NotDone(f"cannot apply {path}: it changed on the host while applying (nothing was "
+                          "applied); review it and retry")
 
     # -- forward
     def do(self, n: int, op: dict[str, Any]) -> None:
@@ -96,6 +117,7 @@ class Executor(Roots):
         path = op["path"]
         pfd, name = self.host.parent(path)
         if kind == "unlink":
+            self._still_backed_up(op, pfd, name, path)
             st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 raise UsageError(f"cannot apply {path}: it became a directory on the host")
@@ -113,6 +135,7 @@ class Executor(Roots):
             finally:
                 os.close(fd)
         elif kind == "write":
+            self._still_backed_up(op["old"], pfd, name, path)
             tmp = self.tmpname(n)
             if op.get("content"):  # a reviewer's bytes, kept in the journal (apply's contents=)
                 src = os.open(content_path(self.adir, n), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -133,6 +156,7 @@ class Executor(Roots):
                 os.close(src)
             self._rename_into(tmp, name, pfd, path)
         elif kind == "symlink":
+            self._still_backed_up(op["old"], pfd, name, path)
             tmp = self.tmpname(n)
             os.symlink(op["target"], tmp, dir_fd=pfd)
             self._own_new(pfd, tmp, False)
