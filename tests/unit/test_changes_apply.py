@@ -622,6 +622,39 @@ def test_apply_and_rollback_without_o_tmpfile(tmp_path: Path, state_dir: Path, m
     test_new_directory_leaves_every_layer_whole_and_rollback_puts_it_back(tmp_path / "nd", state_dir)
 
 
+@pytest.mark.parametrize("what", ["file", "file-no-o-tmpfile", "directory"])
+def test_a_path_that_appears_on_the_host_during_the_apply_is_left_as_it_is(
+        tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    """A new file or directory of the change set that appears on the host meanwhile is
+    the user's: the apply stops (nothing of it applied) and it stays. Without O_TMPFILE a
+    new file went in by rename, over the one that appeared; a directory that appeared was
+    removed by the undo when empty."""
+    from stockade.changes import _safefs, executor
+
+    if what == "file-no-o-tmpfile":
+        monkeypatch.setattr(_safefs, "_tmpfile_ok", False)
+    b = _changed(tmp_path)
+    target = "deep" if what == "directory" else "add"
+    do = executor.Executor.do
+
+    def do_after_it_appeared(self: executor.Executor, n: int, op: dict[str, object]) -> None:
+        if op["path"] == target:
+            if what == "directory":
+                (b.project / target).mkdir()
+            else:
+                (b.project / target).write_text("the user's own\n")
+        do(self, n, op)
+
+    monkeypatch.setattr(executor.Executor, "do", do_after_it_appeared)
+    with pytest.raises(UsageError, match=f"{target}: it appeared on the host while applying"):
+        scan(b.session).apply()
+    if what == "directory":
+        assert (b.project / target).is_dir() and not os.listdir(b.project / target)
+    else:
+        assert (b.project / target).read_text() == "the user's own\n"
+    assert (b.project / "mod").read_text() == "old\n"  # the rest undone
+
+
 def test_parent_refuses_escaping_names(tmp_path: Path) -> None:
     from stockade.changes._safefs import Root
 

@@ -126,7 +126,10 @@ class Executor(Roots):
             self.host.forget(path)
             os.rmdir(name, dir_fd=pfd)
         elif kind == "mkdir":
-            os.mkdir(name, 0o700, dir_fd=pfd)
+            try:
+                os.mkdir(name, 0o700, dir_fd=pfd)
+            except FileExistsError:  # (not ours: undoing it must not remove it)
+                raise NotDone(f"cannot apply {path}: it appeared on the host while applying; retry") from None
             self._own_new(pfd, name, True)
         elif kind == "chmod":
             fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
@@ -154,6 +157,14 @@ class Executor(Roots):
                 copy_to_new(src, tmp, pfd, mode, self.owner)
             finally:
                 os.close(src)
+            if op["old"] is None:  # (no O_TMPFILE) a new file never replaces one that appeared meanwhile
+                try:
+                    os.link(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd, follow_symlinks=False)
+                except FileExistsError:
+                    os.unlink(tmp, dir_fd=pfd)
+                    raise NotDone(f"cannot apply {path}: it appeared on the host while applying; retry") from None
+                os.unlink(tmp, dir_fd=pfd)
+                return
             self._rename_into(tmp, name, pfd, path)
         elif kind == "symlink":
             self._still_backed_up(op["old"], pfd, name, path)
