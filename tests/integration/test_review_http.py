@@ -271,6 +271,23 @@ def test_a_stale_page_writes_nothing(user: User, project: Path) -> None:
     assert (project / "one.txt").read_text() == "two\n"
 
 
+def test_a_file_name_that_is_not_utf8_is_shown_and_applied(user: User, project: Path) -> None:
+    """The sandbox chose the name (bytes 0xff 0xfe, no UTF-8): every answer failed with
+    500 (a UTF-8 encoding of the walked name), and the page was unusable. It comes as a
+    JSON escape, is asked for with ?pathj= (a URL cannot carry it), and applies as itself."""
+    run(user, project, "rv", "printf 'odd\\n' > \"$(printf 'a\\377\\376.txt')\"")
+    name = os.fsdecode(b"a\xff\xfe.txt")
+    with review(user, "rv") as page:
+        st = page.state()
+        assert name in {c["path"] for c in st["changes"]}, st["changes"]
+        status, view = page.get("/api/file?pathj=" + urllib.parse.quote(json.dumps(name)))
+        assert status == 200, view
+        status, res = page.post("/api/apply", {"fingerprint": st["fingerprint"],
+                                               "files": {name: {"decision": "approve"}}})
+        assert status == 200, res
+    assert (project / os.fsdecode(b"a\xff\xfe.txt")).read_bytes() == b"odd\n"
+
+
 def test_a_host_edit_is_the_engines_conflict(user: User, project: Path) -> None:
     run(user, project, "rv", "echo sandbox >> README.md")
     (project / "README.md").write_text("# edited on the host\n")  # after the session started

@@ -47,8 +47,17 @@ def _asset(name: str) -> bytes:
     return resources.files("stockade.review").joinpath("static", name).read_bytes()
 
 
+class _AsciiJSON(JSONResponse):
+    """A file name the sandbox chose need not be UTF-8 (walked with surrogateescape):
+    escaped as JSON allows (``\\udcff``), it reaches the page and comes back the same
+    string; UTF-8 encoding of it failed the whole answer."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def _json(body: Any, status: int = 200) -> JSONResponse:
-    return JSONResponse(body, status_code=status, headers=_HEADERS)
+    return _AsciiJSON(body, status_code=status, headers=_HEADERS)
 
 
 def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
@@ -129,6 +138,13 @@ def build(session: Session, token: str, origin: str, hosts: frozenset[str],
 
     async def file(req: Request) -> Response:
         path = req.query_params.get("path")
+        if "pathj" in req.query_params:  # (a name a URL cannot carry as UTF-8: as a JSON string)
+            try:
+                path = json.loads(req.query_params["pathj"])
+            except ValueError:
+                path = None
+            if not isinstance(path, str):
+                raise UsageError("?pathj= must be a JSON string")
         if not path:
             raise UsageError("which file? (?path=)")
         return _json(await run_in_threadpool(data.file_view, session, path))

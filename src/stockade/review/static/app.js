@@ -24,6 +24,12 @@
   function show(node, on) { node.classList.toggle("hidden", !on); }
 
   // ------------------------------------------------------------------ requests
+  // a file name that is not UTF-8 reaches the page with lone surrogates, which a URL
+  // cannot carry: then as a JSON string (its escapes are ASCII)
+  function pathQuery(path) {
+    try { return "path=" + encodeURIComponent(path); }
+    catch (e) { return "pathj=" + encodeURIComponent(JSON.stringify(path)); }
+  }
   async function get(path) {
     const sep = path.includes("?") ? "&" : "?";
     const r = await fetch(path + sep + "token=" + encodeURIComponent(TOKEN), { cache: "no-store" });
@@ -429,7 +435,7 @@
   // ------------------------------------------------------------------ actions
   async function openFile(path) {
     try {
-      current = await get("/api/file?path=" + encodeURIComponent(path));
+      current = await get("/api/file?" + pathQuery(path));
       error("");
     } catch (e) { error(e.message); current = null; }
     show($("editor-box"), false);
