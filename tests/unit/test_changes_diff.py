@@ -163,3 +163,32 @@ def test_git_apply_reverse_round_trip(rich: Builder, tmp_path: Path) -> None:
     assert {k: v for k, v in after.items() if not stat.S_ISDIR(v[0])} == {
         k: v for k, v in original.items() if not stat.S_ISDIR(v[0])
     }
+
+
+def test_a_side_that_grew_past_the_limit_since_the_scan_is_not_read_whole(tmp_path: Path, state_dir: Path) -> None:
+    """The review page reads a file's two sides up to its limit, judged by the size the scan
+    saw; a living sandbox can grow the file meanwhile (a sparse 8 GiB in an instant): the
+    read stops past the limit and the side counts as too large, never read into memory."""
+    from stockade.changes import _safefs
+    from stockade.changes.diff import read_sides
+
+    b = Builder(tmp_path, {"big.txt": "small\n"})
+    b.new_session()
+    b.up("big.txt", "small, changed\n")
+    (c,) = scan(b.session).changes
+    with open(b.upper / "big.txt", "r+b") as f:
+        f.truncate(8 << 30)  # sparse: no disk used
+    asked: list[int | None] = []
+    read = _safefs.Root.read_bytes
+
+    def spy(self: _safefs.Root, rel: str, limit: int | None = None) -> bytes:
+        asked.append(limit)
+        return read(self, rel, limit)
+
+    import pytest as _pytest
+
+    with _pytest.MonkeyPatch.context() as m:
+        m.setattr(_safefs.Root, "read_bytes", spy)
+        old, new = read_sides(scan(b.session), c, 1 << 20)
+    assert old == b"small\n" and new is None
+    assert asked and all(a is not None and a <= (1 << 20) + 1 for a in asked), asked

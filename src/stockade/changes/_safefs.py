@@ -163,14 +163,15 @@ class Root:
     def read_bytes(self, rel: str, limit: int | None = None) -> bytes:
         fd = self.open_read(rel)
         try:
-            if limit is not None:
-                return os.read(fd, limit)
             chunks = []
-            while True:
-                b = os.read(fd, 1 << 20)
+            left = limit
+            while left is None or left > 0:
+                b = os.read(fd, 1 << 20 if left is None else min(left, 1 << 20))
                 if not b:
                     break
                 chunks.append(b)
+                if left is not None:
+                    left -= len(b)
             return b"".join(chunks)
         finally:
             os.close(fd)

@@ -186,18 +186,18 @@ class _Reader(Roots):
         super().__init__(cs.project, cs.session.lower_stack())
         self.cs = cs
 
-    def old(self, c: Change) -> bytes:
+    def old(self, c: Change, limit: int | None = None) -> bytes:
         assert c.old_mode is not None
         if stat.S_ISLNK(c.old_mode):
             return os.fsencode(self.host.readlink(c.path))
-        return self.host.read_bytes(c.path)
+        return self.host.read_bytes(c.path, limit)
 
-    def new(self, c: Change) -> bytes:
+    def new(self, c: Change, limit: int | None = None) -> bytes:
         assert c.new_mode is not None
         r = self.layer(c.layer)
         if stat.S_ISLNK(c.new_mode):
             return os.fsencode(r.readlink(c.path))
-        return r.read_bytes(c.path)
+        return r.read_bytes(c.path, limit)
 
 
 def _is_blob(mode: int | None) -> bool:
@@ -370,14 +370,18 @@ def read_sides(cs: Changes, c: Change, limit: int | None = None) -> tuple[bytes 
     """(old, new) content of a change's blobs (a file's bytes, a symlink's target), None for
     a side that is absent or no blob, or larger than ``limit`` bytes (then not read)."""
     rd = _Reader(cs)
+    cap = None if limit is None else limit + 1  # (a file that grew past the limit since: not read whole)
     try:
         old = new = None
         if _is_blob(c.old_mode):
             st = rd.host.lstat(c.path)
             if limit is None or st is None or st.st_size <= limit:
-                old = rd.old(c)
+                old = rd.old(c, cap)
         if _is_blob(c.new_mode) and (limit is None or c.size <= limit):
-            new = rd.new(c)
+            new = rd.new(c, cap)
+        if limit is not None:
+            old = None if old is not None and len(old) > limit else old
+            new = None if new is not None and len(new) > limit else new
         return old, new
     finally:
         rd.close()

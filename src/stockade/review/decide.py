@@ -36,6 +36,7 @@ from ..changes.model import Change, Kind
 from ..changes.scan import ChangeSet, scan
 from ..errors import StockadeError, UsageError
 from ..session.store import Session
+from .data import SHOW_LIMIT
 
 
 @dataclass
@@ -109,8 +110,10 @@ def plan(cs: ChangeSet, files: dict[str, Any]) -> Plan:
             if not (stat.S_ISREG(c.old_mode or 0) and stat.S_ISREG(c.new_mode or 0)):
                 raise _bad(f"{path} is {c.kind} ({c.old_type} -> {c.new_type}): hunks are chosen only in a "
                            "modified file; approve or reject it whole")
-            old, new = read_sides(cs, c)
-            assert old is not None and new is not None
+            old, new = read_sides(cs, c, SHOW_LIMIT)  # (hunks are shown, and chosen, up to it)
+            if old is None or new is None:
+                raise _bad(f"hunks of {path}: it is larger than the page shows ({SHOW_LIMIT >> 20} MiB); "
+                           "approve or reject it whole")
             count = len(H.hunks(old, new))
             bad = [t for t in take if not 0 <= t < count]
             if bad:  # the fingerprint matched: the file is the one the page showed
