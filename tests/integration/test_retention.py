@@ -346,6 +346,23 @@ def test_sessions_go_by_age_but_unapplied_changes_stay(user: User, project: Path
     assert not (project / "unapplied.txt").exists()
 
 
+def test_a_snapshot_holding_changes_a_later_run_undid_keeps_its_session(user: User, project: Path) -> None:
+    """The merged view equals the project (a later run removed what an earlier one made),
+    but snapshot `good` still holds it, and `snapshot restore` brings it back: the session
+    holds unapplied changes (it was judged empty and went by age, the snapshot with it)."""
+    ok(user.cli(["run", "--session", "snap", "--", "sh", "-c", "echo precious > out.txt"], cwd=project))
+    ok(user.cli(["snapshot", "create", "good", "-s", "snap"], cwd=project))
+    ok(user.cli(["run", "--session", "snap", "--", "rm", "out.txt"], cwd=project))
+    age(user.state, "snap", 3 * DAY)
+    data = clean_json(user, project, "--older-than", "2d")
+    got = skipped(data)["snap"]
+    assert got["state"] == "has-changes" and "snapshot" in str(got["reason"]), got
+    assert "snap" in sessions(user.state)
+    ok(user.cli(["snapshot", "restore", "good", "-s", "snap"], cwd=project))
+    ok(user.cli(["apply", "snap"], cwd=project))
+    assert (project / "out.txt").read_text() == "precious\n"
+
+
 @pytest.mark.cli_paths
 def test_rollback_after_its_session_was_collected(user: User, project: Path) -> None:
     """An apply's journal is the state dir's, not the session's: collecting the applied

@@ -249,8 +249,26 @@ def _judge(sess: Session, pending: set[str], applied: set[str], *, scan: bool = 
     else:
         counts = None
     if counts is not None and not any(counts.values()):
+        kept = _snapshot_with_changes(sess) if scan else None
+        if kept is not None:
+            return replace(base, state="has-changes", changes=counts,
+                           reason=f"snapshot {kept} holds changes (a restore point) that later runs undid")
         return replace(base, state="applied" if sess.id in applied else "empty", changes=counts)
     return replace(base, state="has-changes", changes=counts)
+
+
+def _snapshot_with_changes(sess: Session) -> str | None:
+    """The name of a snapshot whose restore point (it and the layers below) differs from
+    the project, though the merged view does not (a later run undid it): `snapshot
+    restore` would bring it back, so the session is not empty. None if there is none."""
+    from .walk import walk
+
+    layers = sess.layers()
+    for k in range(len(layers) - 1, -1, -1):
+        c = walk(sess, classify=False, stack=layers[:k + 1]).counts()
+        if c.added or c.modified or c.deleted:
+            return layers[k].name
+    return None
 
 
 def disk_usage(path: str) -> int:
@@ -419,6 +437,7 @@ def _remove(sess: Session, *, include_unapplied: bool, older_than: float | None,
     if pending is None or applied is None:
         pending, applied = _journals()
     with sess.lock(wait=False):
+        pending = pending | _pending()  # (again, under its lock: an apply interrupted meanwhile needs it)
         try:
             info = _judge(sess, pending, applied, probe=False)
         except Unreadable as e:
@@ -429,7 +448,7 @@ def _remove(sess: Session, *, include_unapplied: bool, older_than: float | None,
             return Outcome(sess.id, "kept", info.state, info.age_s, "younger than the age asked for")
         if info.state == "has-changes" and not include_unapplied:
             return Outcome(sess.id, "skipped", info.state, info.age_s,
-                           f"unapplied changes (review: stockade diff {sess.id}; "
+                           f"{info.reason or 'unapplied changes'} (review: stockade diff {sess.id}; "
                            "--include-unapplied removes them)")
         if (unapplied(info) or info.state == "unreadable") and not include_unapplied:
             return Outcome(sess.id, "skipped", info.state, info.age_s,

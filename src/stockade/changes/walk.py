@@ -140,10 +140,11 @@ def _is_binary(root: Root, rel: str) -> bool:
 
 
 class Walker:
-    def __init__(self, session: Session, *, classify: bool = True) -> None:
+    def __init__(self, session: Session, *, classify: bool = True, stack: list[Path] | None = None) -> None:
         self.session = session
         self.project = session.project
-        self.stack = session.view_stack()  # (less a running sandbox's own snapshots)
+        # (less a running sandbox's own snapshots); ``stack``: the layers of a restore point
+        self.stack = session.view_stack() if stack is None else stack
         self.classify = classify
         self.out: list[Change] = []
         # project paths found absent or not directories: nothing below them needs a lookup
@@ -305,6 +306,7 @@ def _masked(c: Change) -> Change:
 
 
 @idrange.with_sandbox_ids(retry=True)
-def walk(session: Session, *, classify: bool = True) -> Changes:
-    """The session's changes. ``classify=False`` skips binary detection (faster)."""
-    return Walker(session, classify=classify).run()
+def walk(session: Session, *, classify: bool = True, stack: list[Path] | None = None) -> Changes:
+    """The session's changes. ``classify=False`` skips binary detection (faster);
+    ``stack``: of these layers instead (a snapshot's restore point: it and those below)."""
+    return Walker(session, classify=classify, stack=stack).run()
