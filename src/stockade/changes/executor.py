@@ -387,6 +387,17 @@ def _move_out_in(lr: Root, stack: list[Path], project: Root, path: str, li: int,
     return True
 
 
+def _layer_root(roots: dict[int, Root], stack: list[Path], li: int) -> Root | None:
+    """Layer ``li`` opened once per operation (kept in ``roots``), or None if it cannot be."""
+    lr = roots.get(li)
+    if lr is None:
+        try:
+            lr = roots[li] = Root(stack[li])
+        except OSError:
+            return None
+    return lr
+
+
 def tidy_dirs(stack: list[Path], project: Root, changes: Sequence[Change]) -> None:
     """Directories a discard emptied: drop them from the layers, restore modes. A layer's
     entries are the sandbox's: reached through directory fds with no symlink followed
@@ -398,12 +409,9 @@ def tidy_dirs(stack: list[Path], project: Root, changes: Sequence[Change]) -> No
                 continue
             hst = project.lstat(c.path)
             for li in range(len(stack)):
-                lr = roots.get(li)
+                lr = _layer_root(roots, stack, li)
                 if lr is None:
-                    try:
-                        lr = roots[li] = Root(stack[li])
-                    except OSError:
-                        continue
+                    continue
                 try:
                     pfd, name = lr.parent(c.path)
                     st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
@@ -462,12 +470,9 @@ def finish_moves(adir: Path, stack: list[Path], host: Root, moves: list[list[Any
                 continue
             dest = f"{removed}/{k}"
             if fresh or not os.path.lexists(dest):
-                lr = roots.get(li)
+                lr = _layer_root(roots, stack, li)
                 if lr is None:
-                    try:
-                        lr = roots[li] = Root(stack[li])
-                    except OSError:
-                        continue
+                    continue
                 _move_out_in(lr, stack, host, p, li, bool(dchange), dest, bool(reveal), checked)
             prog.note(f"m {k}")
             tick()
