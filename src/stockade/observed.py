@@ -491,6 +491,8 @@ class Classifier:
         its program out: Landlock then refuses it (the rules hold the listed paths'
         inodes, so the program is checked where it resolves to)."""
         allow = self.ctx.exec_allow or ()
+        if is_under(path, "/proc") or is_under(path, "/dev"):
+            return res  # (the sandbox's own: /proc/self/exe is not the host's to resolve)
         rp = self.resolver.realpath(path)
         if any(is_under(rp, a) for a in allow) or not os.path.lexists(rp):
             return res  # (a program that is not there fails ENOENT first: a PATH search's misses)

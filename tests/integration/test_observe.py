@@ -489,17 +489,18 @@ def test_an_exec_outside_the_allowlist_is_predicted_blocked(user: User, project:
                    if p.is_file() and not p.is_symlink() and os.access(p, os.X_OK))
     (project / "execs.py").write_text(EXECS)
     user.own(project)
-    progs = ["/usr/bin/true", outside, "/usr/sbin/no-such-program"]
+    progs = ["/usr/bin/true", outside, "/usr/sbin/no-such-program", "/proc/self/exe"]
     r = user.cli(["run", "--observe", "--exec-allow", "/usr/bin", "--", PY3, "execs.py", *progs], cwd=project)
     assert r.returncode == 0, r.stderr.decode()
     got = json.loads(r.stdout.decode().splitlines()[-1])
-    assert got == {"/usr/bin/true": 0, outside: errno.EACCES, "/usr/sbin/no-such-program": errno.ENOENT}, got
+    assert got == {"/usr/bin/true": 0, outside: errno.EACCES, "/usr/sbin/no-such-program": errno.ENOENT,
+                   "/proc/self/exe": 0}, got  # (python3 again: not the supervisor's, as on the host)
     sess = session_of(r.stderr)
     obs = observed_json(user, project, sess)
     denied = {d["target"]: d for d in obs["denied"] if d["operation"] == "observed-exec"}
     assert set(denied) == {outside}, denied
     assert denied[outside]["policy"] == "landlock" and "exec allowlist" in denied[outside]["reason"]
-    assert {"/usr/bin/true", "/usr/sbin/no-such-program"} <= set(obs["programs"])
+    assert {"/usr/bin/true", "/usr/sbin/no-such-program", "/proc/self/exe"} <= set(obs["programs"])
     s = user.cli(["policy", "suggest", sess], cwd=project)
     assert s.returncode == 0, s.stderr.decode()
     assert "/usr/sbin" in tomllib.loads(s.stdout.decode())["exec"]["allow"]
