@@ -159,6 +159,31 @@ def test_an_editors_save_during_the_apply_is_never_lost(
     assert {k: v for k, v in after.items() if k != "mod"} == {k: v for k, v in before.items() if k != "mod"}
 
 
+def test_hard_links_in_the_project_with_copied_backups_apply(
+        tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two paths of one inode (pnpm's node_modules): replacing the first moves the inode's
+    ctime, which must not read as an edit of the second (the check is mtime and size)."""
+    import errno as errno_mod
+
+    from stockade.changes import executor
+
+    b = Builder(tmp_path, {"a": "shared\n"})
+    os.link(b.project / "a", b.project / "b")
+    b.new_session()
+    b.up("a", "new a\n")
+    b.up("b", "new b\n")
+    real_link = os.link
+
+    def no_link(src: object, dst: object, *a: object, **k: object) -> None:
+        if "backups" in str(dst):
+            raise OSError(errno_mod.EXDEV, "cross-device")
+        real_link(src, dst, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(executor.os, "link", no_link)
+    scan(b.session).apply()
+    assert (b.project / "a").read_text() == "new a\n" and (b.project / "b").read_text() == "new b\n"
+
+
 def test_second_apply_of_same_path_is_not_a_conflict(tmp_path: Path, state_dir: Path) -> None:
     b = _changed(tmp_path)
     scan(b.session).apply(["mod"])

@@ -91,9 +91,10 @@ class Executor(Roots):
             op["backup"] = "copy"
         # what the file must still be right before the apply replaces or removes it
         # (``_still_backed_up``): the same inode (a hard-link backup is that inode, so an
-        # edit in place is in it too), and for a copy also unwritten since (its ctime)
+        # edit in place is in it too), and for a copy also unwritten since (its mtime and
+        # size; not its ctime, which another op moves when it replaces a hard link of it)
         st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-        old["seen"] = [st.st_dev, st.st_ino] + ([st.st_ctime_ns, st.st_size] if op["backup"] == "copy" else [])
+        old["seen"] = [st.st_dev, st.st_ino] + ([st.st_mtime_ns, st.st_size] if op["backup"] == "copy" else [])
 
     @staticmethod
     def _still_backed_up(old: dict[str, Any] | None, pfd: int, name: str, path: str) -> None:
@@ -107,7 +108,7 @@ class Executor(Roots):
             st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
         except FileNotFoundError:
             st = None
-        if st is None or [st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size][:len(seen)] != seen:
+        if st is None or [st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size][:len(seen)] != seen:
             raise NotDone(f"cannot apply {path}: it changed on the host while applying (nothing was "
                           "applied); review it and retry")
 
