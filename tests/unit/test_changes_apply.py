@@ -20,6 +20,22 @@ from tests.conftest import ROOT
 from tests.unit.test_changes_support import Builder, overlay_shell, tree_snapshot
 
 
+def copied_backups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backups as copies, as where the state directory is on another filesystem (EXDEV)."""
+    import errno as errno_mod
+
+    from stockade.changes import executor
+
+    real_link = os.link
+
+    def no_link(src: object, dst: object, *a: object, **k: object) -> None:
+        if "backups" in str(dst):
+            raise OSError(errno_mod.EXDEV, "cross-device")
+        real_link(src, dst, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(executor.os, "link", no_link)
+
+
 def _changed(tmp_path: Path) -> Builder:
     b = Builder(tmp_path, {"keep": "k\n", "mod": "old\n", "gone": "g\n", "d/x": "x\n", "tree/a": "a\n",
                            "tree/s/b": "b\n", "exe": "#!/bin/sh\n"})
@@ -122,21 +138,13 @@ def test_an_editors_save_during_the_apply_is_never_lost(
     meanwhile (a new file renamed over it; or, with a copied backup, bytes written in
     place) made a version no backup holds, which the op then replaced: the apply now
     stops before that op and undoes the rest."""
-    import errno as errno_mod
 
     from stockade.changes import executor
 
     b = _changed(tmp_path)
     before = tree_snapshot(b.project)
     if backup == "copy":
-        real_link = os.link
-
-        def no_link(src: object, dst: object, *a: object, **k: object) -> None:
-            if "backups" in str(dst):
-                raise OSError(errno_mod.EXDEV, "cross-device")
-            real_link(src, dst, *a, **k)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(executor.os, "link", no_link)
+        copied_backups(monkeypatch)
     do = executor.Executor.do
     saved: list[str] = []
 
@@ -163,23 +171,14 @@ def test_hard_links_in_the_project_with_copied_backups_apply(
         tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two paths of one inode (pnpm's node_modules): replacing the first moves the inode's
     ctime, which must not read as an edit of the second (the check is mtime and size)."""
-    import errno as errno_mod
 
-    from stockade.changes import executor
 
     b = Builder(tmp_path, {"a": "shared\n"})
     os.link(b.project / "a", b.project / "b")
     b.new_session()
     b.up("a", "new a\n")
     b.up("b", "new b\n")
-    real_link = os.link
-
-    def no_link(src: object, dst: object, *a: object, **k: object) -> None:
-        if "backups" in str(dst):
-            raise OSError(errno_mod.EXDEV, "cross-device")
-        real_link(src, dst, *a, **k)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(executor.os, "link", no_link)
+    copied_backups(monkeypatch)
     scan(b.session).apply()
     assert (b.project / "a").read_text() == "new a\n" and (b.project / "b").read_text() == "new b\n"
 
@@ -501,18 +500,11 @@ def test_copied_backups_are_on_disk_before_the_project_changes_and_until_the_rol
     EXDEV), it is a copy, fsynced (the project's syncfs does not reach it): a power loss
     must not leave an empty backup beside a replaced file. A rollback syncs the project
     before it deletes the backups, the restored files' only other copy."""
-    import errno as errno_mod
 
     from stockade.changes import executor
 
     b = _changed(tmp_path)
-    real_link = os.link
-
-    def no_link(src: object, dst: object, *a: object, **k: object) -> None:
-        if "backups" in str(dst):
-            raise OSError(errno_mod.EXDEV, "cross-device")
-        real_link(src, dst, *a, **k)  # type: ignore[arg-type]
-
+    copied_backups(monkeypatch)
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -522,7 +514,6 @@ def test_copied_backups_are_on_disk_before_the_project_changes_and_until_the_rol
 
     order: list[str] = []
     real_syncfs, real_rmtree = executor.syncfs, executor.shutil.rmtree
-    monkeypatch.setattr(executor.os, "link", no_link)
     monkeypatch.setattr(executor.os, "fsync", fsync)
     monkeypatch.setattr(executor, "syncfs", lambda fd: (order.append("syncfs"), real_syncfs(fd))[1])
     monkeypatch.setattr(executor.shutil, "rmtree",
