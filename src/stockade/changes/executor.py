@@ -133,11 +133,7 @@ class Executor(Roots):
                 raise NotDone(f"cannot apply {path}: it appeared on the host while applying; retry") from None
             self._own_new(pfd, name, True)
         elif kind == "chmod":
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-            try:
-                os.fchmod(fd, stat.S_IMODE(op["mode"]))
-            finally:
-                os.close(fd)
+            chmod_dir(pfd, name, op["mode"])
         elif kind == "write":
             self._still_backed_up(op["old"], pfd, name, path)
             tmp = self.tmpname(n)
@@ -216,14 +212,14 @@ class Executor(Roots):
             if cur is None:
                 os.mkdir(name, 0o700, dir_fd=pfd)
                 self._own_new(pfd, name, True)
-                self._chmod_dir(pfd, name, op["omode"])
+                chmod_dir(pfd, name, op["omode"])
         elif kind == "mkdir":
             if cur is not None and stat.S_ISDIR(cur.st_mode):
                 self.host.forget(path)
                 with contextlib.suppress(OSError):
                     os.rmdir(name, dir_fd=pfd)
         elif kind == "chmod" and cur is not None and stat.S_ISDIR(cur.st_mode):
-            self._chmod_dir(pfd, name, op["omode"])
+            chmod_dir(pfd, name, op["omode"])
 
     def _make_parents(self, path: str) -> None:
         """The directories above ``path`` that are gone from the host, made again (as
@@ -243,13 +239,6 @@ class Executor(Roots):
             pfd, name = self.host.parent(rel)
             os.mkdir(name, 0o777, dir_fd=pfd)  # (the umask applies, as with mkdir -p)
             self._own_new(pfd, name, True)
-
-    def _chmod_dir(self, pfd: int, name: str, mode: int) -> None:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-        try:
-            os.fchmod(fd, stat.S_IMODE(mode))
-        finally:
-            os.close(fd)
 
     def _restore(self, n: int, op: dict[str, Any], old: dict[str, Any], pfd: int, name: str,
                  cur: os.stat_result | None) -> None:
@@ -289,6 +278,16 @@ class Executor(Roots):
         os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=pfd)  # rename between two links of one inode does nothing
+
+
+def chmod_dir(pfd: int, name: str, mode: int) -> None:
+    """The mode bits of ``mode`` on directory ``name`` in ``pfd``, through an fd opened
+    without following a symlink (a name swapped meanwhile is not chmodded through)."""
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+    try:
+        os.fchmod(fd, stat.S_IMODE(mode))
+    finally:
+        os.close(fd)
 
 
 def puts_back(op: dict[str, Any]) -> bool:
@@ -422,11 +421,7 @@ def tidy_dirs(stack: list[Path], project: Root, changes: Sequence[Change]) -> No
                     continue
                 if hst is not None and stat.S_ISDIR(hst.st_mode):
                     if stat.S_IMODE(st.st_mode) != stat.S_IMODE(hst.st_mode):
-                        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-                        try:
-                            os.fchmod(fd, stat.S_IMODE(hst.st_mode))
-                        finally:
-                            os.close(fd)
+                        chmod_dir(pfd, name, hst.st_mode)
                 else:
                     try:
                         if expose(stack, li, project, c.path):
