@@ -20,11 +20,12 @@ import contextlib
 import ipaddress
 import os
 import stat
+import struct
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .audit import MAX_LINE, plain_fields
 from .redact import printable, terminal_safe
@@ -154,12 +155,18 @@ class Decided:
 
     dirs: dict[str, DecisionLike | None] = field(default_factory=dict)
     results: dict[tuple[int, str], tuple[str, str, str]] = field(default_factory=dict)  # (id(decision), access)
+    # a record's path as an earlier run named it (kind, access, raw bytes) -> what it was
+    # classified as: good while its directory resolves where it did, with the same Stamp
+    # (``Classifier._seen_still``). A command run again opens the same files: each is then
+    # one lookup, not a classification.
+    seen: dict[tuple[int, str, bytes], _Seen] = field(default_factory=dict)
 
     def bounded(self) -> Decided:
         """Itself, emptied first when it has grown past what one policy's runs need."""
-        if len(self.dirs) > _DECIDED_MAX:
+        if len(self.dirs) > _DECIDED_MAX or len(self.seen) > _DECIDED_MAX:
             self.dirs.clear()
             self.results.clear()
+            self.seen.clear()
         return self
 
 
@@ -170,6 +177,30 @@ _DECIDED_MAX = 100_000
 # while all four hold: a change of its entries moves mtime, and putting mtime back (tar,
 # rsync -a, touch -d) moves ctime.
 Stamp = tuple[int, int, int, int]
+
+
+class _Seen(NamedTuple):
+    """A path's classification kept for later runs (``Decided.seen``)."""
+
+    key: tuple[str, str, str]  # (operation, target, access): its aggregate's
+    result: tuple[str, str, str]
+    syscall: str
+    extra: tuple[tuple[str, str], ...]
+    d: str  # its directory as the command named it
+    rd: str  # where that resolved on the host
+    stamp: Stamp  # rd's, no newer than the racy margin when kept
+    json: list[tuple[str, str]]  # its line's parts (``_parts``), once made: [] or one
+
+
+class RawLayout(NamedTuple):
+    """The records' format as the supervisor's loop hands them over
+    (``linux.seccomp.observe``): the header (length, kind, flags, pid, nr, err, data
+    length, arg) its path or address follows, the name of a syscall number, and a
+    record made of the fields (for the general path)."""
+
+    header: struct.Struct
+    syscall: Callable[[int], str]
+    record: Callable[[int, int, int, int, int, int, bytes], RecordLike]
 
 
 class _Resolver:
@@ -436,7 +467,11 @@ class Classifier:
         """``decided``: what earlier runs of the same policy decided (``Decided``)."""
         self.ctx = ctx
         self.kinds = {v: k for k, v in ctx.kinds.items()}
+        decided = (decided or Decided()).bounded()
         self.resolver = _Resolver(ctx, decided)
+        self.seen = decided.seen
+        # a directory a kept classification names -> (where it resolves now, its Stamp now)
+        self.dir_now: dict[str, tuple[str, Stamp | None]] = {}
         self.aggs: dict[tuple[str, str, str], _Agg] = {}
         # a recorded directory -> (its uniform decision, the directory it resolves to), or
         # None: not uniform
@@ -466,14 +501,18 @@ class Classifier:
                     k = (op, target, access)
                     a = aggs.get(k)
                     if a is None:
-                        res = self._quick(target, access) or _path_result(ctx, target, access, self.resolver)
-                        if access == "exec" and ctx.exec_allow is not None and res[0] == "allowed":
+                        quick = self._quick(target, access)
+                        res = quick or _path_result(ctx, target, access, self.resolver)
+                        listed = access == "exec" and ctx.exec_allow is not None
+                        if listed and res[0] == "allowed":
                             res = self._exec_allowed(target, res)
                         extra: dict[str, Any] = {}
                         if res[0] == "blocked" and " resolves to " in res[2]:
                             extra = {"resolved": res[2].split(" resolves to ", 1)[1].split(" on the host:", 1)[0]}
                         a = aggs[k] = touched[k] = _Agg(op, target, res[0], res[1], res[2], access, r.syscall, 1,
                                                         [r.pid], extra)
+                        if quick is not None and not listed:  # (the allowlist's answer reads the file's own path)
+                            self._keep_seen(r.kind, r.data, a)
                         continue
                 else:
                     k, a = self._other(r, kinds.get(r.kind, ""))
@@ -485,6 +524,76 @@ class Classifier:
                 self.failed += 1
                 if self.first_error is None:
                     self.first_error = f"{type(e).__name__}: {e}"[:300]
+
+    def feed_raw(self, buf: bytes, layout: RawLayout) -> int:
+        """``feed`` of the whole records at the start of ``buf`` as the supervisor's loop
+        hands them over (``layout``), the bytes taken. A path an earlier run classified,
+        in a directory that resolves where it did and is unchanged since (``Decided.seen``),
+        is one lookup and no record object: the bulk of a command run again."""
+        ctx, aggs, touched, seen = self.ctx, self.aggs, self.touched, self.seen
+        size, unpack = layout.header.size, layout.header.unpack_from
+        open_kind = ctx.kinds.get("open")
+        # (an exec under an exec allowlist is answered by the program's own path: never kept)
+        exec_kind = ctx.kinds.get("exec") if ctx.exec_allow is None else None
+        skip = ctx.unreadable_flag | ctx.relative_flag
+        accesses, still = self._accesses, self._seen_still
+        off, n = 0, len(buf)
+        while off + size <= n:
+            ln, kind, flags, pid, nr, err, dlen, arg = unpack(buf, off)
+            if ln != size + dlen or off + ln > n:
+                break
+            raw = buf[off + size:off + ln]
+            off += ln
+            if kind in (open_kind, exec_kind) and not flags & skip:
+                try:
+                    access = "exec" if kind == exec_kind else (
+                        accesses.get(arg) or accesses.setdefault(arg, access_of(arg)))
+                    s = seen.get((kind, access, raw))
+                    if s is not None and still(s):
+                        k = s.key
+                        a = aggs.get(k)
+                        if a is None:
+                            r3, j = s.result, s.json
+                            a = aggs[k] = touched[k] = _Agg(k[0], k[1], r3[0], r3[1], r3[2], access, s.syscall, 1,
+                                                            [pid], dict(s.extra), j[0] if j else None)
+                            if not j:
+                                j.append(_parts(a))
+                        else:
+                            a.count += 1
+                            if len(a.pids) < MAX_PIDS and pid not in a.pids:
+                                a.pids.append(pid)
+                            touched[k] = a
+                        continue
+                except Exception:
+                    pass  # (the general path below says what failed)
+            self.feed((layout.record(kind, flags, pid, nr, err, arg, raw),))
+        return off
+
+    def _keep_seen(self, kind: int, raw: bytes, a: _Agg) -> None:
+        """``a``'s classification kept for later runs (``Decided.seen``), when its
+        directory's Stamp is old enough to tell a later change: a change of its names
+        moves its ctime to a later tick than one this far back (``_RACY_NS``)."""
+        i = a.target.rfind("/")
+        d = a.target[:i] or "/"
+        m = self.dir_memo.get(d)
+        if m is None:
+            return
+        rd = m[1]
+        stamp = self.resolver.stamp.get(rd)
+        if stamp is None or time.time_ns() - stamp[3] < _RACY_NS:
+            return
+        self.seen[(kind, a.access, raw)] = _Seen((a.operation, a.target, a.access), (a.result, a.policy, a.reason),
+                                                 a.syscall, tuple(a.extra.items()), d, rd, stamp, [])
+
+    def _seen_still(self, s: _Seen) -> bool:
+        """Whether a kept classification holds in this run: its directory resolves to the
+        same host directory, unchanged (its Stamp: no name in it made, removed or
+        retargeted since)."""
+        now = self.dir_now.get(s.d)
+        if now is None:
+            rd = self.resolver.realpath(s.d)
+            now = self.dir_now[s.d] = (rd, self.resolver.stamp.get(rd))
+        return now[0] == s.rd and now[1] == s.stamp
 
     def _exec_allowed(self, path: str, res: tuple[str, str, str]) -> tuple[str, str, str]:
         """``res`` for an exec the walls let through, unless the exec allowlist leaves
@@ -622,35 +731,46 @@ _LINE_PARTS: dict[tuple[object, ...], tuple[str, str]] = {}
 _LINE_PARTS_MAX = 50_000
 
 
+def _parts(a: _Agg) -> tuple[str, str]:
+    """``a``'s line's fields before and after its count and pids (``_Agg.json``), made
+    once per set of fields (``_LINE_PARTS``)."""
+    j = a.json
+    if j is not None:
+        return j
+    key: tuple[object, ...] = (a.operation, a.target, a.result, a.policy, a.reason, a.access, a.syscall,
+                               *a.extra.items())
+    try:
+        j = _LINE_PARTS.get(key)
+    except TypeError:  # (an unhashable extra)
+        key = ()
+    if j is None:
+        head = plain_fields((("operation", a.operation), ("target", a.target), ("result", a.result),
+                             ("policy", a.policy), ("reason", a.reason)), extra=False)
+        mid = plain_fields((("access", a.access), ("syscall", a.syscall)))
+        tail = plain_fields((("basis", "predicted"), *a.extra.items()))
+        j = (head + mid, tail) if head is not None and mid is not None and tail is not None else ("", "")
+        if key:
+            if len(_LINE_PARTS) >= _LINE_PARTS_MAX:
+                _LINE_PARTS.clear()
+            _LINE_PARTS[key] = j
+    a.json = j
+    return j
+
+
 def line_of(a: _Agg, log: LineMaker, run: int, start: str | None = None) -> bytes:
     """``log.render`` of ``event_of(a)`` (run=run), byte for byte (a test compares them),
     from the aggregate's other fields rendered once. ``start``: ``log.line_start(run)``
     made once for a batch of lines (their timestamp)."""
-    j = a.json
-    if j is None:
-        key: tuple[object, ...] = (a.operation, a.target, a.result, a.policy, a.reason, a.access, a.syscall,
-                                   *a.extra.items())
-        try:
-            j = _LINE_PARTS.get(key)
-        except TypeError:  # (an unhashable extra)
-            key = ()
-        if j is None:
-            head = plain_fields((("operation", a.operation), ("target", a.target), ("result", a.result),
-                                 ("policy", a.policy), ("reason", a.reason)), extra=False)
-            mid = plain_fields((("access", a.access), ("syscall", a.syscall)))
-            tail = plain_fields((("basis", "predicted"), *a.extra.items()))
-            j = (head + mid, tail) if head is not None and mid is not None and tail is not None else ("", "")
-            if key:
-                if len(_LINE_PARTS) >= _LINE_PARTS_MAX:
-                    _LINE_PARTS.clear()
-                _LINE_PARTS[key] = j
-        a.json = j
+    j = a.json or _parts(a)
     if start is None:
         start = log.line_start(run)
-    if j[0] and start is not None and len(a.pids) <= MAX_PIDS and all(type(p) is int for p in a.pids):
-        line = (start + j[0] + ',"count":' + int.__repr__(a.count) + ',"host_pids":['
-                + ",".join(map(int.__repr__, a.pids)) + "]" + j[1] + "}\n").encode("utf-8")
-        if len(line) <= MAX_LINE:
+    if j[0] and start is not None and len(a.pids) <= MAX_PIDS:
+        try:  # (int.__repr__: a pid that is no int is refused, a bool written as a number)
+            line = (start + j[0] + ',"count":' + int.__repr__(a.count) + ',"host_pids":['
+                    + ",".join(map(int.__repr__, a.pids)) + "]" + j[1] + "}\n").encode("utf-8")
+        except TypeError:
+            line = b""
+        if 0 < len(line) <= MAX_LINE:
             return line
     ev = event_of(a)
     return log.render(ev.pop("operation"), ev.pop("target"), ev.pop("result"), run=run, **ev)

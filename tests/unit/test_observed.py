@@ -682,6 +682,94 @@ def test_a_soname_retargeted_out_of_its_directory_is_seen_in_the_next_run(var_tm
     assert result()[0] == "blocked"
 
 
+LAYOUT = observed.RawLayout(kobs.REC, kobs.syscall_name, kobs.Record)
+
+
+@pytest.mark.parametrize("change", ["file-to-link", "mtime-put-back", "soname-retargeted", "dir-retargeted", "none"])
+def test_a_kept_classification_is_one_lookup_until_its_directory_changes(var_tmp: Path, change: str) -> None:
+    """A path an earlier run of the same policy classified (``Decided.seen``) is taken
+    as it was, with no decision and no record object, while its directory resolves to
+    the same host directory with the same Stamp; a name made a link, a soname pointed
+    elsewhere (its mtime put back or not), a directory link retargeted: the next run
+    classifies it again, and agrees with the general path. An exec under an exec
+    allowlist is never kept (its answer reads the program's own path)."""
+    sysd = var_tmp / "sys"
+    for d in ("lib", "other"):
+        (sysd / d).mkdir(parents=True)
+    (sysd / "lib" / "a.so").write_text("x")
+    (sysd / "lib" / "libx.so.1.0").write_text("x")
+    (sysd / "lib" / "libx.so.1").symlink_to("libx.so.1.0")
+    (var_tmp / "secret").mkdir()
+    (var_tmp / "secret" / ".env").write_text("x")
+    (sysd / "other" / "a.so").symlink_to(var_tmp / "secret" / ".env")
+    (sysd / "linked").symlink_to("lib")
+    old = time.time() - 60  # old directories: not "racy"
+    for d in (sysd / "lib", sysd / "other", sysd):
+        os.utime(d, (old, old), follow_symlinks=False)
+    racy = 50_000_000  # (their ctimes are now's: what is kept needs them this old)
+    time.sleep(racy * 2 / 1e9)
+    base = ctx(var_tmp)
+
+    def why(p: str) -> D:
+        if observed.is_under(p, str(sysd)):
+            return D(p, True, "ro", "visible read-only: system directory")
+        return base.why(p)  # type: ignore[return-value]
+
+    c = observed.Context(**{**base.__dict__, "why": why, "uniform": lambda d: observed.is_under(d, str(sysd)),
+                            "exec_allow": (str(sysd / "other"),)})
+    paths = [f"{sysd}/lib/a.so", f"{sysd}/lib/libx.so.1", f"{sysd}/linked/a.so"]
+    data = b"".join(rec(kobs.KIND_OPEN, p.encode(), arg=fl) for p in paths for fl in (os.O_RDONLY, os.O_RDWR))
+    data += rec(kobs.KIND_EXEC, f"{sysd}/lib/a.so".encode(), nr=NRS["execve"])
+    dec = observed.Decided()
+    calls: list[str] = []
+    real_quick = observed.Classifier._quick
+
+    def quick(self: observed.Classifier, path: str, access: str) -> tuple[str, str, str] | None:
+        calls.append(path)
+        return real_quick(self, path, access)
+
+    def run() -> dict[tuple[str, str, str], tuple[str, str, str, str, int]]:
+        calls.clear()
+        cl = observed.Classifier(c, dec)
+        with mock.patch.object(observed.Classifier, "_quick", quick), mock.patch.object(observed, "_RACY_NS", racy):
+            assert cl.feed_raw(data + rec(kobs.KIND_OPEN, b"/torn")[:-2], LAYOUT) == len(data)
+        return {k: (a.result, a.policy, a.reason, a.syscall, a.count) for k, a in cl.aggs.items()}
+
+    def general() -> dict[tuple[str, str, str], tuple[str, str, str, str, int]]:
+        cl = observed.Classifier(c)
+        cl.feed(kobs.parse_records(data)[0])
+        return {k: (a.result, a.policy, a.reason, a.syscall, a.count) for k, a in cl.aggs.items()}
+
+    first = run()
+    assert first == general()
+    assert len(calls) == 7  # every path classified
+    assert {k[1] for k in dec.seen} == {"read", "write"}  # (the exec is the allowlist's: not kept)
+    assert run() == first
+    assert calls == [f"{sysd}/lib/a.so"]  # only the exec: the rest were one lookup each
+    a_so = {f"{sysd}/lib/a.so", f"{sysd}/linked/a.so"}  # (one file, named through the link too)
+    targets = {"file-to-link": a_so, "mtime-put-back": a_so, "soname-retargeted": {f"{sysd}/lib/libx.so.1"},
+               "dir-retargeted": {f"{sysd}/linked/a.so"}}.get(change, set())
+    if change in ("file-to-link", "mtime-put-back"):
+        before = os.stat(sysd / "lib").st_mtime_ns
+        (sysd / "lib" / "a.so").unlink()
+        (sysd / "lib" / "a.so").symlink_to(var_tmp / "secret" / ".env")
+        if change == "mtime-put-back":
+            os.utime(sysd / "lib", ns=(before, before))
+    elif change == "soname-retargeted":
+        (sysd / "lib" / "libx.so.1").unlink()
+        (sysd / "lib" / "libx.so.1").symlink_to(var_tmp / "secret" / ".env")
+    elif change == "dir-retargeted":
+        (sysd / "linked").unlink()
+        (sysd / "linked").symlink_to("other")
+        os.utime(sysd, (old, old))  # (its own Stamp put back: what changed is where the link leads)
+    time.sleep(racy * 2 / 1e9)  # (a later run would keep the new answers: the same either way)
+    got = run()
+    assert got == general()
+    changed = {k[1] for k, v in got.items() if v[0] != first[k][0]}
+    assert changed == targets
+    assert all(got[k][0] == "blocked" for k in got if k[1] in targets)
+
+
 def test_a_path_deeper_than_the_recursion_limit_is_classified(var_tmp: Path) -> None:
     """Thousands of components (a command's to choose: no such file needs to exist) are
     resolved and decided iteratively, in a uniform tree and out of one, as one level is."""

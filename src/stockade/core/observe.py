@@ -87,8 +87,6 @@ class RunObserve:
         """Classify the records handed over since the last call (the supervisor's loop
         calls it on its timer, ``supervise.PUMP_EVERY``; the run's end once more).
         Whether there were any."""
-        from ..linux.seccomp import observe as kobs
-
         if not isinstance(self.ll_audit, str):
             self.ll_audit.drain()  # (other processes' records too: the socket's buffer is bounded)
         data = self.observer.take()
@@ -97,7 +95,7 @@ class RunObserve:
         if self.classifier is None or self.error is not None or not data:
             return bool(data)
         try:
-            self.classifier.feed(kobs.parse_records(data)[0])
+            self.classifier.feed_raw(data, _layout())
             self._prerender()
         except Exception as e:  # never lose the run to its log
             self.error = f"classify: {e}"
@@ -247,6 +245,19 @@ def _observed() -> Any:
 
         _OBSERVED = observed
     return _OBSERVED
+
+
+_LAYOUT: Any = None
+
+
+def _layout() -> Any:
+    """``observed.RawLayout`` of the records csrc/observe.c hands over."""
+    global _LAYOUT
+    if _LAYOUT is None:
+        from ..linux.seccomp import observe as kobs
+
+        _LAYOUT = _observed().RawLayout(kobs.REC, kobs.syscall_name, kobs.Record)
+    return _LAYOUT
 
 
 def observed_under(path: str, root: str) -> bool:

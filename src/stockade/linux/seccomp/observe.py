@@ -177,6 +177,12 @@ def parse_records(buf: bytes) -> tuple[list[Record], int]:
     return out, off
 
 
+def syscall_name(nr: int) -> str:
+    """A syscall number's name on this machine (its number when observe mode has none)."""
+    return Record(0, 0, 0, nr, 0, 0, b"").syscall
+
+
+
 def sockaddr(data: bytes) -> tuple[str, str, int | None]:
     """(family, address, port) of a raw sockaddr: ("inet", "10.0.0.1", 443),
     ("inet6", "::1", 80), ("unix", "/run/x.sock" or "@abstract", None), or
