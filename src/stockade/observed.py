@@ -511,8 +511,8 @@ class Classifier:
                             extra = {"resolved": res[2].split(" resolves to ", 1)[1].split(" on the host:", 1)[0]}
                         a = aggs[k] = touched[k] = _Agg(op, target, res[0], res[1], res[2], access, r.syscall, 1,
                                                         [r.pid], extra)
-                        if quick is not None and not listed:  # (the allowlist's answer reads the file's own path)
-                            self._keep_seen(r.kind, r.data, a)
+                        if not listed:  # (the allowlist's answer reads the file's own path)
+                            self._keep_seen(r.kind, r.data, a, quick is not None)
                         continue
                 else:
                     k, a = self._other(r, kinds.get(r.kind, ""))
@@ -569,17 +569,28 @@ class Classifier:
             self.feed((layout.record(kind, flags, pid, nr, err, arg, raw),))
         return off
 
-    def _keep_seen(self, kind: int, raw: bytes, a: _Agg) -> None:
+    def _keep_seen(self, kind: int, raw: bytes, a: _Agg, quick: bool) -> None:
         """``a``'s classification kept for later runs (``Decided.seen``), when its
         directory's Stamp is old enough to tell a later change: a change of its names
-        moves its ctime to a later tick than one this far back (``_RACY_NS``)."""
+        moves its ctime to a later tick than one this far back (``_RACY_NS``). One the
+        quick path made (``_quick``: its directory's memo says where it resolves), or the
+        general path for a path that is no special case and no symlink (its result is
+        then the policy's for where its directory resolves)."""
+        res = self.resolver
         i = a.target.rfind("/")
         d = a.target[:i] or "/"
-        m = self.dir_memo.get(d)
-        if m is None:
-            return
-        rd = m[1]
-        stamp = self.resolver.stamp.get(rd)
+        if quick:
+            m = self.dir_memo.get(d)
+            if m is None:
+                return
+            rd = m[1]
+        else:
+            if a.target.startswith(res.special):
+                return  # (decided by the sandbox's own view, or by this run's facts)
+            rd = res.realpath(d)
+            if res.realpath(a.target) != rd.rstrip("/") + "/" + a.target[i + 1:]:
+                return  # (a link: where it leads is in no Stamp of this directory's)
+        stamp = res.stamp.get(rd)
         if stamp is None or time.time_ns() - stamp[3] < _RACY_NS:
             return
         self.seen[(kind, a.access, raw)] = _Seen((a.operation, a.target, a.access), (a.result, a.policy, a.reason),

@@ -685,17 +685,22 @@ def test_a_soname_retargeted_out_of_its_directory_is_seen_in_the_next_run(var_tm
 LAYOUT = observed.RawLayout(kobs.REC, kobs.syscall_name, kobs.Record)
 
 
-@pytest.mark.parametrize("change", ["file-to-link", "mtime-put-back", "soname-retargeted", "dir-retargeted", "none"])
+@pytest.mark.parametrize("change", ["file-to-link", "mtime-put-back", "soname-retargeted", "dir-retargeted",
+                                    "general-file-to-link", "none"])
 def test_a_kept_classification_is_one_lookup_until_its_directory_changes(var_tmp: Path, change: str) -> None:
     """A path an earlier run of the same policy classified (``Decided.seen``) is taken
     as it was, with no decision and no record object, while its directory resolves to
     the same host directory with the same Stamp; a name made a link, a soname pointed
     elsewhere (its mtime put back or not), a directory link retargeted: the next run
-    classifies it again, and agrees with the general path. An exec under an exec
+    classifies it again, and agrees with the general path. The same for a file of a
+    directory that is not uniform (the general path's answer), unless the file is a
+    link (where it leads is no Stamp of its directory's). An exec under an exec
     allowlist is never kept (its answer reads the program's own path)."""
     sysd = var_tmp / "sys"
-    for d in ("lib", "other"):
+    for d in ("lib", "other", "gen"):
         (sysd / d).mkdir(parents=True)
+    (sysd / "gen" / "b.cfg").write_text("x")
+    (sysd / "gen" / "link").symlink_to("../lib/a.so")
     (sysd / "lib" / "a.so").write_text("x")
     (sysd / "lib" / "libx.so.1.0").write_text("x")
     (sysd / "lib" / "libx.so.1").symlink_to("libx.so.1.0")
@@ -704,7 +709,7 @@ def test_a_kept_classification_is_one_lookup_until_its_directory_changes(var_tmp
     (sysd / "other" / "a.so").symlink_to(var_tmp / "secret" / ".env")
     (sysd / "linked").symlink_to("lib")
     old = time.time() - 60  # old directories: not "racy"
-    for d in (sysd / "lib", sysd / "other", sysd):
+    for d in (sysd / "lib", sysd / "other", sysd / "gen", sysd):
         os.utime(d, (old, old), follow_symlinks=False)
     racy = 50_000_000  # (their ctimes are now's: what is kept needs them this old)
     time.sleep(racy * 2 / 1e9)
@@ -715,9 +720,12 @@ def test_a_kept_classification_is_one_lookup_until_its_directory_changes(var_tmp
             return D(p, True, "ro", "visible read-only: system directory")
         return base.why(p)  # type: ignore[return-value]
 
-    c = observed.Context(**{**base.__dict__, "why": why, "uniform": lambda d: observed.is_under(d, str(sysd)),
-                            "exec_allow": (str(sysd / "other"),)})
-    paths = [f"{sysd}/lib/a.so", f"{sysd}/lib/libx.so.1", f"{sysd}/linked/a.so"]
+    def uniform(d: str) -> bool:
+        return observed.is_under(d, str(sysd)) and not observed.is_under(d, str(sysd / "gen"))
+
+    c = observed.Context(**{**base.__dict__, "why": why, "uniform": uniform, "exec_allow": (str(sysd / "other"),)})
+    paths = [f"{sysd}/lib/a.so", f"{sysd}/lib/libx.so.1", f"{sysd}/linked/a.so", f"{sysd}/gen/b.cfg",
+             f"{sysd}/gen/link"]
     data = b"".join(rec(kobs.KIND_OPEN, p.encode(), arg=fl) for p in paths for fl in (os.O_RDONLY, os.O_RDWR))
     data += rec(kobs.KIND_EXEC, f"{sysd}/lib/a.so".encode(), nr=NRS["execve"])
     dec = observed.Decided()
@@ -728,10 +736,19 @@ def test_a_kept_classification_is_one_lookup_until_its_directory_changes(var_tmp
         calls.append(path)
         return real_quick(self, path, access)
 
+    general_calls: list[str] = []
+    real_path_result = observed._path_result
+
+    def path_result(*a: Any, **kw: Any) -> tuple[str, str, str]:
+        general_calls.append(a[1])
+        return real_path_result(*a, **kw)
+
     def run() -> dict[tuple[str, str, str], tuple[str, str, str, str, int]]:
         calls.clear()
+        general_calls.clear()
         cl = observed.Classifier(c, dec)
-        with mock.patch.object(observed.Classifier, "_quick", quick), mock.patch.object(observed, "_RACY_NS", racy):
+        with mock.patch.object(observed.Classifier, "_quick", quick), mock.patch.object(observed, "_RACY_NS", racy), \
+                mock.patch.object(observed, "_path_result", path_result):
             assert cl.feed_raw(data + rec(kobs.KIND_OPEN, b"/torn")[:-2], LAYOUT) == len(data)
         return {k: (a.result, a.policy, a.reason, a.syscall, a.count) for k, a in cl.aggs.items()}
 
@@ -742,13 +759,16 @@ def test_a_kept_classification_is_one_lookup_until_its_directory_changes(var_tmp
 
     first = run()
     assert first == general()
-    assert len(calls) == 7  # every path classified
+    assert len(calls) == 11  # every path classified
     assert {k[1] for k in dec.seen} == {"read", "write"}  # (the exec is the allowlist's: not kept)
     assert run() == first
-    assert calls == [f"{sysd}/lib/a.so"]  # only the exec: the rest were one lookup each
+    # only the exec and the link of the directory that is not uniform: the rest were one lookup each
+    assert sorted(set(calls)) == [f"{sysd}/gen/link", f"{sysd}/lib/a.so"]
+    assert set(general_calls) == {f"{sysd}/gen/link"}
     a_so = {f"{sysd}/lib/a.so", f"{sysd}/linked/a.so"}  # (one file, named through the link too)
-    targets = {"file-to-link": a_so, "mtime-put-back": a_so, "soname-retargeted": {f"{sysd}/lib/libx.so.1"},
-               "dir-retargeted": {f"{sysd}/linked/a.so"}}.get(change, set())
+    targets = {"file-to-link": a_so | {f"{sysd}/gen/link"}, "mtime-put-back": a_so | {f"{sysd}/gen/link"},
+               "soname-retargeted": {f"{sysd}/lib/libx.so.1"}, "dir-retargeted": {f"{sysd}/linked/a.so"},
+               "general-file-to-link": {f"{sysd}/gen/b.cfg"}}.get(change, set())
     if change in ("file-to-link", "mtime-put-back"):
         before = os.stat(sysd / "lib").st_mtime_ns
         (sysd / "lib" / "a.so").unlink()
@@ -758,6 +778,9 @@ def test_a_kept_classification_is_one_lookup_until_its_directory_changes(var_tmp
     elif change == "soname-retargeted":
         (sysd / "lib" / "libx.so.1").unlink()
         (sysd / "lib" / "libx.so.1").symlink_to(var_tmp / "secret" / ".env")
+    elif change == "general-file-to-link":
+        (sysd / "gen" / "b.cfg").unlink()
+        (sysd / "gen" / "b.cfg").symlink_to(var_tmp / "secret" / ".env")
     elif change == "dir-retargeted":
         (sysd / "linked").unlink()
         (sysd / "linked").symlink_to("other")
