@@ -574,8 +574,9 @@ class Classifier:
         directory's Stamp is old enough to tell a later change: a change of its names
         moves its ctime to a later tick than one this far back (``_RACY_NS``). One the
         quick path made (``_quick``: its directory's memo says where it resolves), or the
-        general path for a path that is no special case and no symlink (its result is
-        then the policy's for where its directory resolves)."""
+        general path for a path that is no symlink (its result is then the plan's for the
+        path and where its directory resolves: a PATH search's misses in $HOME, a grant's
+        files), out of /proc and /dev (the sandbox's own: decided with no host lookup)."""
         res = self.resolver
         i = a.target.rfind("/")
         d = a.target[:i] or "/"
@@ -585,8 +586,8 @@ class Classifier:
                 return
             rd = m[1]
         else:
-            if a.target.startswith(res.special):
-                return  # (decided by the sandbox's own view, or by this run's facts)
+            if is_under(a.target, "/proc") or is_under(a.target, "/dev"):
+                return
             rd = res.realpath(d)
             if res.realpath(a.target) != rd.rstrip("/") + "/" + a.target[i + 1:]:
                 return  # (a link: where it leads is in no Stamp of this directory's)

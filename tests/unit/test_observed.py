@@ -793,6 +793,42 @@ def test_a_kept_classification_is_one_lookup_until_its_directory_changes(var_tmp
     assert all(got[k][0] == "blocked" for k in got if k[1] in targets)
 
 
+def test_a_path_search_miss_in_home_is_kept_until_its_directory_changes(var_tmp: Path) -> None:
+    """A PATH search's misses in $HOME (``/root/.cargo/bin/true``: every run of a command
+    tries them) are the general path's, kept like the rest while the directory they
+    would be in is unchanged; the sandbox's own /proc and /dev paths are never kept
+    (decided with no host lookup: a host Stamp says nothing of them)."""
+    home = var_tmp / "home"
+    (home / "bin").mkdir(parents=True)
+    old = time.time() - 60
+    os.utime(home / "bin", (old, old))
+    time.sleep(0.1)
+    base = ctx(var_tmp)
+    c = observed.Context(**{**base.__dict__, "home": str(home)})
+    paths = [f"{home}/bin/tool", "/proc/self/status", "/dev/null"]
+    data = b"".join(rec(kobs.KIND_OPEN, p.encode()) for p in paths)
+    dec = observed.Decided()
+    general_calls: list[str] = []
+    real_path_result = observed._path_result
+
+    def path_result(*a: Any, **kw: Any) -> tuple[str, str, str]:
+        general_calls.append(a[1])
+        return real_path_result(*a, **kw)
+
+    def run() -> list[str]:
+        general_calls.clear()
+        cl = observed.Classifier(c, dec)
+        with mock.patch.object(observed, "_RACY_NS", 50_000_000), mock.patch.object(observed, "_path_result", path_result):
+            cl.feed_raw(data, LAYOUT)
+        assert {a.target: a.result for a in cl.aggs.values()}[f"{home}/bin/tool"] == "blocked"
+        return sorted(general_calls)
+
+    assert run() == sorted(paths)
+    assert run() == ["/dev/null", "/proc/self/status"]
+    (home / "bin" / "tool").write_text("x")
+    assert f"{home}/bin/tool" in run()
+
+
 def test_a_path_deeper_than_the_recursion_limit_is_classified(var_tmp: Path) -> None:
     """Thousands of components (a command's to choose: no such file needs to exist) are
     resolved and decided iteratively, in a uniform tree and out of one, as one level is."""
