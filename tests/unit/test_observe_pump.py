@@ -4,7 +4,9 @@ once init is gone (the run's end takes the rest)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 from stockade.core import supervise
 from stockade.core.supervise import PUMP_EVERY, PUMP_IDLE, Supervisor
@@ -46,3 +48,37 @@ def test_the_timer_follows_the_records() -> None:
     calls = feed.calls
     assert due(sup, at + 10) is None and feed.calls == calls  # init gone: the end takes the rest
     assert supervise.PUMP_EVERY < supervise.PUMP_IDLE
+
+
+def test_a_session_is_marked_observed_and_its_meta_read_again_only_when_rewritten(tmp_path: Path) -> None:
+    """Every observed run marks its session (kept for its log); a run of a session this
+    process marked reads its meta.json again only when it is not the file marked (a
+    rewrite without the mark, a session made again under the name)."""
+    from stockade.core import observe as cobs
+    from stockade.session import store
+
+    sess = store.Session("s1", tmp_path / "s1")
+    sess.dir.mkdir()
+    store.write_json_atomic(sess.meta_path, {"project": "/p"})
+    reads = []
+    real_meta = store.Session.meta
+
+    def meta(self: store.Session) -> dict[str, object]:
+        reads.append(1)
+        return real_meta(self)
+
+    def mark() -> None:
+        ro = object.__new__(cobs.RunObserve)
+        ro._sess = sess
+        ro._marked = False
+        with mock.patch.object(store.Session, "meta", meta):
+            ro._mark_session()
+
+    mark()
+    assert sess.meta().get("observed") is True and reads
+    n = len(reads)
+    mark()
+    assert len(reads) == n  # the file marked: not read again
+    store.write_json_atomic(sess.meta_path, {"project": "/p"})  # rewritten without the mark
+    mark()
+    assert sess.meta().get("observed") is True and len(reads) > n

@@ -114,11 +114,18 @@ class RunObserve:
     def _mark_session(self) -> None:
         """The session is marked observed: kept after the run even with no change (its
         log is what it ran for). Once, from the first pump while the command runs (the
-        run's end, if it never pumped)."""
+        run's end, if it never pumped); read again only when its meta.json is not the
+        one this process marked (a session's every observed run would read it)."""
         self._marked = True
+        path = str(self._sess.meta_path)
         with contextlib.suppress(StockadeError, OSError, ValueError):
+            if _MARKED.get(path) == _file_sig(path):
+                return
             if not self._sess.meta().get("observed"):
                 self._sess.update_meta(observed=True)
+            if len(_MARKED) >= 1000:
+                _MARKED.clear()
+            _MARKED[path] = _file_sig(path)
 
     def _prerender(self) -> None:
         """Make the lines of the events changed since the last batch (at most the number
@@ -232,6 +239,16 @@ class RunObserve:
         """The run is over (or failed to start): end both threads."""
         self._end()
         self._landlock()  # the sandbox is gone: its last records are on their way
+
+
+# meta.json files this process marked observed -> their (inode, mtime, size) then: a
+# rewrite (write_json_atomic replaces the file) or another session of the name reads it again
+_MARKED: dict[str, tuple[int, int, int]] = {}
+
+
+def _file_sig(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 _OBSERVED: Any = None
