@@ -18,13 +18,16 @@ The overhead is the median of the rounds' ratios (observed / unobserved, the two
 back to back in each round), printed with a 95 % confidence interval for it (order
 statistics: no assumption on the timings' shape) and the middle half of the ratios
 (their quartiles): on a shared VM one round's pair can differ by 20 % either way, so the
-two short workloads run 61 rounds, `find /usr` 15. The verdict is "within" when the whole
+two short workloads run 301 rounds, `find /usr` 15. The verdict is "within" when the whole
 interval is within the budget, "OVER" when the whole interval is over it, and
 "undecided" when the budget lies inside the interval: this machine's noise does not
-tell, and a run of the benchmark cannot claim either.
+tell, and a run of the benchmark cannot claim either. The floor's section gives
+stockade's own share above the reading notifier as the median of the rounds'
+differences (observe mode's ratio minus the reading notifier's), with its interval.
 
-Environment: BENCH_OBS_N (rounds of the short workloads, default 61), BENCH_OBS_N_LONG
-(of `find /usr`, default 15), BENCH_CONF_FILES (files in the git repository, default 10000).
+Environment: BENCH_OBS_N (rounds of the short workloads, default 301), BENCH_OBS_N_LONG
+(of `find /usr`, default 15), BENCH_OBS_N_FLOOR (of the floor and of the loop of opens,
+default 101), BENCH_CONF_FILES (files in the git repository, default 10000).
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ from stockade.cgroups.rlimit import kernel_version
 from ._util import bench_dir, median, median_interval
 from .bench_confinement import FILES, WORKLOADS, _interleaved_cpu, _make_repo
 
-N = int(os.environ.get("BENCH_OBS_N", "61"))
+N = int(os.environ.get("BENCH_OBS_N", "301"))
 N_LONG = int(os.environ.get("BENCH_OBS_N_LONG", "15"))
+N_FLOOR = int(os.environ.get("BENCH_OBS_N_FLOOR", "101"))
 BUDGET = {0: 0.10, 1: 1.0, 2: 0.10}  # workload index -> allowed overhead (find /usr: 2x)
 
 
@@ -122,7 +126,7 @@ def main() -> None:
                 return None
 
             fns.append(loop)
-        wall, _cpu = _interleaved_cpu(fns, N)
+        wall, _cpu = _interleaved_cpu(fns, N_FLOOR)
         per = (median(wall[1]) - median(wall[0])) / opens
         print(f"  one observed call (open outside the project), wall: {per * 1e6:+.1f} us "
               f"(a loop of {opens} opens, observed minus unobserved)")
@@ -190,19 +194,23 @@ def _floor_inside(stockade: Any, base: Path, exe: Path, argv: list[str]) -> None
             return None
 
         fns.append(fn)
-    wall, _cpu = _interleaved_cpu(fns, N)
+    wall, _cpu = _interleaved_cpu(fns, N_FLOOR)
     floor, f1, f3 = _overhead(wall[1], wall[2])
     read, r1, r3 = _overhead(wall[1], wall[3])
     rlo, rhi = _interval(wall[1], wall[3])
     obs, o1, o3 = _overhead(wall[0], wall[4])
-    print(f"  the floor in the same sandbox ({N} rounds of five runs: python3 imports plain and observed; under "
+    print(f"  the floor in the same sandbox ({N_FLOOR} rounds of five runs: python3 imports plain and observed; under "
           f"notify_floor with no filter, with a minimal notifier, and with one that reads each path; {mode} loop):")
     print(f"    observe mode {obs * 100:+.1f}% (middle half {o1 * 100:+.0f}..{o3 * 100:+.0f}%); the minimal notifier "
           f"{floor * 100:+.1f}% (middle half {f1 * 100:+.0f}..{f3 * 100:+.0f}%); reading each path too "
           f"{read * 100:+.1f}% (95% interval {rlo * 100:+.1f}..{rhi * 100:+.1f}%, middle half "
           f"{r1 * 100:+.0f}..{r3 * 100:+.0f}%)")
-    print(f"    stockade's own share above the reading notifier {(obs - read) * 100:+.1f} points (recording, "
-          "classifying, the run's fixed cost)")
+    # paired by round: observe mode's ratio to its plain run minus the reading notifier's
+    # to its own (each round's load hits both alike)
+    diffs = [o / p - r / f for p, f, r, o in zip(wall[0], wall[1], wall[3], wall[4], strict=True)]
+    dlo, dhi = median_interval(diffs)
+    print(f"    stockade's own share above the reading notifier {median(diffs) * 100:+.1f} points (95% interval "
+          f"{dlo * 100:+.1f}..{dhi * 100:+.1f}; recording, classifying, the run's fixed cost)")
     # the budget's verdict for the reading notifier itself: when it is not "within", no
     # observer that logs paths can show the budget on this host, however little it adds
     own = "within" if rhi <= BUDGET[2] else "OVER" if rlo > BUDGET[2] else "undecided"
@@ -222,7 +230,7 @@ def _floor(exe: Path, argv: list[str]) -> None:
     how = {"recv": "waiting in the receive", "poll": "polling before each receive",
            "usual": "waiting in the receive, without the hand-over on one CPU (the usual wake-up)"}
     for mode in modes:
-        out = subprocess.run([str(exe), str(N), mode, *argv], capture_output=True, text=True)
+        out = subprocess.run([str(exe), str(N_FLOOR), mode, *argv], capture_output=True, text=True)
         if out.returncode != 0:
             print(f"  the mechanism alone ({mode}): failed: {out.stderr.strip()[:200]}")
             continue
