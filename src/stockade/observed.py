@@ -78,6 +78,9 @@ class RecordLike(Protocol):
     def pid(self) -> int: ...
 
     @property
+    def nr(self) -> int: ...
+
+    @property
     def err(self) -> int: ...
 
     @property
@@ -155,11 +158,11 @@ class Decided:
 
     dirs: dict[str, DecisionLike | None] = field(default_factory=dict)
     results: dict[tuple[int, str], tuple[str, str, str]] = field(default_factory=dict)  # (id(decision), access)
-    # a record's path as an earlier run named it (kind, access, raw bytes) -> what it was
+    # a record's path as an earlier run named it (kind, syscall, access, raw bytes) -> what it was
     # classified as: good while its directory resolves where it did, with the same Stamp
     # (``Classifier._seen_still``). A command run again opens the same files: each is then
     # one lookup, not a classification.
-    seen: dict[tuple[int, str, bytes], _Seen] = field(default_factory=dict)
+    seen: dict[tuple[int, int, str, bytes], _Seen] = field(default_factory=dict)
 
     def bounded(self) -> Decided:
         """Itself, emptied first when it has grown past what one policy's runs need."""
@@ -512,7 +515,7 @@ class Classifier:
                         a = aggs[k] = touched[k] = _Agg(op, target, res[0], res[1], res[2], access, r.syscall, 1,
                                                         [r.pid], extra)
                         if not listed:  # (the allowlist's answer reads the file's own path)
-                            self._keep_seen(r.kind, r.data, a, quick is not None)
+                            self._keep_seen(r.kind, r.nr, r.data, a, quick is not None)
                         continue
                 else:
                     k, a = self._other(r, kinds.get(r.kind, ""))
@@ -548,16 +551,17 @@ class Classifier:
                 try:
                     access = "exec" if kind == exec_kind else (
                         accesses.get(arg) or accesses.setdefault(arg, access_of(arg)))
-                    s = seen.get((kind, access, raw))
+                    s = seen.get((kind, nr, access, raw))
                     if s is not None and still(s):
                         k = s.key
                         a = aggs.get(k)
                         if a is None:
                             r3, j = s.result, s.json
-                            a = aggs[k] = touched[k] = _Agg(k[0], k[1], r3[0], r3[1], r3[2], access, s.syscall, 1,
-                                                            [pid], dict(s.extra), j[0] if j else None)
+                            a = _Agg(k[0], k[1], r3[0], r3[1], r3[2], access, s.syscall, 1, [pid], dict(s.extra),
+                                     j[0] if j else None)
                             if not j:
-                                j.append(_parts(a))
+                                j.append(_parts(a))  # (before it is counted: a failure here goes the general path)
+                            aggs[k] = touched[k] = a
                         else:
                             a.count += 1
                             if len(a.pids) < MAX_PIDS and pid not in a.pids:
@@ -569,14 +573,18 @@ class Classifier:
             self.feed((layout.record(kind, flags, pid, nr, err, arg, raw),))
         return off
 
-    def _keep_seen(self, kind: int, raw: bytes, a: _Agg, quick: bool) -> None:
+    def _keep_seen(self, kind: int, nr: int, raw: bytes, a: _Agg, quick: bool) -> None:
         """``a``'s classification kept for later runs (``Decided.seen``), when its
         directory's Stamp is old enough to tell a later change: a change of its names
         moves its ctime to a later tick than one this far back (``_RACY_NS``). One the
         quick path made (``_quick``: its directory's memo says where it resolves), or the
-        general path for a path that is no symlink (its result is then the plan's for the
-        path and where its directory resolves: a PATH search's misses in $HOME, a grant's
-        files), out of /proc and /dev (the sandbox's own: decided with no host lookup)."""
+        general path for a name that is no symlink (its result is then the plan's for the
+        path and where its directory resolves: a PATH search's misses in $HOME), out of
+        /proc and /dev (the sandbox's own: decided with no host lookup) and of the grants
+        (the command may change a writable one's names while it runs, after its directory
+        was checked: a path seen first then is looked up afresh)."""
+        if len(self.seen) >= _DECIDED_MAX:
+            return  # (the next run's ``bounded`` starts it over)
         res = self.resolver
         i = a.target.rfind("/")
         d = a.target[:i] or "/"
@@ -586,15 +594,21 @@ class Classifier:
                 return
             rd = m[1]
         else:
-            if is_under(a.target, "/proc") or is_under(a.target, "/dev"):
+            t = a.target
+            if is_under(t, "/proc") or is_under(t, "/dev") or any(is_under(t, g) for g in self.ctx.grants):
                 return
             rd = res.realpath(d)
-            if res.realpath(a.target) != rd.rstrip("/") + "/" + a.target[i + 1:]:
-                return  # (a link: where it leads is in no Stamp of this directory's)
+            try:  # (the name itself: a loop of links, or a chain past the recursion limit, resolves to itself)
+                if stat.S_ISLNK(os.lstat(rd.rstrip("/") + "/" + t[i + 1:]).st_mode):
+                    return  # (where it leads is in no Stamp of this directory's)
+            except FileNotFoundError:
+                pass  # (not there: making it changes the directory)
+            except OSError:
+                return
         stamp = res.stamp.get(rd)
         if stamp is None or time.time_ns() - stamp[3] < _RACY_NS:
             return
-        self.seen[(kind, a.access, raw)] = _Seen((a.operation, a.target, a.access), (a.result, a.policy, a.reason),
+        self.seen[(kind, nr, a.access, raw)] = _Seen((a.operation, a.target, a.access), (a.result, a.policy, a.reason),
                                                  a.syscall, tuple(a.extra.items()), d, rd, stamp, [])
 
     def _seen_still(self, s: _Seen) -> bool:
@@ -776,13 +790,11 @@ def line_of(a: _Agg, log: LineMaker, run: int, start: str | None = None) -> byte
     j = a.json or _parts(a)
     if start is None:
         start = log.line_start(run)
-    if j[0] and start is not None and len(a.pids) <= MAX_PIDS:
-        try:  # (int.__repr__: a pid that is no int is refused, a bool written as a number)
-            line = (start + j[0] + ',"count":' + int.__repr__(a.count) + ',"host_pids":['
-                    + ",".join(map(int.__repr__, a.pids)) + "]" + j[1] + "}\n").encode("utf-8")
-        except TypeError:
-            line = b""
-        if 0 < len(line) <= MAX_LINE:
+    if (j[0] and start is not None and type(a.count) is int and len(a.pids) <= MAX_PIDS
+            and all(type(p) is int for p in a.pids)):  # (a bool is no int here: json writes it true)
+        line = (start + j[0] + ',"count":' + int.__repr__(a.count) + ',"host_pids":['
+                + ",".join(map(int.__repr__, a.pids)) + "]" + j[1] + "}\n").encode("utf-8")
+        if len(line) <= MAX_LINE:
             return line
     ev = event_of(a)
     return log.render(ev.pop("operation"), ev.pop("target"), ev.pop("result"), run=run, **ev)

@@ -582,7 +582,7 @@ def test_an_events_line_is_the_audit_logs_line(tmp_path: Path) -> None:
         audit._now = lambda: "2026-01-01T00:00:00.000Z"
         for run in (3, 4):  # the second run's aggregates take their parts from the first's
             for a in aggs():
-                for count, pids in ((1, [10]), (2, [10, 11]), (9, list(range(8)))):
+                for count, pids in ((1, [10]), (2, [10, 11]), (9, list(range(8))), (1, [True]), (True, [7])):
                     a.count, a.pids = count, pids
                     ev = observed.event_of(a)
                     want = render_general(log, ev.pop("operation"), ev.pop("target"), ev.pop("result"), run=run, **ev)
@@ -760,7 +760,7 @@ def test_a_kept_classification_is_one_lookup_until_its_directory_changes(var_tmp
     first = run()
     assert first == general()
     assert len(calls) == 11  # every path classified
-    assert {k[1] for k in dec.seen} == {"read", "write"}  # (the exec is the allowlist's: not kept)
+    assert {k[2] for k in dec.seen} == {"read", "write"}  # (the exec is the allowlist's: not kept)
     assert run() == first
     # only the exec and the link of the directory that is not uniform: the rest were one lookup each
     assert sorted(set(calls)) == [f"{sysd}/gen/link", f"{sysd}/lib/a.so"]
@@ -827,6 +827,73 @@ def test_a_path_search_miss_in_home_is_kept_until_its_directory_changes(var_tmp:
     assert run() == ["/dev/null", "/proc/self/status"]
     (home / "bin" / "tool").write_text("x")
     assert f"{home}/bin/tool" in run()
+
+
+def test_what_is_never_kept_or_kept_apart(var_tmp: Path) -> None:
+    """Kept classifications are one per syscall (``open`` and ``openat`` of a path are
+    two events); a name that is a link in a loop (which ``realpath`` leaves as itself),
+    and a grant's files (the command may change a writable grant's names after its
+    directory was checked in a run) are never kept; the memo stops growing at its cap;
+    and a kept entry whose line cannot be made is classified once, by the general path."""
+    gen = var_tmp / "gen"
+    other = var_tmp / "other"
+    grant = var_tmp / "grant"
+    for d in (gen, other, grant):
+        d.mkdir()
+    (gen / "x").symlink_to(other / "y")
+    (other / "y").symlink_to(gen / "x")  # a loop across two directories
+    (gen / "f").write_text("x")
+    (grant / "cfg").write_text("x")
+    old = time.time() - 60
+    for d in (gen, other, grant):
+        os.utime(d, (old, old))
+    time.sleep(0.1)
+    base = ctx(var_tmp)
+
+    def why(p: str) -> D:
+        if observed.is_under(p, str(grant)):
+            return D(p, True, "rw", "visible read-write: granted", "grant")
+        if observed.is_under(p, str(gen)) or observed.is_under(p, str(other)):
+            return D(p, True, "ro", "visible read-only")
+        return base.why(p)  # type: ignore[return-value]
+
+    c = observed.Context(**{**base.__dict__, "why": why, "grants": (str(grant),)})
+    other_nr = NRS.get("open", NRS["openat2"])
+    data = (rec(kobs.KIND_OPEN, f"{gen}/f".encode(), nr=NRS["openat"]) + rec(kobs.KIND_OPEN, f"{gen}/x".encode())
+            + rec(kobs.KIND_OPEN, f"{grant}/cfg".encode()))
+    dec = observed.Decided()
+    with mock.patch.object(observed, "_RACY_NS", 50_000_000):
+        observed.Classifier(c, dec).feed_raw(data, LAYOUT)
+        assert [(k[1], k[3]) for k in dec.seen] == [(NRS["openat"], f"{gen}/f".encode())]
+        cl = observed.Classifier(c, dec)
+        cl.feed_raw(rec(kobs.KIND_OPEN, f"{gen}/f".encode(), nr=other_nr), LAYOUT)  # the other syscall
+    (a,) = cl.aggs.values()
+    assert a.syscall == kobs.syscall_name(other_nr) != "openat"
+    # the cap: nothing more is kept once it is reached
+    with mock.patch.object(observed, "_DECIDED_MAX", len(dec.seen)), mock.patch.object(observed, "_RACY_NS", 0):
+        observed.Classifier(c, observed.Decided(seen=dict(dec.seen))).feed_raw(
+            rec(kobs.KIND_OPEN, f"{gen}/new".encode()), LAYOUT)
+    # a kept entry whose line parts fail: one count, by the general path
+    kept = observed.Decided(seen={k: v._replace(json=[]) for k, v in dec.seen.items()})
+    cl = observed.Classifier(c, kept)
+    with mock.patch.object(observed, "_parts", side_effect=ValueError("x")):
+        cl.feed_raw(rec(kobs.KIND_OPEN, f"{gen}/f".encode(), nr=NRS["openat"]), LAYOUT)
+    assert [a.count for a in cl.aggs.values()] == [1]
+
+
+def test_a_kept_entry_stops_growing_at_its_cap(var_tmp: Path) -> None:
+    """One run probing more missing names than the memo's cap keeps no more than it."""
+    d = var_tmp / "d"
+    d.mkdir()
+    old = time.time() - 60
+    os.utime(d, (old, old))
+    time.sleep(0.05)
+    c = ctx(var_tmp)
+    dec = observed.Decided()
+    data = b"".join(rec(kobs.KIND_OPEN, f"{d}/n{i}".encode()) for i in range(50))
+    with mock.patch.object(observed, "_DECIDED_MAX", 20), mock.patch.object(observed, "_RACY_NS", 10_000_000):
+        observed.Classifier(c, dec).feed_raw(data, LAYOUT)
+    assert len(dec.seen) == 20
 
 
 def test_a_path_deeper_than_the_recursion_limit_is_classified(var_tmp: Path) -> None:

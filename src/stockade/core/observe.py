@@ -123,9 +123,13 @@ class RunObserve:
                 return
             if not self._sess.meta().get("observed"):
                 self._sess.update_meta(observed=True)
-            if len(_MARKED) >= 1000:
-                _MARKED.clear()
-            _MARKED[path] = _file_sig(path)
+            # remembered only as the file read with the mark (another writer's replacement
+            # made meanwhile without it is read again, and marked, by the next run)
+            sig = _file_sig(path)
+            if self._sess.meta().get("observed") and _file_sig(path) == sig:
+                if len(_MARKED) >= 1000:
+                    _MARKED.clear()
+                _MARKED[path] = sig
 
     def _prerender(self) -> None:
         """Make the lines of the events changed since the last batch (at most the number
