@@ -386,6 +386,28 @@ def test_rollback_after_its_session_was_collected(user: User, project: Path) -> 
 
 
 @pytest.mark.cli_paths
+def test_bare_clean_removes_the_latest_session_of_the_project_here(user: User, project: Path) -> None:
+    """`stockade clean` with no name removes the latest session of the project it is run
+    in (from a subdirectory too), never another project's, however recently that one was
+    used: its unapplied changes would go with it. Where no project has a session: exit 2,
+    one line, nothing removed."""
+    other = project.parent / "other"
+    (other / "sub").mkdir(parents=True)
+    user.own(other)
+    ok(user.cli(["run", "--session", "here", "--", "sh", "-c", "echo x > f"], cwd=project))
+    ok(user.cli(["run", "--session", "there", "--", "sh", "-c", "echo y > g"], cwd=other))  # the latest overall
+    ok(user.cli(["clean"], cwd=project / "src"))
+    assert sessions(user.state) == {"there"}
+    before = entries(user.state)
+    r = user.cli(["clean"], cwd=project)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and len(err.splitlines()) == 1 and "no sessions of a project at or above" in err, err
+    assert entries(user.state) == before
+    ok(user.cli(["clean"], cwd=other / "sub"))
+    assert sessions(user.state) == set()
+
+
+@pytest.mark.cli_paths
 def test_clean_bad_input_removes_nothing(user: User, project: Path) -> None:
     ok(user.cli(["run", "--session", "keepme", "--", "sh", "-c", "echo x > f"], cwd=project))
     age(user.state, "keepme", 30 * DAY)

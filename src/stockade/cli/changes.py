@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -480,7 +481,10 @@ def cmd_clean(args: Args) -> int:
     elif args.all:
         outs = retention.clean(None, include_unapplied=True, dry_run=args.dry_run)
     else:
-        s = store.resolve(args.session_name)
+        # with no name, the latest session of the project here: never another project's
+        # (its unapplied changes go with it), however recently that one was used
+        s = (store.resolve(args.session_name) if args.session_name
+             else store.latest_session(around=Path(os.path.realpath(os.getcwd()))))
         o = retention.remove(s, include_unapplied=True, dry_run=args.dry_run)
         if o.action == "skipped" and o.state in ("running", "idle", "locked"):
             then = "" if o.state == "idle" else f"; retry when it has ended (`stockade status {s.id}` lists its runs)"

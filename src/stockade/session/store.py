@@ -651,12 +651,15 @@ def _has_meta(d: Path) -> bool:
         return False
 
 
-def latest_session(project: Path | None = None) -> Session:
-    """The most recently used session (of ``project`` when given)."""
+def latest_session(project: Path | None = None, *, around: Path | None = None) -> Session:
+    """The most recently used session (of ``project`` when given; with ``around``, of a
+    project that is that directory or holds it: the one a command run there is about)."""
     best: tuple[tuple[int, int], Session] | None = None
     for s in list_sessions():
         try:
             if project is not None and s.project != project:
+                continue
+            if around is not None and not (around == s.project or s.project in around.parents):
                 continue
             # last use, then creation: two sessions touched within one clock tick
             # still order the same way every time
@@ -666,7 +669,7 @@ def latest_session(project: Path | None = None) -> Session:
         if best is None or t > best[0]:
             best = (t, s)
     if best is None:
-        where = f" for project {project}" if project else ""
+        where = f" for project {project}" if project else f" of a project at or above {around}" if around else ""
         raise SessionNotFound(f"no sessions{where}; start one with `stockade run -- CMD`")
     return best[1]
 
