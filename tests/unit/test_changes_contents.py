@@ -71,6 +71,62 @@ def test_merge_properties(a: list[bytes], b: list[bytes], data: st.DataObject) -
     assert H.merge(mid, new, range(len(rest))) == new
 
 
+@settings(max_examples=300, deadline=None)
+@given(lines, lines)
+def test_the_bounded_matcher_answers_as_difflib(a: list[bytes], b: list[bytes]) -> None:
+    """Within its budget the diff's matcher is difflib's, hunk for hunk."""
+    import difflib
+
+    want = [list(g) for g in difflib.SequenceMatcher(None, a, b, autojunk=False).get_grouped_opcodes(3)] \
+        if a != b else []
+    assert H.grouped_opcodes(a, b, 3) == want
+
+
+@pytest.mark.parametrize("ends", [False, True])
+def test_a_diff_of_many_repeated_lines_is_bounded_and_still_exact(ends: bool) -> None:
+    """Lines two sides share many times over (a command's to write: 2,000 alternating
+    lines cost difflib 52 s) stop the search at its budget, counted in pairs of equal
+    lines looked at, not in time: then the search runs again between the lines both
+    sides start and end with, and past the budget there too, one replacement between
+    them. Either way the hunks are a diff: all taken give the new side, none the old, and
+    the diff shown has the hunks an apply takes."""
+    body_a = b"".join(b"x\n" if i % 2 else b"y\n" for i in range(3000))
+    body_b = b"".join(b"y\n" if i % 3 else b"x\n" for i in range(3000))
+    old, new = (b"head\n" + body_a + b"tail\n", b"head\n" + body_b + b"tail\n") if ends else (body_a, body_b)
+    raised = []
+    real = H._Matcher.find_longest_match
+
+    def counted(self: H._Matcher, *a: int) -> object:
+        try:
+            return real(self, *a)
+        except H._TooCostly:
+            raised.append(self.left)
+            raise
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(H._Matcher, "find_longest_match", counted)
+        mp.setattr(H, "MATCH_BUDGET", 100_000)  # (the default bound, 80 times this, is reached the same way)
+        hs = H.hunks(old, new)
+        diff_headers = [line for line in unified_hunks(old, new)[0] if line.startswith(b"@@")]
+    # for each diff, the whole, then the part between the common ends: both over budget
+    assert len(raised) == 4
+    assert H.merge(old, new, range(len(hs))) == new and H.merge(old, new, []) == old
+    assert [h.header.encode() for h in hs] == [d.split(b" @@")[0] + b" @@" for d in diff_headers]
+    if ends:
+        assert hs[0].lines[0] == (" ", b"head\n") and hs[-1].lines[-1] == (" ", b"tail\n")
+
+
+def test_a_large_change_near_both_ends_is_searched_between_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the budget as a whole but not between the lines both sides start and end
+    with: the search there gives a real diff (one changed line, not a replacement)."""
+    old = b"".join(b"line %d\n" % (i % 50) for i in range(2000))
+    new = old.replace(b"line 7\nline 8\n", b"line 7\nLINE 8\n", 1)
+    monkeypatch.setattr(H, "MATCH_BUDGET", 200)
+    hs = H.hunks(old, new)
+    assert len(hs) == 1 and [t for t, _ in hs[0].lines].count("-") == 1
+    assert H.merge(old, new, [0]) == new
+
+
 # ---- apply with replacement contents -----------------------------------------------------------
 
 

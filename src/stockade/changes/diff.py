@@ -11,7 +11,6 @@ as ``GIT binary patch`` literals (zlib + git's base85, forward and reverse).
 from __future__ import annotations
 
 import base64
-import difflib
 import hashlib
 import os
 import stat
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 
 from ..session.idrange import with_sandbox_ids
 from ._safefs import Roots
+from .hunks import grouped_opcodes
 from .model import Change, Changes, Kind
 
 NULL_SHA = "0" * 40
@@ -146,8 +146,7 @@ def unified_hunks(a: bytes, b: bytes, context: int = 3) -> tuple[list[bytes], in
     bl = b.splitlines(keepends=True)
     out: list[bytes] = []
     ins = dels = 0
-    sm = difflib.SequenceMatcher(None, al, bl, autojunk=False)
-    for group in sm.get_grouped_opcodes(context):
+    for group in grouped_opcodes(al, bl, context):
         i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
         out.append(b"@@ -" + _range(i1, i2 - i1) + b" +" + _range(j1, j2 - j1) + b" @@"
                    + _funcname(al, i1) + b"\n")

@@ -1,7 +1,7 @@
 """A file's text change as hunks, and the content made of the old side plus chosen hunks.
 
 The hunks are exactly those of the unified diff (``diff.unified_hunks``: difflib's
-grouped opcodes over lines, 3 lines of context), so a reviewer who takes hunk 2 of what
+grouped opcodes over lines, 3 lines of context, both from ``grouped_opcodes``), so a reviewer who takes hunk 2 of what
 the page or ``stockade diff`` shows gets that hunk. ``merge(old, new, take)`` starts from
 ``old`` and replaces each changed region of a taken hunk with its ``new`` lines: taking
 every hunk gives ``new``, taking none gives ``old``, byte for byte (lines keep their own
@@ -41,18 +41,120 @@ def _split(data: bytes) -> list[bytes]:
     return data.splitlines(keepends=True)
 
 
-def _groups(al: list[bytes], bl: list[bytes], context: int) -> list[list[Opcode]]:
-    sm = difflib.SequenceMatcher(None, al, bl, autojunk=False)
+# The pairs of equal lines a diff may look at. difflib's longest-match search looks at
+# every pair two sides share, again in each part it splits them into: a file of many
+# repeated lines (a command's to write) costs it the square of that or worse (2,000
+# alternating lines took 52 s, and `stockade diff`, the review page and an apply of
+# chosen hunks all wait on it). Past this count, the same search again over what lies
+# between the lines both sides start and end with, and past it there too, one
+# deterministic answer: those lines, and one replacement between them.
+MATCH_BUDGET = 8_000_000
+
+
+class _TooCostly(Exception):
+    pass
+
+
+class _Matcher(difflib.SequenceMatcher[bytes]):
+    """difflib's matcher (no junk: every line counts) whose longest-match search counts
+    the pairs of equal lines it looks at, and gives up past ``MATCH_BUDGET``: the same
+    answer as difflib's while it does not, by the same search."""
+
+    def __init__(self, a: list[bytes], b: list[bytes]) -> None:
+        self.left = MATCH_BUDGET
+        self._al, self._nb = a, len(b)
+        self._b2j: dict[bytes, list[int]] = {}  # (difflib's b2j with no junk: every line's places in b)
+        for j, line in enumerate(b):
+            self._b2j.setdefault(line, []).append(j)
+        super().__init__(None, a, b, autojunk=False)
+
+    def find_longest_match(self, alo: int = 0, ahi: int | None = None, blo: int = 0,
+                           bhi: int | None = None) -> difflib.Match:
+        a, b2j = self._al, self._b2j
+        ahi = len(a) if ahi is None else ahi
+        bhi = self._nb if bhi is None else bhi
+        besti, bestj, bestsize = alo, blo, 0
+        j2len: dict[int, int] = {}
+        left = self.left
+        for i in range(alo, ahi):
+            js = b2j.get(a[i], ())
+            left -= len(js) + 1
+            if left < 0:
+                raise _TooCostly
+            newj2len: dict[int, int] = {}
+            for j in js:  # (ascending: the first longest match wins, as in difflib)
+                if j < blo:
+                    continue
+                if j >= bhi:
+                    break
+                k = newj2len[j] = j2len.get(j - 1, 0) + 1
+                if k > bestsize:
+                    besti, bestj, bestsize = i - k + 1, j - k + 1, k
+            j2len = newj2len
+        self.left = left
+        return difflib.Match(besti, bestj, bestsize)
+
+
+def _trimmed(al: list[bytes], bl: list[bytes]) -> list[Opcode]:
+    """The lines both sides start and end with kept as they are, and between them the
+    matcher's opcodes if it stays within its budget, else one replacement."""
+    n = min(len(al), len(bl))
+    p = 0
+    while p < n and al[p] == bl[p]:
+        p += 1
+    s = 0
+    while s < n - p and al[len(al) - 1 - s] == bl[len(bl) - 1 - s]:
+        s += 1
+    ae, be = len(al) - s, len(bl) - s
+    try:
+        mid = [(tag, i1 + p, i2 + p, j1 + p, j2 + p) for tag, i1, i2, j1, j2 in _Matcher(al[p:ae], bl[p:be]).get_opcodes()
+               if i1 < i2 or j1 < j2]
+    except _TooCostly:
+        mid = [("replace" if p < ae and p < be else "delete" if p < ae else "insert", p, ae, p, be)]
+    codes: list[Opcode] = [("equal", 0, p, 0, p)] if p else []
+    for c in mid:  # (an equal run next to the ends' is one with them)
+        if c[0] == "equal" and codes and codes[-1][0] == "equal":
+            codes[-1] = ("equal", codes[-1][1], c[2], codes[-1][3], c[4])
+        else:
+            codes.append(c)
+    if s:
+        if codes and codes[-1][0] == "equal":
+            codes[-1] = ("equal", codes[-1][1], len(al), codes[-1][3], len(bl))
+        else:
+            codes.append(("equal", ae, len(al), be, len(bl)))
+    return codes
+
+
+def grouped_opcodes(al: list[bytes], bl: list[bytes], context: int = CONTEXT) -> list[list[Opcode]]:
+    """The hunks of lines ``al`` -> ``bl`` as difflib's grouped opcodes (``context``
+    lines around each change); past ``MATCH_BUDGET``, of ``_trimmed``'s answer. One
+    function for the diff shown and the hunks taken, so hunk N is the same in both."""
     if al == bl:
         return []
+    sm: difflib.SequenceMatcher[bytes] = _Matcher(al, bl)
+    try:
+        sm.get_opcodes()
+    except _TooCostly:
+        sm = _Given(_trimmed(al, bl))
     return [list(g) for g in sm.get_grouped_opcodes(context)]
+
+
+class _Given(difflib.SequenceMatcher[bytes]):
+    """Opcodes made elsewhere, grouped by difflib's own grouping."""
+
+    def __init__(self, codes: list[Opcode]) -> None:
+        super().__init__(None, [], [], autojunk=False)
+        self._codes = codes
+
+    def get_opcodes(self) -> list[Opcode]:  # type: ignore[override]
+        return self._codes
 
 
 def hunks(old: bytes, new: bytes, context: int = CONTEXT) -> list[Hunk]:
     """The hunks of old -> new, numbered from 0."""
     al, bl = _split(old), _split(new)
     out: list[Hunk] = []
-    for n, group in enumerate(_groups(al, bl, context)):
+    for n, group in enumerate(grouped_opcodes(al, bl, context)):
         i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
         lines: list[tuple[str, bytes]] = []
         for tag, x1, x2, y1, y2 in group:
@@ -69,7 +171,7 @@ def merge(old: bytes, new: bytes, take: Collection[int], context: int = CONTEXT)
     """``old`` with the changes of the hunks numbered in ``take`` made; the others left out.
     A number that names no hunk is a ValueError (the caller's view of the file is stale)."""
     al, bl = _split(old), _split(new)
-    groups = _groups(al, bl, context)
+    groups = grouped_opcodes(al, bl, context)
     bad = [t for t in take if not 0 <= t < len(groups)]
     if bad:
         raise ValueError(f"no hunk {bad[0]} (the file has {len(groups)})")
