@@ -104,16 +104,60 @@ def test_a_diff_of_many_repeated_lines_is_bounded_and_still_exact(ends: bool) ->
             raise
 
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(H, "_LAST", None)
         mp.setattr(H._Matcher, "find_longest_match", counted)
         mp.setattr(H, "MATCH_BUDGET", 100_000)  # (the default bound, 80 times this, is reached the same way)
         hs = H.hunks(old, new)
         diff_headers = [line for line in unified_hunks(old, new)[0] if line.startswith(b"@@")]
-    # for each diff, the whole, then the part between the common ends: both over budget
-    assert len(raised) == 4
+    assert len(raised) >= 2  # (the whole, then the part between the common ends, over budget)
     assert H.merge(old, new, range(len(hs))) == new and H.merge(old, new, []) == old
     assert [h.header.encode() for h in hs] == [d.split(b" @@")[0] + b" @@" for d in diff_headers]
     if ends:
         assert hs[0].lines[0] == (" ", b"head\n") and hs[-1].lines[-1] == (" ", b"tail\n")
+
+
+def test_a_large_ordinary_file_keeps_its_hunks_past_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large file whose blank lines and braces alone pass the budget (their pairs are
+    the square of their count) is searched again with those lines no anchor (difflib's
+    autojunk rule), taken back where they adjoin a match: each edit stays its own hunk."""
+    import random
+
+    rnd = random.Random(5)
+    a = [b"\n" if (r := rnd.random()) < .08 else b"    }\n" if r < .12 else b"line %d\n" % i for i in range(5000)]
+    b = list(a)
+    for k in rnd.sample(range(5000), 40):
+        b[k] = b"changed %d\n" % k
+    old, new = b"".join(a), b"".join(b)
+    exact = H.hunks(old, new)  # (within the default budget: difflib's answer)
+    monkeypatch.setattr(H, "MATCH_BUDGET", 200_000)  # (400 blank lines a side: 160,000 pairs, and 200 braces)
+    monkeypatch.setattr(H, "_LAST", None)  # (not the last file's hunks: searched again)
+    raised = []
+    real = H._Matcher.find_longest_match
+
+    def counted(self: H._Matcher, *args: int) -> object:
+        try:
+            return real(self, *args)
+        except H._TooCostly:
+            raised.append(self)
+            raise
+
+    monkeypatch.setattr(H._Matcher, "find_longest_match", counted)
+    hs = H.hunks(old, new)
+    assert len(raised) == 2  # the whole and the part between the common ends; not with the popular lines left out
+    assert len(hs) == len(exact) and len(hs) <= 40
+    assert sum(1 for h in hs for t, _ in h.lines if t == "-") == 40  # one line out per edit, no block replaced
+    assert H.merge(old, new, range(len(hs))) == new and H.merge(old, new, []) == old
+
+
+def test_a_files_hunks_are_searched_once_to_count_and_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review page counts a file's hunks, then merges the chosen ones: one search."""
+    calls = []
+    real = H.grouped_opcodes
+    monkeypatch.setattr(H, "grouped_opcodes", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(H, "_LAST", None)
+    assert len(H.hunks(OLD, NEW)) == 3 and H.merge(OLD, NEW, [1]) == OLD.replace(b"line 20\n", b"LINE 20\nextra\n")
+    assert len(calls) == 1
+    assert H.merge(OLD, NEW + b"more\n", []) == OLD and len(calls) == 2  # another file: searched
 
 
 def test_a_large_change_near_both_ends_is_searched_between_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,6 +166,7 @@ def test_a_large_change_near_both_ends_is_searched_between_them(monkeypatch: pyt
     old = b"".join(b"line %d\n" % (i % 50) for i in range(2000))
     new = old.replace(b"line 7\nline 8\n", b"line 7\nLINE 8\n", 1)
     monkeypatch.setattr(H, "MATCH_BUDGET", 200)
+    monkeypatch.setattr(H, "_LAST", None)
     hs = H.hunks(old, new)
     assert len(hs) == 1 and [t for t, _ in hs[0].lines].count("-") == 1
     assert H.merge(old, new, [0]) == new

@@ -10,6 +10,7 @@ endings, so a missing newline at the end is kept as it is on the side it comes f
 from __future__ import annotations
 
 import difflib
+from bisect import bisect_left
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -41,13 +42,16 @@ def _split(data: bytes) -> list[bytes]:
     return data.splitlines(keepends=True)
 
 
-# The pairs of equal lines a diff may look at. difflib's longest-match search looks at
-# every pair two sides share, again in each part it splits them into: a file of many
-# repeated lines (a command's to write) costs it the square of that or worse (2,000
-# alternating lines took 52 s, and `stockade diff`, the review page and an apply of
-# chosen hunks all wait on it). Past this count, the same search again over what lies
-# between the lines both sides start and end with, and past it there too, one
-# deterministic answer: those lines, and one replacement between them.
+# The pairs of equal lines one search of a diff may look at. difflib's longest-match
+# search looks at every pair two sides share, again in each part it splits them into: a
+# file of many repeated lines (a command's to write) costs it the square of that or worse
+# (2,000 alternating lines took 52 s, and `stockade diff`, the review page and an apply of
+# chosen hunks all wait on it). Past this count (about a second), the search again
+# between the lines both sides start and end with; then there with the lines that fill
+# over 1 % of the new side left out as anchors (difflib's "autojunk" rule: a large file's
+# blank lines and braces), taken back where they adjoin a match; past that too, one
+# replacement between the common ends. Counted, not timed: the same file gets the same
+# hunks on every machine, so hunk N shown is hunk N applied.
 MATCH_BUDGET = 8_000_000
 
 
@@ -56,48 +60,59 @@ class _TooCostly(Exception):
 
 
 class _Matcher(difflib.SequenceMatcher[bytes]):
-    """difflib's matcher (no junk: every line counts) whose longest-match search counts
-    the pairs of equal lines it looks at, and gives up past ``MATCH_BUDGET``: the same
-    answer as difflib's while it does not, by the same search."""
+    """difflib's matcher with no junk (every line counts), whose longest-match search
+    counts the pairs of equal lines it looks at and gives up past ``MATCH_BUDGET``: the
+    same answer as difflib's while it does not, by the same search. ``popular``: lines
+    over 1 % of ``b`` (of 200 lines or more) are no anchor, as difflib's autojunk."""
 
-    def __init__(self, a: list[bytes], b: list[bytes]) -> None:
+    def __init__(self, a: list[bytes], b: list[bytes], popular: bool = False) -> None:
         self.left = MATCH_BUDGET
-        self._al, self._nb = a, len(b)
-        self._b2j: dict[bytes, list[int]] = {}  # (difflib's b2j with no junk: every line's places in b)
+        self._al, self._bl = a, b
+        b2j: dict[bytes, list[int]] = {}  # (difflib's b2j with no junk: every line's places in b)
         for j, line in enumerate(b):
-            self._b2j.setdefault(line, []).append(j)
+            b2j.setdefault(line, []).append(j)
+        if popular and len(b) >= 200:
+            most = len(b) // 100 + 1
+            b2j = {line: js for line, js in b2j.items() if len(js) <= most}
+        self._b2j = b2j
         super().__init__(None, a, b, autojunk=False)
 
     def find_longest_match(self, alo: int = 0, ahi: int | None = None, blo: int = 0,
                            bhi: int | None = None) -> difflib.Match:
-        a, b2j = self._al, self._b2j
+        a, b, b2j = self._al, self._bl, self._b2j
         ahi = len(a) if ahi is None else ahi
-        bhi = self._nb if bhi is None else bhi
+        bhi = len(b) if bhi is None else bhi
         besti, bestj, bestsize = alo, blo, 0
         j2len: dict[int, int] = {}
         left = self.left
         for i in range(alo, ahi):
             js = b2j.get(a[i], ())
-            left -= len(js) + 1
+            lo, hi = (bisect_left(js, blo), bisect_left(js, bhi)) if js else (0, 0)
+            left -= hi - lo + 1
             if left < 0:
                 raise _TooCostly
             newj2len: dict[int, int] = {}
-            for j in js:  # (ascending: the first longest match wins, as in difflib)
-                if j < blo:
-                    continue
-                if j >= bhi:
-                    break
+            for j in js[lo:hi]:  # (ascending: the first longest match wins, as in difflib)
                 k = newj2len[j] = j2len.get(j - 1, 0) + 1
                 if k > bestsize:
                     besti, bestj, bestsize = i - k + 1, j - k + 1, k
             j2len = newj2len
-        self.left = left
+        # (difflib's extension over lines that are no anchor; without ``popular`` it
+        # never moves: the match found is the longest there is)
+        while besti > alo and bestj > blo and a[besti - 1] == b[bestj - 1]:
+            besti, bestj, bestsize = besti - 1, bestj - 1, bestsize + 1
+        while besti + bestsize < ahi and bestj + bestsize < bhi and a[besti + bestsize] == b[bestj + bestsize]:
+            bestsize += 1
+        self.left = left - bestsize
+        if self.left < 0:
+            raise _TooCostly
         return difflib.Match(besti, bestj, bestsize)
 
 
 def _trimmed(al: list[bytes], bl: list[bytes]) -> list[Opcode]:
     """The lines both sides start and end with kept as they are, and between them the
-    matcher's opcodes if it stays within its budget, else one replacement."""
+    matcher's opcodes (every line an anchor, then not the popular ones) while it stays
+    within its budget, else one replacement."""
     n = min(len(al), len(bl))
     p = 0
     while p < n and al[p] == bl[p]:
@@ -106,11 +121,14 @@ def _trimmed(al: list[bytes], bl: list[bytes]) -> list[Opcode]:
     while s < n - p and al[len(al) - 1 - s] == bl[len(bl) - 1 - s]:
         s += 1
     ae, be = len(al) - s, len(bl) - s
-    try:
-        mid = [(tag, i1 + p, i2 + p, j1 + p, j2 + p) for tag, i1, i2, j1, j2 in _Matcher(al[p:ae], bl[p:be]).get_opcodes()
-               if i1 < i2 or j1 < j2]
-    except _TooCostly:
-        mid = [("replace" if p < ae and p < be else "delete" if p < ae else "insert", p, ae, p, be)]
+    mid: list[Opcode] = [("replace" if p < ae and p < be else "delete" if p < ae else "insert", p, ae, p, be)]
+    for popular in (False, True):
+        try:
+            found = _Matcher(al[p:ae], bl[p:be], popular).get_opcodes()
+        except _TooCostly:
+            continue
+        mid = [(tag, i1 + p, i2 + p, j1 + p, j2 + p) for tag, i1, i2, j1, j2 in found if i1 < i2 or j1 < j2]
+        break
     codes: list[Opcode] = [("equal", 0, p, 0, p)] if p else []
     for c in mid:  # (an equal run next to the ends' is one with them)
         if c[0] == "equal" and codes and codes[-1][0] == "equal":
@@ -150,11 +168,27 @@ class _Given(difflib.SequenceMatcher[bytes]):
         return self._codes
 
 
+# the last file's lines and hunks: the review page counts a file's hunks, then merges
+# the chosen ones (two searches of one file otherwise)
+_LAST: tuple[bytes, bytes, int, list[bytes], list[bytes], list[list[Opcode]]] | None = None
+
+
+def _groups(old: bytes, new: bytes, context: int) -> tuple[list[bytes], list[bytes], list[list[Opcode]]]:
+    global _LAST
+    last = _LAST
+    if last is not None and last[2] == context and last[0] == old and last[1] == new:
+        return last[3], last[4], last[5]
+    al, bl = _split(old), _split(new)
+    groups = grouped_opcodes(al, bl, context)
+    _LAST = (old, new, context, al, bl, groups)
+    return al, bl, groups
+
+
 def hunks(old: bytes, new: bytes, context: int = CONTEXT) -> list[Hunk]:
     """The hunks of old -> new, numbered from 0."""
-    al, bl = _split(old), _split(new)
+    al, bl, groups = _groups(old, new, context)
     out: list[Hunk] = []
-    for n, group in enumerate(grouped_opcodes(al, bl, context)):
+    for n, group in enumerate(groups):
         i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
         lines: list[tuple[str, bytes]] = []
         for tag, x1, x2, y1, y2 in group:
@@ -170,8 +204,7 @@ def hunks(old: bytes, new: bytes, context: int = CONTEXT) -> list[Hunk]:
 def merge(old: bytes, new: bytes, take: Collection[int], context: int = CONTEXT) -> bytes:
     """``old`` with the changes of the hunks numbered in ``take`` made; the others left out.
     A number that names no hunk is a ValueError (the caller's view of the file is stale)."""
-    al, bl = _split(old), _split(new)
-    groups = grouped_opcodes(al, bl, context)
+    al, bl, groups = _groups(old, new, context)
     bad = [t for t in take if not 0 <= t < len(groups)]
     if bad:
         raise ValueError(f"no hunk {bad[0]} (the file has {len(groups)})")
