@@ -82,6 +82,24 @@ def test_the_bounded_matcher_answers_as_difflib(a: list[bytes], b: list[bytes]) 
     assert H.grouped_opcodes(a, b, 3) == want
 
 
+def _searches_over_budget(mp: pytest.MonkeyPatch) -> list[H._Matcher]:
+    """The searches that gave up at their budget, from now on (the last file's hunks
+    forgotten: every file is searched)."""
+    raised: list[H._Matcher] = []
+    real = H._Matcher.find_longest_match
+
+    def counted(self: H._Matcher, *args: int) -> object:
+        try:
+            return real(self, *args)
+        except H._TooCostly:
+            raised.append(self)
+            raise
+
+    mp.setattr(H, "_LAST", None)
+    mp.setattr(H._Matcher, "find_longest_match", counted)
+    return raised
+
+
 @pytest.mark.parametrize("ends", [False, True])
 def test_a_diff_of_many_repeated_lines_is_bounded_and_still_exact(ends: bool) -> None:
     """Lines two sides share many times over (a command's to write: 2,000 alternating
@@ -93,19 +111,8 @@ def test_a_diff_of_many_repeated_lines_is_bounded_and_still_exact(ends: bool) ->
     body_a = b"".join(b"x\n" if i % 2 else b"y\n" for i in range(3000))
     body_b = b"".join(b"y\n" if i % 3 else b"x\n" for i in range(3000))
     old, new = (b"head\n" + body_a + b"tail\n", b"head\n" + body_b + b"tail\n") if ends else (body_a, body_b)
-    raised = []
-    real = H._Matcher.find_longest_match
-
-    def counted(self: H._Matcher, *a: int) -> object:
-        try:
-            return real(self, *a)
-        except H._TooCostly:
-            raised.append(self.left)
-            raise
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(H, "_LAST", None)
-        mp.setattr(H._Matcher, "find_longest_match", counted)
+        raised = _searches_over_budget(mp)
         mp.setattr(H, "MATCH_BUDGET", 100_000)  # (the default bound, 80 times this, is reached the same way)
         hs = H.hunks(old, new)
         diff_headers = [line for line in unified_hunks(old, new)[0] if line.startswith(b"@@")]
@@ -130,18 +137,7 @@ def test_a_large_ordinary_file_keeps_its_hunks_past_the_budget(monkeypatch: pyte
     old, new = b"".join(a), b"".join(b)
     exact = H.hunks(old, new)  # (within the default budget: difflib's answer)
     monkeypatch.setattr(H, "MATCH_BUDGET", 200_000)  # (400 blank lines a side: 160,000 pairs, and 200 braces)
-    monkeypatch.setattr(H, "_LAST", None)  # (not the last file's hunks: searched again)
-    raised = []
-    real = H._Matcher.find_longest_match
-
-    def counted(self: H._Matcher, *args: int) -> object:
-        try:
-            return real(self, *args)
-        except H._TooCostly:
-            raised.append(self)
-            raise
-
-    monkeypatch.setattr(H._Matcher, "find_longest_match", counted)
+    raised = _searches_over_budget(monkeypatch)
     hs = H.hunks(old, new)
     assert len(raised) == 2  # the whole and the part between the common ends; not with the popular lines left out
     assert len(hs) == len(exact) and len(hs) <= 40
