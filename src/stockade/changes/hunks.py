@@ -129,18 +129,8 @@ def _trimmed(al: list[bytes], bl: list[bytes]) -> list[Opcode]:
             continue
         mid = [(tag, i1 + p, i2 + p, j1 + p, j2 + p) for tag, i1, i2, j1, j2 in found if i1 < i2 or j1 < j2]
         break
-    codes: list[Opcode] = [("equal", 0, p, 0, p)] if p else []
-    for c in mid:  # (an equal run next to the ends' is one with them)
-        if c[0] == "equal" and codes and codes[-1][0] == "equal":
-            codes[-1] = ("equal", codes[-1][1], c[2], codes[-1][3], c[4])
-        else:
-            codes.append(c)
-    if s:
-        if codes and codes[-1][0] == "equal":
-            codes[-1] = ("equal", codes[-1][1], len(al), codes[-1][3], len(bl))
-        else:
-            codes.append(("equal", ae, len(al), be, len(bl)))
-    return codes
+    # (the middle neither starts nor ends equal: the common ends are as long as they go)
+    return [*([("equal", 0, p, 0, p)] if p else []), *mid, *([("equal", ae, len(al), be, len(bl))] if s else [])]
 
 
 def grouped_opcodes(al: list[bytes], bl: list[bytes], context: int = CONTEXT) -> list[list[Opcode]]:

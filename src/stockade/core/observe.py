@@ -15,7 +15,7 @@ from ..errors import StockadeError
 if TYPE_CHECKING:
     from ..linux.audit_netlink import Subscription
     from ..linux.seccomp.observe import Observer
-    from ..observed import Decided
+    from ..observed import Decided, RawLayout
     from ..session import store
     from .prepare import Prepared
 
@@ -268,16 +268,17 @@ def _observed() -> Any:
     return _OBSERVED
 
 
-_LAYOUT: Any = None
+_LAYOUT: RawLayout | None = None
 
 
-def _layout() -> Any:
+def _layout() -> RawLayout:
     """``observed.RawLayout`` of the records csrc/observe.c hands over."""
     global _LAYOUT
     if _LAYOUT is None:
         from ..linux.seccomp import observe as kobs
+        from ..observed import RawLayout
 
-        _LAYOUT = _observed().RawLayout(kobs.REC, kobs.syscall_name, kobs.Record)
+        _LAYOUT = RawLayout(kobs.REC, kobs.syscall_name, kobs.Record)
     return _LAYOUT
 
 

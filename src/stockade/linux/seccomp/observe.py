@@ -155,9 +155,7 @@ class Record(NamedTuple):
 
     @property
     def syscall(self) -> str:
-        if not _NAMES:
-            _NAMES.update({nr: name for name, nr in _TABLES.get(os.uname().machine, (0, {}))[1].items()})
-        return _NAMES.get(self.nr) or str(self.nr)
+        return syscall_name(self.nr)
 
     @property
     def path(self) -> str:
@@ -179,8 +177,9 @@ def parse_records(buf: bytes) -> tuple[list[Record], int]:
 
 def syscall_name(nr: int) -> str:
     """A syscall number's name on this machine (its number when observe mode has none)."""
-    return Record(0, 0, 0, nr, 0, 0, b"").syscall
-
+    if not _NAMES:
+        _NAMES.update({nr: name for name, nr in _TABLES.get(os.uname().machine, (0, {}))[1].items()})
+    return _NAMES.get(nr) or str(nr)
 
 
 def sockaddr(data: bytes) -> tuple[str, str, int | None]:
